@@ -1,0 +1,175 @@
+"""Bench: the dev splits' first turns, greedy, through the server that serves exactly one engine id.
+
+Prompts are rendered on the client (prompts.py) so every arm gets identical input ids. A request's budget is
+`max_new_tokens`, cut to what fits the model's context (identical for every arm, recorded per request); a
+prompt that leaves no room for one new token is skipped and listed. A short warm-up pass (not counted)
+precedes the timed pass. Datasets run one after another, each with the setting's concurrency, so each has
+its own wall time (the c16 throughput of that dataset). One results JSON holds everything compare, score and
+verify need.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import platform
+import subprocess
+import sys
+
+from specpilot_build import client
+from specpilot_build.datasets import BENCHMARKS, dataset_pin, load_split
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import REPO_ROOT
+from specpilot_build.prompts import PromptRenderer, prompts_digest
+from specpilot_build.results import FORMAT, results_path, write_json
+
+WARMUP_TOKENS = 32
+
+
+def bench(engine_ref: str, name: str, limit: int | None = None, max_new_tokens: int = 2048,
+          port: int = 30000, datasets: list[str] | None = None, host: str = "127.0.0.1",
+          overwrite: bool = False, progress: bool = True):
+    """Bench the engine served on host:port; returns the path of the results JSON."""
+    from specpilot_build.serve import model_dir
+    from specpilot_build.store import resolve_engine
+
+    engine = resolve_engine(engine_ref)
+    out = results_path(name)
+    if out.exists() and not overwrite:
+        raise SpecPilotError(f"{out} exists; choose another NAME or remove it")
+    url = f"http://{host}:{port}"
+    info = client.server_info(url)
+    served = client.served_engine_id(info)
+    if served != engine.id:
+        raise SpecPilotError(f"the server on port {port} serves engine {served or '(unnamed)'}, not "
+                             f"{engine.id[:16]}; run `make serve ENGINE={engine.id[:16]} PORT={port}` first")
+    config = engine.config
+    concurrency = int(config["batching"]["concurrency"])
+    names = list(datasets or config.get("datasets") or BENCHMARKS)
+    renderer = PromptRenderer(model_dir(engine), config["model"].get("chat_template"))
+    context = config["model"].get("context_length") or renderer.context_length
+    plan, skipped = plan_requests(renderer, names, limit, max_new_tokens, context)
+    if not any(plan.values()):
+        raise SpecPilotError(f"no prompt fits the model's context of {context} tokens; nothing to bench")
+
+    date = dt.datetime.now(dt.timezone.utc)
+    warmup = _warm_up(url, plan, concurrency)
+    requests, per_dataset, totals = [], {}, {"wall_s": 0.0, "client_gap_s": 0.0, "client_cpu_s": 0.0}
+    with client.progress_bar(progress, sum(len(v) for v in plan.values())) as advance:
+        for dataset, entries in plan.items():
+            if not entries:
+                continue
+            bodies = [generate_body(e["prompt_ids"], e["max_new_tokens"]) for e in entries]
+            done = client.post_all(url, bodies, concurrency, on_answer=advance)
+            for entry, answer in zip(entries, done.answers):
+                requests.append(request_record(entry, answer))
+            per_dataset[dataset] = {"requests": len(entries), "wall_s": done.wall_s,
+                                    "completion_tokens": sum(r["completion_tokens"] for r in requests
+                                                             if r["dataset"] == dataset),
+                                    "client_gap_s": done.client_gap_s}
+            totals["wall_s"] += done.wall_s
+            totals["client_gap_s"] += done.client_gap_s
+            totals["client_cpu_s"] += done.client_cpu_s
+
+    slots = max(1, concurrency)
+    results = {
+        "format": FORMAT,
+        "name": name,
+        "engine_id": engine.id,
+        "setting": config.get("setting"),
+        "arm": config["arm"]["name"],
+        "hardware": config.get("hardware"),
+        "model": {k: config["model"].get(k) for k in ("name", "repo", "dtype", "quantization")},
+        "target_pin": dict(engine.model_pin),
+        "concurrency": concurrency,
+        "max_new_tokens": max_new_tokens,
+        "context_length": context,
+        "chat_template": renderer.uses_chat_template,
+        "date_utc": date.isoformat(timespec="seconds"),
+        "versions": _versions(info),
+        "machine": {"host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0]},
+        "server_info": info,
+        "datasets": {d: {"limit": limit, "requests": len(plan[d]), "sha256": dataset_pin(d)["sha256"],
+                         "skipped_too_long": skipped[d]} for d in names},
+        "prompts_digest": prompts_digest(requests),
+        "warmup": warmup,
+        "wall_s": totals["wall_s"],
+        "per_dataset": per_dataset,
+        "client": {"gap_s": totals["client_gap_s"], "cpu_s": totals["client_cpu_s"],
+                   "overhead_fraction": totals["client_gap_s"] / (slots * totals["wall_s"]),
+                   "cpu_fraction": totals["client_cpu_s"] / totals["wall_s"]},
+        "requests": requests,
+    }
+    return write_json(out, results)
+
+
+def plan_requests(renderer: PromptRenderer, names: list[str], limit: int | None, max_new_tokens: int,
+                  context: int | None) -> tuple[dict, dict]:
+    plan, skipped = {}, {}
+    for dataset in names:
+        plan[dataset], skipped[dataset] = [], []
+        for item in load_split(dataset, limit):
+            prompt = renderer.prompt(dataset, item.id, item.prompt)
+            budget = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt.ids))
+            if budget < 1:
+                skipped[dataset].append(item.id)
+                continue
+            plan[dataset].append({"dataset": dataset, "id": item.id, "prompt_digest": prompt.digest,
+                                  "prompt_ids": prompt.ids, "max_new_tokens": budget})
+    return plan, skipped
+
+
+def generate_body(prompt_ids: list[int], max_new_tokens: int) -> dict:
+    return {"input_ids": prompt_ids,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+
+
+def request_record(entry: dict, answer: client.Answer) -> dict:
+    meta = answer.body.get("meta_info", {})
+    output_ids = list(answer.body.get("output_ids") or [])
+    completion = int(meta.get("completion_tokens", len(output_ids)))
+    return {**entry,
+            "output_ids": output_ids,
+            "text": answer.body.get("text", ""),
+            "prompt_tokens": int(meta.get("prompt_tokens", len(entry["prompt_ids"]))),
+            "completion_tokens": completion,
+            "latency_s": answer.latency,
+            "accept_length": accept_length(meta, completion),
+            "finish_reason": finish_reason(meta)}
+
+
+def accept_length(meta: dict, completion_tokens: int) -> float | None:
+    """Mean tokens committed per target forward: the server's own figure, else tokens / verify passes."""
+    if isinstance(meta.get("spec_accept_length"), (int, float)):
+        return float(meta["spec_accept_length"])
+    passes = meta.get("spec_verify_ct")
+    if isinstance(passes, int) and passes > 0:
+        return completion_tokens / passes
+    return None
+
+
+def finish_reason(meta: dict) -> str | None:
+    reason = meta.get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def _warm_up(url: str, plan: dict, concurrency: int) -> dict:
+    entries = [e for entries in plan.values() for e in entries][:max(1, concurrency)]
+    bodies = [generate_body(e["prompt_ids"], min(WARMUP_TOKENS, e["max_new_tokens"])) for e in entries]
+    done = client.post_all(url, bodies, concurrency)
+    return {"requests": len(bodies), "max_new_tokens": WARMUP_TOKENS, "wall_s": done.wall_s}
+
+
+def _versions(info: dict) -> dict:
+    versions = {"python": sys.version.split()[0], "server": info.get("version")}
+    for package in ("specpilot", "httpx", "transformers", "torch"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        versions["specpilot_git"] = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+            timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return versions

@@ -1,0 +1,208 @@
+"""Compare: speedups of final over stock, final over ar and stock over ar, with 95% CIs and output identity.
+
+Method (fixed; the seed is part of it):
+- c1 (one request at a time): a run's speed on a set of prompts is its summed completion tokens over its
+  summed request latencies; a speedup is the ratio of two arms' speeds on the same prompts (paired).
+- c16 (batching): the point estimate is the throughput ratio, tokens over the dataset's wall time (overall:
+  all tokens over the summed walls). Its CI takes its relative spread from the per-request bootstrap below.
+- CI: paired bootstrap, 2000 resamples, numpy default_rng(20261129). Each resample draws prompts with
+  replacement (within each dataset, so "overall" keeps the dataset mix), recomputes the ratio of sums for
+  both arms on the same draw, and the 2.5th/97.5th percentiles form the interval.
+- Identity: a request is identical between two arms when their output ids are equal token for token.
+Runs are comparable only when they hold the same prompts (dataset, item id, prompt digest), the same token
+budget and concurrency, and the same target model; anything else is refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.results import load_results, results_dir, write_json
+
+PAIRS = (("final", "stock"), ("final", "ar"), ("stock", "ar"))
+RESAMPLES = 2000
+SEED = 20261129
+OVERALL = "overall"
+
+
+def compare(ar: str, stock: str, final: str, name: str | None = None, chart: bool = True,
+            console=None) -> dict:
+    """Compare three bench runs (paths or names); writes <results>/<name>.json and .png, prints a table."""
+    runs = {}
+    for arm, ref in (("ar", ar), ("stock", stock), ("final", final)):
+        path, data = load_results(ref)
+        runs[arm] = (path, data)
+    check_comparable(runs)
+    report = speed_report({arm: data for arm, (_, data) in runs.items()})
+    report["runs"] = {arm: {"path": str(path), "name": data["name"], "engine_id": data["engine_id"],
+                            "arm": data["arm"], "date_utc": data["date_utc"]} for arm, (path, data) in runs.items()}
+    name = name or f"compare_{runs['final'][1]['name']}"
+    out = results_dir() / f"{name}.json"
+    report["json"] = str(out)
+    if chart:
+        report["chart"] = str(speedup_chart(report, out.with_suffix(".png")))
+    write_json(out, report)
+    print_table(report, console)
+    return report
+
+
+def check_comparable(runs: dict) -> None:
+    (base_arm, (base_path, base)), *others = runs.items()
+    base_prompts = _prompts(base)
+    for arm, (path, data) in others:
+        if data["target_pin"] != base["target_pin"]:
+            raise SpecPilotError(f"{path} was run on target {_pin(data)}, {base_path} on {_pin(base)}: "
+                                 "only runs of one target model compare")
+        for key in ("max_new_tokens", "concurrency"):
+            if data[key] != base[key]:
+                raise SpecPilotError(f"{path} has {key}={data[key]}, {base_path} has {base[key]}: "
+                                     "bench all arms with the same settings")
+        prompts = _prompts(data)
+        if prompts != base_prompts:
+            differ = sorted(set(prompts.items()) ^ set(base_prompts.items()))[0]
+            raise SpecPilotError(f"{path} and {base_path} hold different prompts (first difference: "
+                                 f"{differ[0][0]} item {differ[0][1]}); bench every arm on the same split")
+
+
+def speed_report(runs: dict) -> dict:
+    """Speedups, CIs, identity and accept lengths for runs {'ar','stock','final'} already checked comparable."""
+    concurrency = runs["ar"]["concurrency"]
+    datasets = sorted({r["dataset"] for r in runs["ar"]["requests"]})
+    aligned = {arm: _aligned(data, runs["ar"]) for arm, data in runs.items()}
+    rng = np.random.default_rng(SEED)
+    draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d])))
+             for d in datasets}
+    speedups, identity = {}, {}
+    for num, den in PAIRS:
+        key = f"{num}/{den}"
+        speedups[key], identity[key] = {}, {}
+        for dataset in datasets + [OVERALL]:
+            parts = datasets if dataset == OVERALL else [dataset]
+            speedups[key][dataset] = _speedup(runs, aligned, draws, num, den, parts, concurrency)
+            identity[key][dataset] = _identity(aligned[num], aligned[den], parts)
+    accept = {arm: {d: _mean([r["accept_length"] for r in aligned[arm][d] if r["accept_length"] is not None])
+                    for d in datasets} for arm in runs}
+    return {"format": "specpilot-compare/1", "concurrency": concurrency, "datasets": datasets,
+            "method": __doc__.split("Method (fixed; the seed is part of it):\n")[1].split("\nRuns are")[0],
+            "resamples": RESAMPLES, "seed": SEED, "speedups": speedups, "identity": identity,
+            "accept_length": accept}
+
+
+def ratio_of_sums_ci(lat_num, tok_num, lat_den, tok_den, draws: list[np.ndarray]) -> tuple[float, float, float]:
+    """Speed ratio num/den = (tok_num/lat_num)/(tok_den/lat_den) on all prompts, and its bootstrap 95% CI.
+
+    `draws` holds one (resamples, n_part) index array per stratum; arrays are concatenated per stratum."""
+    point = (np.sum(np.concatenate(tok_num)) / np.sum(np.concatenate(lat_num))) / \
+            (np.sum(np.concatenate(tok_den)) / np.sum(np.concatenate(lat_den)))
+    sums = {name: sum(np.asarray(values[i])[draw].sum(axis=1) for i, draw in enumerate(draws))
+            for name, values in (("ln", lat_num), ("tn", tok_num), ("ld", lat_den), ("td", tok_den))}
+    ratios = (sums["tn"] / sums["ln"]) / (sums["td"] / sums["ld"])
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(point), float(low), float(high)
+
+
+def _speedup(runs, aligned, draws, num, den, parts, concurrency) -> dict:
+    def column(arm, field):
+        return [np.array([r[field] for r in aligned[arm][d]], dtype=float) for d in parts]
+    point, low, high = ratio_of_sums_ci(column(num, "latency_s"), column(num, "completion_tokens"),
+                                        column(den, "latency_s"), column(den, "completion_tokens"),
+                                        [draws[d] for d in parts])
+    result = {"n": sum(len(aligned[num][d]) for d in parts)}
+    if concurrency > 1:
+        throughput = {arm: sum(runs[arm]["per_dataset"][d]["completion_tokens"] for d in parts) /
+                      sum(runs[arm]["per_dataset"][d]["wall_s"] for d in parts) for arm in (num, den)}
+        scale = (throughput[num] / throughput[den]) / point
+        point, low, high = point * scale, low * scale, high * scale
+        result["throughput_tok_s"] = throughput
+    result.update({"speedup": point, "ci95": [low, high]})
+    return result
+
+
+def _identity(num: dict, den: dict, parts) -> dict:
+    pairs = [(a, b) for d in parts for a, b in zip(num[d], den[d])]
+    identical = sum(a["output_ids"] == b["output_ids"] for a, b in pairs)
+    first = next(({"dataset": a["dataset"], "id": a["id"], "position": _divergence(a["output_ids"], b["output_ids"])}
+                  for a, b in pairs if a["output_ids"] != b["output_ids"]), None)
+    return {"identical": identical, "requests": len(pairs),
+            "fraction": identical / len(pairs) if pairs else 1.0, "first_difference": first}
+
+
+def _divergence(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _aligned(data: dict, reference: dict) -> dict:
+    """The run's requests per dataset, in the reference run's order of items."""
+    by_key = {(r["dataset"], r["id"]): r for r in data["requests"]}
+    aligned = {}
+    for r in reference["requests"]:
+        aligned.setdefault(r["dataset"], []).append(by_key[(r["dataset"], r["id"])])
+    return aligned
+
+
+def _prompts(data: dict) -> dict:
+    return {(r["dataset"], r["id"]): r["prompt_digest"] for r in data["requests"]}
+
+
+def _pin(data: dict) -> str:
+    pin = data.get("target_pin") or {}
+    return f"{pin.get('repo')}@{str(pin.get('revision'))[:12]}"
+
+
+def _mean(values):
+    return float(np.mean(values)) if values else None
+
+
+def print_table(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"speedups (c{report['concurrency']}, 95% paired bootstrap CI)")
+    table.add_column("dataset")
+    for pair in report["speedups"]:
+        table.add_column(pair, justify="right")
+    table.add_column("identical final/ar", justify="right")
+    table.add_column("accept final", justify="right")
+    for dataset in report["datasets"] + [OVERALL]:
+        row = [dataset]
+        for pair, per_dataset in report["speedups"].items():
+            s = per_dataset[dataset]
+            row.append(f"{s['speedup']:.2f}× [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]")
+        ident = report["identity"]["final/ar"][dataset]
+        row.append(f"{ident['identical']}/{ident['requests']}")
+        accept = report["accept_length"]["final"].get(dataset)
+        row.append(f"{accept:.2f}" if accept is not None else "-")
+        table.add_row(*row)
+    console.print(table)
+
+
+def speedup_chart(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = report["datasets"] + [OVERALL]
+    pairs = list(report["speedups"])
+    width = 0.8 / len(pairs)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(groups), 3.6))
+    for i, pair in enumerate(pairs):
+        values = [report["speedups"][pair][g]["speedup"] for g in groups]
+        low = [v - report["speedups"][pair][g]["ci95"][0] for v, g in zip(values, groups)]
+        high = [report["speedups"][pair][g]["ci95"][1] - v for v, g in zip(values, groups)]
+        xs = [x + (i - (len(pairs) - 1) / 2) * width for x in range(len(groups))]
+        ax.bar(xs, values, width, yerr=[low, high], capsize=3, label=pair)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("speedup (×)")
+    ax.set_title(f"{report['runs']['final']['name'] if 'runs' in report else ''} c{report['concurrency']}, "
+                 "95% bootstrap CI")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
