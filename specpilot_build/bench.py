@@ -20,7 +20,7 @@ from specpilot_build.datasets import BENCHMARKS, dataset_pin, load_split
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.prompts import PromptRenderer, prompts_digest
-from specpilot_build.results import FORMAT, results_path, write_json
+from specpilot_build.results import SCHEMA, results_path, write_json
 
 WARMUP_TOKENS = 32
 
@@ -72,7 +72,7 @@ def bench(engine_ref: str, name: str, limit: int | None = None, max_new_tokens: 
 
     slots = max(1, concurrency)
     results = {
-        "format": FORMAT,
+        "schema": SCHEMA,
         "name": name,
         "engine_id": engine.id,
         "setting": config.get("setting"),
@@ -113,7 +113,7 @@ def plan_requests(renderer: PromptRenderer, names: list[str], limit: int | None,
             if budget < 1:
                 skipped[dataset].append(item.id)
                 continue
-            plan[dataset].append({"dataset": dataset, "id": item.id, "prompt_digest": prompt.digest,
+            plan[dataset].append({"dataset": dataset, "item_id": item.id, "prompt_digest": prompt.digest,
                                   "prompt_ids": prompt.ids, "max_new_tokens": budget})
     return plan, skipped
 
@@ -129,7 +129,7 @@ def request_record(entry: dict, answer: client.Answer) -> dict:
     completion = int(meta.get("completion_tokens", len(output_ids)))
     return {**entry,
             "output_ids": output_ids,
-            "text": answer.body.get("text", ""),
+            "output_text": answer.body.get("text", ""),
             "prompt_tokens": int(meta.get("prompt_tokens", len(entry["prompt_ids"]))),
             "completion_tokens": completion,
             "latency_s": answer.latency,
@@ -173,3 +173,31 @@ def _versions(info: dict) -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return versions
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from specpilot_build.errors import user_errors
+
+    parser = argparse.ArgumentParser(prog="specpilot bench", description=__doc__.split("\n")[0])
+    parser.add_argument("engine", help="engine id or unique prefix (the server on --port must serve it)")
+    parser.add_argument("name", help="run name: writes <data>/results/<name>.json")
+    parser.add_argument("--limit", type=int, default=None, help="items per dataset (default: whole split)")
+    parser.add_argument("--max-new-tokens", type=int, default=2048)
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--datasets", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
+    args = parser.parse_args(argv)
+    with user_errors():
+        path = bench(args.engine, args.name, args.limit, args.max_new_tokens, args.port,
+                     args.datasets.split(",") if args.datasets else None, overwrite=args.overwrite)
+        import json
+        data = json.loads(path.read_text())
+        print(f"wrote {path}: {len(data['requests'])} requests, {data['wall_s']:.1f} s, client overhead "
+              f"{data['client']['overhead_fraction']:.3%} of slot time")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -84,7 +84,7 @@ def speed_report(runs: dict) -> dict:
             identity[key][dataset] = _identity(aligned[num], aligned[den], parts)
     accept = {arm: {d: _mean([r["accept_length"] for r in aligned[arm][d] if r["accept_length"] is not None])
                     for d in datasets} for arm in runs}
-    return {"format": "specpilot-compare/1", "concurrency": concurrency, "datasets": datasets,
+    return {"schema": "specpilot.compare/1", "concurrency": concurrency, "datasets": datasets,
             "method": __doc__.split("Method (fixed; the seed is part of it):\n")[1].split("\nRuns are")[0],
             "resamples": RESAMPLES, "seed": SEED, "speedups": speedups, "identity": identity,
             "accept_length": accept}
@@ -123,7 +123,7 @@ def _speedup(runs, aligned, draws, num, den, parts, concurrency) -> dict:
 def _identity(num: dict, den: dict, parts) -> dict:
     pairs = [(a, b) for d in parts for a, b in zip(num[d], den[d])]
     identical = sum(a["output_ids"] == b["output_ids"] for a, b in pairs)
-    first = next(({"dataset": a["dataset"], "id": a["id"], "position": _divergence(a["output_ids"], b["output_ids"])}
+    first = next(({"dataset": a["dataset"], "item_id": a["item_id"], "position": _divergence(a["output_ids"], b["output_ids"])}
                   for a, b in pairs if a["output_ids"] != b["output_ids"]), None)
     return {"identical": identical, "requests": len(pairs),
             "fraction": identical / len(pairs) if pairs else 1.0, "first_difference": first}
@@ -135,15 +135,15 @@ def _divergence(a: list, b: list) -> int:
 
 def _aligned(data: dict, reference: dict) -> dict:
     """The run's requests per dataset, in the reference run's order of items."""
-    by_key = {(r["dataset"], r["id"]): r for r in data["requests"]}
+    by_key = {(r["dataset"], r["item_id"]): r for r in data["requests"]}
     aligned = {}
     for r in reference["requests"]:
-        aligned.setdefault(r["dataset"], []).append(by_key[(r["dataset"], r["id"])])
+        aligned.setdefault(r["dataset"], []).append(by_key[(r["dataset"], r["item_id"])])
     return aligned
 
 
 def _prompts(data: dict) -> dict:
-    return {(r["dataset"], r["id"]): r["prompt_digest"] for r in data["requests"]}
+    return {(r["dataset"], r["item_id"]): r["prompt_digest"] for r in data["requests"]}
 
 
 def _pin(data: dict) -> str:
@@ -206,3 +206,24 @@ def speedup_chart(report: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from specpilot_build.errors import user_errors
+
+    parser = argparse.ArgumentParser(prog="specpilot compare", description=__doc__.split("\n")[0])
+    parser.add_argument("ar", help="results of the ar arm (path or run name)")
+    parser.add_argument("stock")
+    parser.add_argument("final")
+    parser.add_argument("--name", help="output name (default compare_<final run name>)")
+    args = parser.parse_args(argv)
+    with user_errors():
+        report = compare(args.ar, args.stock, args.final, name=args.name)
+        print(f"wrote {report['json']} and {report['chart']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,12 +42,12 @@ class PromptRenderer:
 
     def render(self, text: str) -> list[int]:
         if not self.uses_chat_template:
-            return list(self.tokenizer(text)["input_ids"])
+            return list(self.tokenizer(text, verbose=False)["input_ids"])
         rendered = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False,
             **self.template_kwargs)
         # The template already holds BOS and role markers: add no special tokens twice.
-        return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(rendered, add_special_tokens=False, verbose=False)["input_ids"])
 
     def prompt(self, dataset: str, item_id: str, text: str) -> Prompt:
         ids = self.render(text)
@@ -60,7 +60,7 @@ def prompt_digest(ids: list[int]) -> str:
 
 def prompts_digest(prompts) -> str:
     """One digest over a whole run's (dataset, item id, prompt digest) triples, in order."""
-    triples = [[p["dataset"], p["id"], p["prompt_digest"]] if isinstance(p, dict)
+    triples = [[p["dataset"], p["item_id"], p["prompt_digest"]] if isinstance(p, dict)
                else [p.dataset, p.item_id, p.digest] for p in prompts]
     return hashlib.sha256(json.dumps(triples, separators=(",", ":")).encode()).hexdigest()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
 
-FORMAT = "specpilot-results/1"
+SCHEMA = "specpilot.results/1"
 
 
 def results_dir() -> Path:
@@ -33,8 +33,8 @@ def load_results(ref: str | Path) -> tuple[Path, dict]:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecPilotError(f"{path}: not a JSON results file ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise SpecPilotError(f"{path}: not a bench results file (format is not {FORMAT})")
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise SpecPilotError(f"{path}: not a bench results file (schema is not {SCHEMA})")
     return path, data
 
 

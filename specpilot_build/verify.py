@@ -69,7 +69,7 @@ def force_tokens(data: dict, url: str, tolerance: float, concurrency: int, progr
     with client.progress_bar(progress, len(bodies), label="verify") as advance:
         done = client.post_all(url, bodies, concurrency, on_answer=advance)
     checks = [check_request(r, a.body, tolerance) for r, a in zip(requests, done.answers)]
-    checks += [{"dataset": r["dataset"], "id": r["id"], "tokens": 0, "verified": 0, "near_ties": [],
+    checks += [{"dataset": r["dataset"], "item_id": r["item_id"], "tokens": 0, "verified": 0, "near_ties": [],
                 "first_mismatch": None, "mismatches_after": 0} for r in data["requests"] if not r["output_ids"]]
     totals = {}
     for c in checks:
@@ -81,7 +81,7 @@ def force_tokens(data: dict, url: str, tolerance: float, concurrency: int, progr
         t["near_ties"] += len(c["near_ties"])
         t["real_mismatches"] += c["first_mismatch"] is not None
     real = sum(t["real_mismatches"] for t in totals.values())
-    return {"format": "specpilot-verify/1", "verdict": "lossless" if real == 0 else "not lossless",
+    return {"schema": "specpilot.verify/1", "verdict": "lossless" if real == 0 else "not lossless",
             "real_mismatches": real, "near_ties": sum(t["near_ties"] for t in totals.values()),
             "tokens": sum(t["tokens"] for t in totals.values()),
             "verified": sum(t["verified"] for t in totals.values()),
@@ -106,12 +106,12 @@ def check_request(request: dict, answer: dict, tolerance: float) -> dict:
     if not isinstance(tops, list) or len(tops) != expected:
         raise SpecPilotError(
             f"oracle answered {len(tops) if isinstance(tops, list) else 'no'} input_top_logprobs entries for "
-            f"{request['dataset']} item {request['id']}, expected {expected}: does it support token forcing?")
+            f"{request['dataset']} item {request['item_id']}, expected {expected}: does it support token forcing?")
     near, first, after, verified = [], None, 0, 0
     for j, emitted_id in enumerate(emitted):
         candidates = sorted((c for c in tops[j + 1] or [] if c[0] is not None), key=lambda c: -c[0])
         if not candidates:
-            raise SpecPilotError(f"oracle gave no top log-probs at {request['dataset']} item {request['id']} "
+            raise SpecPilotError(f"oracle gave no top log-probs at {request['dataset']} item {request['item_id']} "
                                  f"position {j}")
         top_lp, top_id = candidates[0][0], candidates[0][1]
         if top_id == emitted_id:
@@ -127,7 +127,7 @@ def check_request(request: dict, answer: dict, tolerance: float) -> dict:
             verified += 1
         else:
             first = finding
-    return {"dataset": request["dataset"], "id": request["id"], "tokens": len(emitted), "verified": verified,
+    return {"dataset": request["dataset"], "item_id": request["item_id"], "tokens": len(emitted), "verified": verified,
             "near_ties": near, "first_mismatch": first, "mismatches_after": after}
 
 
@@ -157,7 +157,7 @@ def print_summary(report: dict, console=None) -> None:
     for c in report["requests"]:
         if c["first_mismatch"]:
             m = c["first_mismatch"]
-            console.print(f"real mismatch: {c['dataset']} item {c['id']} position {m['position']}: emitted "
+            console.print(f"real mismatch: {c['dataset']} item {c['item_id']} position {m['position']}: emitted "
                           f"{m['emitted_id']}, oracle {m['oracle_id']}, margin {m['margin']}")
     ratio = report.get("verify_to_bench_time")
     console.print(f"verdict: {report['verdict']} ({report['verified']}/{report['tokens']} tokens verified, "

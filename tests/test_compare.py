@@ -6,7 +6,7 @@ import pytest
 
 from specpilot_build import compare as cmp
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.results import FORMAT
+from specpilot_build.results import SCHEMA
 
 PIN = {"repo": "karpathy/tinyllamas", "revision": "0bd21da7698eaf29a0d7de3992de8a46ef624add"}
 
@@ -21,13 +21,13 @@ def synthetic_run(arm, rng, n=60, slowdown=1.0, datasets=("gsm8k", "mbpp"), conc
         noise = rng.lognormal(-0.02, 0.2, n)  # mean-one multiplicative noise (mean of lognormal = 1)
         latency = tokens * tpt * slowdown * noise
         for i in range(n):
-            requests.append({"dataset": dataset, "id": str(i), "prompt_digest": f"d{dataset}{i}",
+            requests.append({"dataset": dataset, "item_id": str(i), "prompt_digest": f"d{dataset}{i}",
                              "prompt_ids": [1, i], "output_ids": list(range(int(tokens[i]))),
                              "completion_tokens": int(tokens[i]), "latency_s": float(latency[i]),
                              "accept_length": None if arm == "ar" else 2.0, "finish_reason": "length"})
         per_dataset[dataset] = {"completion_tokens": int(tokens.sum()),
                                 "wall_s": float(latency.sum()) / concurrency}
-    return {"format": FORMAT, "name": f"syn-{arm}", "engine_id": arm * 8, "arm": arm, "date_utc": "2026-11-29",
+    return {"schema": SCHEMA, "name": f"syn-{arm}", "engine_id": arm * 8, "arm": arm, "date_utc": "2026-11-29",
             "target_pin": pin, "max_new_tokens": 512, "concurrency": concurrency, "requests": requests,
             "per_dataset": per_dataset}
 
@@ -75,7 +75,7 @@ def test_identity_counts_and_locates_the_first_difference():
     assert report["identity"]["stock/ar"]["overall"]["fraction"] == 1.0
     ident = report["identity"]["final/ar"]["overall"]
     assert (ident["identical"], ident["requests"]) == (119, 120)
-    assert ident["first_difference"] == {"dataset": "gsm8k", "id": "7", "position": 3}
+    assert ident["first_difference"] == {"dataset": "gsm8k", "item_id": "7", "position": 3}
 
 
 def _write(tmp_path, runs):

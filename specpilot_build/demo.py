@@ -1,0 +1,68 @@
+"""`make demo`: the whole measurement loop of one setting in one command.
+
+Build the ar, stock and final engines; serve each in turn, bench it, stop it; compare the three runs (table,
+JSON, chart); score the final run; verify the final run against the ar engine by token forcing; print the
+verdict. The default is the embedded CPU setting with a small split, so it runs in minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+
+from specpilot_build.errors import user_errors
+
+ARMS = ("ar", "stock", "final")
+
+
+def demo(setting: str = "cpu_c1_stories260k_ngram", limit: int = 3, max_new_tokens: int = 256,
+         port: int = 30000, datasets: list[str] | None = None, console: Console | None = None) -> dict:
+    from specpilot_build.bench import bench
+    from specpilot_build.build import build_engine
+    from specpilot_build.compare import compare
+    from specpilot_build.score import print_table as print_score, score_run
+    from specpilot_build.serve import serve, stop
+    from specpilot_build.verify import verify
+
+    console = console or Console()
+    started = time.perf_counter()
+    engines = {}
+    for arm in ARMS:
+        engines[arm] = build_engine(setting, arm).engine
+        console.print(f"engine {arm:5s} {engines[arm].id}")
+    runs = {}
+    for arm in ARMS:
+        serve(engines[arm].id, port)
+        try:
+            runs[arm] = bench(engines[arm].id, f"demo_{setting}_{arm}", limit=limit,
+                              max_new_tokens=max_new_tokens, port=port, datasets=datasets, overwrite=True)
+        finally:
+            stop(port)
+        console.print(f"bench {arm:5s} → {runs[arm]}")
+    report = compare(str(runs["ar"]), str(runs["stock"]), str(runs["final"]), name=f"demo_{setting}_compare",
+                     console=console)
+    console.print(f"chart → {report['chart']}")
+    score = score_run(runs["final"])
+    print_score(score)
+    verification = verify(str(runs["final"]), oracle=engines["ar"].id, port=port, console=console)
+    seconds = time.perf_counter() - started
+    console.print(f"demo done in {seconds:.0f} s: verdict {verification['verdict']}")
+    return {"engines": {arm: e.id for arm, e in engines.items()}, "runs": {a: str(p) for a, p in runs.items()},
+            "compare": report, "score": score, "verify": verification, "seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specpilot demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--setting", default="cpu_c1_stories260k_ngram")
+    parser.add_argument("--limit", type=int, default=3, help="items per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--port", type=int, default=30000)
+    args = parser.parse_args(argv)
+    with user_errors():
+        result = demo(args.setting, args.limit, args.max_new_tokens, args.port)
+    return 0 if result["verify"]["real_mismatches"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
