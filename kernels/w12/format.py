@@ -1,0 +1,144 @@
+"""W12: a lossless 12-bit container for bf16 weights (see FORMAT.md).
+
+Each bf16 weight keeps its sign and 7-bit mantissa in a byte plane and its exponent as a 4-bit code
+relative to its row's base exponent in a nibble plane. Code 15 means "exponent field 0" (±0 and
+subnormals, stored inline); a weight whose exponent lies outside the row's 15-exponent window is
+stored as +0 in the planes and recorded exactly in a row-sorted side table.
+
+Works on CPU and GPU tensors alike (plain PyTorch integer ops).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+WINDOW = 15          # exponents base .. base+14 are coded 0..14
+ZERO_CODE = 15       # exponent field 0, sign+mantissa from the byte plane
+MIN_BASE, MAX_BASE = 1, 255 - (WINDOW - 1)
+
+
+@dataclass
+class W12Tensor:
+    """A bf16 matrix [rows, cols] in W12 form. `shape` is the original tensor's shape."""
+
+    shape: tuple[int, ...]
+    rows: int
+    cols: int
+    signman: torch.Tensor    # uint8 [rows, cols_padded]: sign << 7 | mantissa
+    codes: torch.Tensor      # uint8 [rows, cols_padded // 2]: byte j = code[j] | code[j + half] << 4
+    base: torch.Tensor       # uint8 [rows]: exponent coded 0
+    esc_ptr: torch.Tensor    # int32 [rows + 1]: escapes of row r are esc_ptr[r] .. esc_ptr[r+1]-1
+    esc_col: torch.Tensor    # int32 [escapes]: column, ascending within a row
+    esc_bits: torch.Tensor   # int16 [escapes]: the weight's exact bf16 bit pattern
+
+    @property
+    def cols_padded(self) -> int:
+        return self.signman.shape[1]
+
+    @property
+    def escapes(self) -> int:
+        return self.esc_col.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.signman.device
+
+    def nbytes(self) -> int:
+        """Bytes stored, metadata and escapes included (the shape tuple aside)."""
+        parts = (self.signman, self.codes, self.base, self.esc_ptr, self.esc_col, self.esc_bits)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes() / max(1, self.rows * self.cols)
+
+    def to(self, device) -> "W12Tensor":
+        moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
+        return W12Tensor(self.shape, self.rows, self.cols, **moved)
+
+
+_TENSOR_FIELDS = ("signman", "codes", "base", "esc_ptr", "esc_col", "esc_bits")
+
+
+def encode(weight: torch.Tensor) -> W12Tensor:
+    """Encode a bf16 tensor (any shape; the last dim is the GEMM's K) losslessly."""
+    if weight.dtype != torch.bfloat16:
+        raise TypeError(f"W12 encodes bf16 tensors, got {weight.dtype}")
+    shape = tuple(weight.shape)
+    cols = shape[-1] if len(shape) >= 1 else 1
+    rows = weight.numel() // cols if cols else 0
+    if cols == 0 or rows == 0:
+        raise ValueError(f"W12 cannot encode an empty tensor of shape {shape}")
+    bits = weight.contiguous().view(torch.int16).reshape(rows, cols).to(torch.int32) & 0xFFFF
+    cols_padded = cols + (cols % 2)
+    if cols_padded != cols:     # a padding column holds +0: exponent 0, coded inline
+        bits = torch.nn.functional.pad(bits, (0, 1))
+
+    sign_man = ((bits >> 8) & 0x80) | (bits & 0x7F)
+    exponent = (bits >> 7) & 0xFF
+    base = _best_base(exponent)
+    code = exponent - base[:, None]
+    in_window = (code >= 0) & (code < WINDOW) & (exponent != 0)
+    escaped = ~in_window & (exponent != 0)
+    code = torch.where(in_window, code, torch.full_like(code, ZERO_CODE))
+    sign_man = torch.where(escaped, torch.zeros_like(sign_man), sign_man)
+
+    half = cols_padded // 2
+    packed_codes = code[:, :half] | (code[:, half:] << 4)
+
+    esc_row, esc_col = escaped.nonzero(as_tuple=True)   # row-major order: sorted by row, then column
+    esc_bits = bits[esc_row, esc_col]
+    counts = torch.bincount(esc_row, minlength=rows)
+    esc_ptr = torch.zeros(rows + 1, dtype=torch.int32, device=weight.device)
+    esc_ptr[1:] = torch.cumsum(counts, 0)
+    return W12Tensor(
+        shape=shape,
+        rows=rows,
+        cols=cols,
+        signman=sign_man.to(torch.uint8),
+        codes=packed_codes.to(torch.uint8),
+        base=base.to(torch.uint8),
+        esc_ptr=esc_ptr,
+        esc_col=esc_col.to(torch.int32),
+        esc_bits=_as_int16(esc_bits),
+    )
+
+
+def decode(packed: W12Tensor) -> torch.Tensor:
+    """Rebuild the original bf16 tensor, bit for bit."""
+    bits = decode_planes(packed)
+    if packed.escapes:
+        row = torch.repeat_interleave(
+            torch.arange(packed.rows, device=packed.device),
+            (packed.esc_ptr[1:] - packed.esc_ptr[:-1]).long(),
+        )
+        bits[row, packed.esc_col.long()] = packed.esc_bits.to(torch.int32) & 0xFFFF
+    bits = bits[:, : packed.cols]
+    return _as_int16(bits).contiguous().view(torch.bfloat16).reshape(packed.shape)
+
+
+def decode_planes(packed: W12Tensor) -> torch.Tensor:
+    """int32 bit patterns [rows, cols_padded] as the GEMM kernel sees them: escapes read as +0."""
+    sm = packed.signman.to(torch.int32)
+    nib = packed.codes.to(torch.int32)
+    code = torch.cat([nib & 0xF, nib >> 4], dim=1)
+    exponent = code + packed.base.to(torch.int32)[:, None]
+    exponent = torch.where(code == ZERO_CODE, torch.zeros_like(exponent), exponent)
+    return ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
+
+
+def _best_base(exponent: torch.Tensor) -> torch.Tensor:
+    """Per row, the base whose 15-exponent window holds the most nonzero-exponent weights."""
+    rows = exponent.shape[0]
+    hist = torch.zeros(rows, 256, dtype=torch.int32, device=exponent.device)
+    hist.scatter_add_(1, exponent, torch.ones_like(exponent))
+    hist[:, 0] = 0                                      # exponent 0 is coded inline, never escapes
+    csum = torch.nn.functional.pad(torch.cumsum(hist, 1), (1, 0))   # csum[:, e] = count below e
+    starts = torch.arange(MIN_BASE, MAX_BASE + 1, device=exponent.device)
+    covered = csum[:, starts + WINDOW] - csum[:, starts]
+    return starts[torch.argmax(covered, dim=1)]         # first maximum: deterministic
+
+
+def _as_int16(bits32: torch.Tensor) -> torch.Tensor:
+    """Low 16 bits of int32 values as int16 (two's complement wrap)."""
+    return (bits32 - ((bits32 & 0x8000) << 1)).to(torch.int16)

@@ -1,0 +1,39 @@
+"""nn.Module wrapper: a Linear whose weight is held in W12 form."""
+from __future__ import annotations
+
+import torch
+
+from .format import W12Tensor, encode
+from .gemm import linear
+
+
+class W12Linear(torch.nn.Module):
+    def __init__(self, packed: W12Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if len(packed.shape) != 2:
+            raise ValueError(f"W12Linear needs a 2-D weight, got shape {packed.shape}")
+        self.packed = packed
+        self.in_features, self.out_features = packed.cols, packed.rows
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, layer: torch.nn.Linear) -> "W12Linear":
+        """Encode a Linear's weight (cast to bf16, i.e. lossless for a bf16 layer)."""
+        weight = layer.weight.detach().to(torch.bfloat16)
+        bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16)
+        return cls(encode(weight), bias)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device)/.cuda() move the packed planes along with the bias.
+        super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, device=self.packed.device))
+        if probe.device != self.packed.device:
+            self.packed = self.packed.to(probe.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x.to(torch.bfloat16), self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits_per_weight={self.packed.bits_per_weight():.3f}, escapes={self.packed.escapes}")
