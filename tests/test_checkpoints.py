@@ -1,0 +1,202 @@
+"""Checkpoints: pinned files into the real huggingface_hub cache layout, verified, converted, offline.
+
+Everything runs against the real lock (lockfiles/checkpoints.toml), the real huggingface_hub client and
+transformers, and the stories260K files in ../shared/models/stories260K/llama2c as the offline mirror.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specpilot_build.checkpoints import materialize, snapshot_dir
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import REPO_ROOT
+from specpilot_build.lockfile import CheckpointPin, PinnedFile, load_lock
+
+SHARED = REPO_ROOT.parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+MIRROR = STORIES / "llama2c"
+TINY = "karpathy/tinyllamas"
+TINY_FILES = ("stories260K/stories260K.bin", "stories260K/tok512.bin")
+
+pytestmark = pytest.mark.skipif(not MIRROR.is_dir(), reason="../shared/models/stories260K is not here")
+
+
+def _isolate(mp: pytest.MonkeyPatch, root: Path) -> Path:
+    """A fresh data dir and HF cache under `root`, the hub offline (this workplace has none)."""
+    mp.setenv("SPECPILOT_DATA", str(root / "data"))
+    mp.setenv("HF_HUB_CACHE", str(root / "hub"))
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.delenv("HF_HOME", raising=False)
+    return root / "hub"
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path) -> Path:
+    return _isolate(monkeypatch, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_pin() -> CheckpointPin:
+    return load_lock(REPO_ROOT / "lockfiles").checkpoints[TINY]
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory, tiny_pin):
+    """stories260K materialized once from the mirror into a fresh cache: (converted dir, HF cache)."""
+    root = tmp_path_factory.mktemp("stories")
+    with pytest.MonkeyPatch.context() as mp:
+        cache = _isolate(mp, root)
+        yield materialize(TINY, tiny_pin, source_format="llama2c", mirror=MIRROR), cache
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_lock_carries_the_pins_of_pins_md():
+    """Every revision in ../shared/docs/pins.md is in the lock, and stories260K's file hashes too."""
+    pins = load_lock(REPO_ROOT / "lockfiles").checkpoints
+    text = (SHARED / "docs" / "pins.md").read_text()
+    table = re.findall(r"^\| ([\w.-]+/[\w.-]+)[^|]* \| ([0-9a-f]{40}) \|$", text, re.M)
+    assert len(table) == 10
+    for repo, revision in table:
+        assert pins[repo].revision == revision, repo
+    listed = dict(re.findall(r"`(stories260K/[\w.]+)` [\d,]+ bytes, sha256 ([0-9a-f]{64})", text))
+    assert {f.path: f.sha256 for f in pins[TINY].files} == listed
+
+
+def test_mirror_gives_the_converted_model_that_reproduces_golden_greedy(stories):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, _ = stories
+    golden = json.loads((STORIES / "golden_greedy.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer(golden["prompt"])["input_ids"] == golden["prompt_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([golden["prompt_ids"]]), max_length=len(golden["sequence_ids"]),
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert out[0].tolist() == golden["sequence_ids"]
+
+
+def test_converted_model_matches_the_locked_hashes(stories, tiny_pin):
+    model_dir, _ = stories
+    assert tiny_pin.converted, "the lock should pin the conversion's output"
+    for f in tiny_pin.converted:
+        assert (model_dir / f.path).stat().st_size == f.size and _sha256(model_dir / f.path) == f.sha256
+
+
+def test_files_sit_in_the_hub_cache_layout_the_real_client_resolves(stories, tiny_pin):
+    from huggingface_hub import hf_hub_download, scan_cache_dir
+
+    _, cache = stories
+    for f in tiny_pin.files:
+        path = hf_hub_download(TINY, f.path, revision=tiny_pin.revision, cache_dir=str(cache), local_files_only=True)
+        assert Path(path) == snapshot_dir(cache, TINY, tiny_pin.revision) / f.path
+        assert os.path.islink(path) and Path(path).resolve().parent.name == "blobs"
+        assert _sha256(Path(path)) == f.sha256
+    report = scan_cache_dir(cache)
+    (repo,) = [r for r in report.repos if r.repo_id == TINY]
+    (revision,) = repo.revisions
+    assert revision.commit_hash == tiny_pin.revision
+    assert sorted(str(f.file_path.relative_to(revision.snapshot_path)) for f in revision.files) == sorted(TINY_FILES)
+    assert not report.warnings
+
+
+def test_present_and_verified_means_no_work(stories, tiny_pin, monkeypatch):
+    model_dir, cache = stories
+    before = {p: p.stat().st_mtime_ns for p in [*model_dir.iterdir(), *(cache.rglob("blobs/*"))]}
+    import specpilot_build.checkpoints as checkpoints
+
+    hashed = []
+    monkeypatch.setattr(checkpoints, "sha256_of", lambda path, **kw: hashed.append(path))
+    assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=MIRROR) == model_dir
+    assert hashed == []  # the stamps prove the files unchanged since they were verified
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
+def test_hf_format_returns_the_snapshot(hub, tiny_pin):
+    path = materialize(TINY, tiny_pin, source_format="hf", files=[TINY_FILES[1]], mirror=MIRROR)
+    assert path == snapshot_dir(hub, TINY, tiny_pin.revision)
+    assert sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) == [TINY_FILES[1]]
+
+
+def test_a_flipped_byte_in_the_mirror_is_refused_and_nothing_stays(hub, tiny_pin, tmp_path):
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for name in ("stories260K.bin", "tok512.bin"):
+        data = bytearray((MIRROR / name).read_bytes())
+        if name == "stories260K.bin":
+            data[1000] ^= 0x01
+        (mirror / name).write_bytes(bytes(data))
+    with pytest.raises(SpecPilotError) as err:
+        materialize(TINY, tiny_pin, source_format="llama2c", mirror=mirror)
+    message = str(err.value)
+    assert str(mirror / "stories260K.bin") in message and "sha256" in message and "\n" not in message
+    bad_sha = hashlib.sha256((mirror / "stories260K.bin").read_bytes()).hexdigest()
+    left = [p for p in hub.rglob("*") if not p.is_dir() and ".locks" not in p.parts]
+    assert not [p for p in left if "stories260K.bin" in p.name or "incomplete" in p.name or bad_sha in p.name]
+    assert all(_sha256(p) in {f.sha256 for f in tiny_pin.files} for p in left if p.is_file())
+    assert not (Path(os.environ["SPECPILOT_DATA"]) / "converted").exists() or not any(
+        (Path(os.environ["SPECPILOT_DATA"]) / "converted").rglob("*.safetensors"))
+
+
+def test_a_corrupt_cache_entry_is_replaced_from_the_mirror(hub, tiny_pin):
+    materialize(TINY, tiny_pin, source_format="hf", mirror=MIRROR)
+    pointer = snapshot_dir(hub, TINY, tiny_pin.revision) / TINY_FILES[0]
+    blob = pointer.resolve()
+    data = bytearray(blob.read_bytes())
+    data[5] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    materialize(TINY, tiny_pin, source_format="hf", mirror=MIRROR)
+    assert _sha256(pointer) == {f.path: f.sha256 for f in tiny_pin.files}[TINY_FILES[0]]
+
+
+def test_a_changed_converted_file_is_rebuilt(stories, tiny_pin):
+    model_dir, _ = stories
+    config = model_dir / "config.json"
+    config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 65'))
+    assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=MIRROR) == model_dir
+    assert _sha256(config) == {f.path: f.sha256 for f in tiny_pin.converted}["config.json"]
+
+
+def test_a_pinned_file_missing_offline_is_one_line(hub, tmp_path):
+    pin = CheckpointPin(repo="someone/model", revision="a" * 40,
+                        files=(PinnedFile(path="model.safetensors", size=10, sha256="b" * 64),))
+    with pytest.raises(SpecPilotError) as err:
+        materialize("someone/model", pin, mirror=tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and "model.safetensors" in message and "offline" in message
+
+
+def test_an_unpinned_repo_is_refused_naming_make_lock(hub):
+    with pytest.raises(SpecPilotError, match="Qwen/Qwen3.8-27B: not pinned .*make lock"):
+        materialize("Qwen/Qwen3.8-27B", None)
+
+
+def test_the_real_gpu_pin_fails_offline_with_one_line_and_no_traceback(tmp_path):
+    """The CLI path: a process with HF_HUB_OFFLINE=1 and an empty cache; the message is one line on stderr."""
+    code = ("from specpilot_build.errors import user_errors\n"
+            "from specpilot_build.lockfile import load_lock\n"
+            "from specpilot_build.checkpoints import materialize\n"
+            "with user_errors():\n"
+            "    materialize('Qwen/Qwen3-8B', load_lock().checkpoints['Qwen/Qwen3-8B'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "SPECPILOT_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), SPECPILOT_DATA=str(tmp_path / "data"),
+               SPECPILOT_LOCKFILES=str(REPO_ROOT / "lockfiles"))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("error: Qwen/Qwen3-8B@b968826d9c46dd6066d109eabc6255188de91218") and "offline" in lines[0]
+    assert not any((tmp_path / "hub").rglob("*")) if (tmp_path / "hub").exists() else True
