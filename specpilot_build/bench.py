@@ -139,9 +139,11 @@ def request_record(entry: dict, answer: client.Answer) -> dict:
 
 def accept_length(meta: dict, completion_tokens: int) -> float | None:
     """Mean tokens committed per target forward: the server's own figure, else tokens / verify passes."""
+    passes = meta.get("spec_verify_ct")
+    if passes == 0:  # no speculative step ran (an ar engine)
+        return None
     if isinstance(meta.get("spec_accept_length"), (int, float)):
         return float(meta["spec_accept_length"])
-    passes = meta.get("spec_verify_ct")
     if isinstance(passes, int) and passes > 0:
         return completion_tokens / passes
     return None

@@ -103,8 +103,9 @@ async def _post_all(url, bodies, concurrency, on_answer, timeout) -> Pass:
 class progress_bar:
     """A rich progress bar over all requests (or nothing when disabled); yields the per-answer callback."""
 
-    def __init__(self, enabled: bool, total: int, label: str = "bench"):
+    def __init__(self, enabled: bool, total: int, label: str = "bench", tokens_of=None):
         self.enabled, self.total, self.label = enabled, total, label
+        self.tokens_of = tokens_of or (lambda index, answer: len(answer.body.get("output_ids") or []))
 
     def __enter__(self):
         if not self.enabled:
@@ -118,7 +119,7 @@ class progress_bar:
         self.tokens = 0
 
         def advance(index, answer):
-            self.tokens += len(answer.body.get("output_ids") or [])
+            self.tokens += self.tokens_of(index, answer)
             self.bar.update(self.task, advance=1, tokens=self.tokens)
         return advance
 

@@ -66,7 +66,8 @@ def force_tokens(data: dict, url: str, tolerance: float, concurrency: int, progr
     requests = [r for r in data["requests"] if r["output_ids"]]
     bodies = [forcing_body(r["prompt_ids"], r["output_ids"]) for r in requests]
     started = time.perf_counter()
-    with client.progress_bar(progress, len(bodies), label="verify") as advance:
+    with client.progress_bar(progress, len(bodies), label="verify",
+                             tokens_of=lambda index, answer: len(requests[index]["output_ids"])) as advance:
         done = client.post_all(url, bodies, concurrency, on_answer=advance)
     checks = [check_request(r, a.body, tolerance) for r, a in zip(requests, done.answers)]
     checks += [{"dataset": r["dataset"], "item_id": r["item_id"], "tokens": 0, "verified": 0, "near_ties": [],
