@@ -1,0 +1,271 @@
+"""Run untrusted Python (generated code and its tests) in a contained child process.
+
+Containment, strongest the OS allows (probed once per process, reported by `isolation()`):
+- its own session / process group, and its own PID namespace when `unshare` may create one: the wall
+  timeout kills the group, and ending the namespace's first process ends every process inside it, even
+  one that called setsid();
+- rlimits: CPU seconds, address space, file size, number of processes, open files, no core dumps;
+- a minimal environment, cwd / HOME / TMPDIR in a fresh temporary directory;
+- no network: a new network namespace (only a down loopback) when `unshare --net` is permitted (as root, or
+  unprivileged through a user namespace: `unshare -r`); otherwise only a Python-level socket guard, which a
+  determined program can get around (ctypes, subprocesses) — `isolation()` says which one is in force;
+- as root: a private mount namespace whose /tmp, /var/tmp, /dev/shm and /run/lock are fresh small tmpfs
+  (the program's working directory is that /tmp), and the program runs under an unused uid/gid with no
+  supplementary groups, so it can write nowhere else and cannot undo any of the above; a fresh uid per run
+  also makes the process limit count only that run's processes (RLIMIT_NPROC does not bind root).
+
+The program's exit status decides: 0 passes; anything else, a signal, or the timeout fails.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 10.0
+    cpu_s: int = 10
+    memory_bytes: int = 512 * 2**20  # address space; a process per run limit keeps the total bounded
+    file_bytes: int = 16 * 2**20
+    processes: int = 16
+    open_files: int = 64
+    tmpfs_bytes: int = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Outcome:
+    passed: bool
+    returncode: int | None  # None when killed by the wall timeout
+    timed_out: bool
+    stdout: str  # tails, for diagnosis
+    stderr: str
+    uid: int | None  # the uid the program ran under when privileges were dropped (None: our own)
+    pgid: int  # the process group it ran in (for checking nothing is left)
+
+
+@dataclass(frozen=True)
+class Isolation:
+    namespace_flags: tuple[str, ...]  # passed to unshare; empty when no namespace could be created
+    network: str  # "namespace" or "python-guard"
+    private_tmp: bool  # a mount namespace with fresh tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock
+    drop_uid: bool
+    python: str  # interpreter that runs the program
+
+    def describe(self) -> str:
+        parts = [f"network: {self.network}",
+                 "pid namespace" if "--pid" in self.namespace_flags else "process group only",
+                 "private tmpfs" if self.private_tmp else "temporary directory",
+                 "unused uid" if self.drop_uid else "own uid"]
+        return ", ".join(parts)
+
+
+def run_python(program: str, limits: Limits = Limits()) -> Outcome:
+    """Run one Python program under the sandbox; pass means exit status 0 within the limits."""
+    iso = isolation()
+    uid = _fresh_uid() if iso.drop_uid else None
+    scratch = Path(tempfile.mkdtemp(prefix="specpilot-sandbox-"))
+    workdir = scratch / "work"  # the program's; its captured output stays outside it
+    workdir.mkdir()
+    try:
+        (workdir / "program.py").write_text(program)
+        config = {
+            "python": iso.python, "uid": uid, "private_tmp": iso.private_tmp,
+            "socket_guard": iso.network != "namespace", "limits": limits.__dict__,
+        }
+        argv = ["unshare", *iso.namespace_flags, "--"] if iso.namespace_flags else []
+        argv += [iso.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(config)]
+        with open(scratch / "stdout", "wb+") as out, open(scratch / "stderr", "wb+") as err:
+            proc = subprocess.Popen(argv, cwd=workdir, env=_environment(workdir), stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True, close_fds=True)
+            try:
+                returncode = proc.wait(timeout=limits.wall_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                returncode, timed_out = None, True
+            _kill_group(proc, via_unshare=bool(iso.namespace_flags))
+            stdout, stderr = _tail(out), _tail(err)
+        return Outcome(passed=returncode == 0, returncode=returncode, timed_out=timed_out,
+                       stdout=stdout, stderr=stderr, uid=uid, pgid=proc.pid)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_many(programs: list[str], limits: Limits = Limits(), workers: int | None = None) -> list[Outcome]:
+    """Run programs in parallel (default: one per CPU core, at most 4), results in input order."""
+    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda program: run_python(program, limits), programs))
+
+
+@lru_cache(maxsize=1)
+def isolation() -> Isolation:
+    """What this machine lets the sandbox do, found by trying it."""
+    root = os.geteuid() == 0
+    python = _sandbox_python(world_readable=root)
+    drop_uid = root and python is not None
+    python = python or sys.executable
+    candidates = ([["--net", "--pid", "--fork", "--kill-child", "--mount"]] if root else []) + [
+        ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount"],
+        ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"],
+        ["--pid", "--fork", "--kill-child"],
+    ]
+    if shutil.which("unshare"):
+        for flags in candidates:
+            if _unshare_works(flags):
+                network = "namespace" if "--net" in flags else "python-guard"
+                private_tmp = "--mount" in flags
+                return Isolation(tuple(flags), network, private_tmp, drop_uid and private_tmp, python)
+    return Isolation((), "python-guard", False, False, python)
+
+
+def _unshare_works(flags: list[str]) -> bool:
+    try:
+        done = subprocess.run(["unshare", *flags, "--", "true"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def _sandbox_python(world_readable: bool) -> str | None:
+    """An interpreter the program can run with; when dropping to an unused uid, one that uid can reach.
+
+    (A virtualenv under a private home, e.g. /root/..., is unreachable for it; a system python is.)"""
+    candidates = [sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
+    for candidate in candidates:
+        if not os.path.isfile(candidate):
+            continue
+        if not world_readable or _reachable_by_others(candidate):
+            return candidate
+    return None
+
+
+def _reachable_by_others(path: str) -> bool:
+    real = Path(os.path.realpath(path))
+    for parent in real.parents:
+        if not parent.stat().st_mode & stat.S_IXOTH:
+            return False
+    mode = real.stat().st_mode
+    return bool(mode & stat.S_IXOTH and mode & stat.S_IROTH)
+
+
+_uid_counter = itertools.count()
+_uid_lock = threading.Lock()
+_UID_BASE = 1_500_000_000  # far above any account; a random offset per process, a counter per run
+
+
+def _fresh_uid() -> int:
+    with _uid_lock:
+        offset = next(_uid_counter)
+    return _UID_BASE + (_PROCESS_UID_OFFSET + offset) % 500_000_000
+
+
+_PROCESS_UID_OFFSET = secrets.randbelow(500_000_000)
+
+
+def _environment(workdir: Path) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
+            "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+
+
+def _kill_group(proc: subprocess.Popen, via_unshare: bool) -> None:
+    # Kill the namespace's first process before `unshare` itself, so that unshare lives to reap it (a
+    # killed unshare would leave it a zombie for init); its death ends the whole PID namespace.
+    if via_unshare and proc.poll() is None:
+        for child in _children(proc.pid):
+            _signal(child, signal.SIGKILL)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat_line = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            if int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(handle, size: int = 4000) -> str:
+    handle.seek(0, os.SEEK_END)
+    handle.seek(max(0, handle.tell() - size))
+    return handle.read().decode("utf-8", "replace")
+
+
+# Runs inside the namespaces, as the first process there (still privileged when we are root): sets the
+# limits, mounts the private tmpfs, drops to the run's uid, then replaces itself with the program.
+_LAUNCHER = r"""
+import json, os, resource, sys
+config = json.loads(sys.argv[1])
+limits = config["limits"]
+program = open("program.py").read()
+for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_bytes"]),
+                    ("RLIMIT_FSIZE", limits["file_bytes"]), ("RLIMIT_NPROC", limits["processes"]),
+                    ("RLIMIT_NOFILE", limits["open_files"]), ("RLIMIT_CORE", 0)):
+    resource.setrlimit(getattr(resource, name), (value, value))
+if config["private_tmp"]:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 262144
+    def mount(source, target, fstype, flags, data):
+        if libc.mount(source, target, fstype, flags, data) != 0:
+            raise OSError(ctypes.get_errno(), "mount " + target.decode())
+    mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
+    size = ("size=%d,mode=1777" % limits["tmpfs_bytes"]).encode()
+    for target in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock"):
+        if os.path.isdir(target):
+            mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV, size)
+    os.chdir("/tmp")
+    with open("program.py", "w") as handle:
+        handle.write(program)
+    os.environ.update(HOME="/tmp", TMPDIR="/tmp")
+if config["uid"] is not None:
+    os.chown(".", config["uid"], config["uid"])
+    os.chown("program.py", config["uid"], config["uid"])
+    os.setgroups([])
+    os.setgid(config["uid"])
+    os.setuid(config["uid"])
+if config["socket_guard"]:
+    guard = ("import socket as _s\n"
+             "def _no_network(*args, **kwargs):\n"
+             "    raise OSError('network is disabled in the sandbox')\n"
+             "for _name in ('connect', 'connect_ex', 'bind', 'sendto', 'sendmsg'):\n"
+             "    setattr(_s.socket, _name, _no_network)\n"
+             "del _s, _name, _no_network\n")
+    with open("program.py", "w") as handle:
+        handle.write(guard + program)
+os.execv(config["python"], [config["python"], "-I", "program.py"])
+"""
