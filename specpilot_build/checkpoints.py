@@ -79,6 +79,11 @@ def snapshot_dir(cache: Path, repo: str, revision: str) -> Path:
     return _storage(cache, repo) / "snapshots" / revision
 
 
+def hub_endpoint() -> str | None:
+    """HF_ENDPOINT read now (huggingface_hub reads it once, at import); None: the library's default."""
+    return os.environ.get("HF_ENDPOINT") or None
+
+
 def hub_is_offline() -> bool:
     """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read now (huggingface_hub reads them once, at import)."""
     from huggingface_hub import constants
@@ -233,7 +238,8 @@ def _download(repo: str, revision: str, pinned: PinnedFile, *, cache: Path, mirr
     from huggingface_hub import hf_hub_download
 
     with hub_errors(repo, revision, pinned.path):
-        path = Path(hf_hub_download(repo, pinned.path, revision=revision, cache_dir=str(cache)))
+        path = Path(hf_hub_download(repo, pinned.path, revision=revision, cache_dir=str(cache),
+                                        endpoint=hub_endpoint()))
     if not verified(path, pinned):
         _remove_cached(path)
         raise SpecPilotError(f"{repo}@{revision[:12]}: downloaded {pinned.path} does not match its pin "
@@ -253,7 +259,6 @@ class hub_errors:
     def __exit__(self, kind, exc, tb):
         if exc is None or isinstance(exc, (SpecPilotError, KeyboardInterrupt)):
             return False
-        import httpx
         from huggingface_hub import errors as hub
 
         if isinstance(exc, (hub.RepositoryNotFoundError, hub.GatedRepoError)):
@@ -264,11 +269,17 @@ class hub_errors:
             reason = "not cached and the hub is offline or unreachable"
         elif isinstance(exc, hub.EntryNotFoundError):
             reason = "file not found at this revision"
-        elif isinstance(exc, (httpx.HTTPError, hub.HfHubHTTPError, OSError)):
+        elif isinstance(exc, (hub.HfHubHTTPError, OSError)) or _is_network_error(exc):
             reason = f"cannot reach the Hugging Face hub ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         else:
             return False
         raise SpecPilotError(f"{self.where}: {reason}") from None
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    """httpx / httpx2 / httpcore transport errors (huggingface_hub's HTTP stack varies by version)."""
+    return any(cls.__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2")
+               for cls in type(exc).__mro__)
 
 
 def _remove_cached(pointer: Path) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from specpilot_build.checkpoints import (
-    converted_files, hub_errors, hub_is_offline, materialize, sha256_of,
+    converted_files, hub_endpoint, hub_errors, hub_is_offline, materialize, sha256_of,
 )
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.lockfile import REVISION, CheckpointPin, PinnedFile, _load_checkpoints
@@ -60,7 +60,7 @@ def resolve_revision(repo: str, ref: str) -> str:
     from huggingface_hub import HfApi
 
     with hub_errors(repo, ref):
-        sha = HfApi().model_info(repo, revision=ref).sha
+        sha = HfApi(endpoint=hub_endpoint()).model_info(repo, revision=ref).sha
     if not sha or not REVISION.match(sha):
         raise SpecPilotError(f"{repo}@{ref}: the hub returned no commit for this revision")
     return sha
@@ -74,7 +74,7 @@ def hub_files(repo: str, revision: str, paths: Sequence[str] = ()) -> list[Pinne
     from huggingface_hub import HfApi
 
     with hub_errors(repo, revision):
-        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        info = HfApi(endpoint=hub_endpoint()).model_info(repo, revision=revision, files_metadata=True)
     if REVISION.match(revision) and info.sha and info.sha != revision:
         raise SpecPilotError(f"{repo}@{revision[:12]}: the hub answered for commit {info.sha} instead")
     siblings = {s.rfilename: s for s in info.siblings or ()}
@@ -93,7 +93,8 @@ def _pinned(repo: str, revision: str, sibling) -> PinnedFile:
     from specpilot_build.locations import hf_cache_dir
 
     with hub_errors(repo, revision, sibling.rfilename):
-        path = Path(hf_hub_download(repo, sibling.rfilename, revision=revision, cache_dir=str(hf_cache_dir())))
+        path = Path(hf_hub_download(repo, sibling.rfilename, revision=revision, cache_dir=str(hf_cache_dir()),
+                                        endpoint=hub_endpoint()))
     data = path.read_bytes()
     blob_id = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
     if sibling.blob_id and blob_id != sibling.blob_id:
