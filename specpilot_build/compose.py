@@ -1,6 +1,7 @@
 """Compose a named setting and arm into a validated config with Hydra's compose API."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ def from_hydra_config(cfg: DictConfig, choices: dict[str, str]) -> Composed:
 
 
 def _compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
@@ -61,7 +63,7 @@ def _compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
             with _open_struct(cfg):
                 del cfg["hydra"]
             OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise SpecPilotError(f"config: {_one_line(exc)}") from exc
     finally:
         GlobalHydra.instance().clear()
@@ -77,7 +79,8 @@ def _open_struct(cfg: DictConfig):
 
 def _one_line(exc: Exception) -> str:
     text = str(exc) if exc.__cause__ is None else f"{exc}\n{exc.__cause__}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "raised while composing" not in ln]
+    text = re.sub(r"\w+ raised while composing config:", "", text)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
     text = "; ".join(keep[:2]) if keep else type(exc).__name__
     full = next((ln for ln in lines if ln.startswith("full_key:")), "")

@@ -34,7 +34,8 @@ def lockfiles_dir() -> Path:
 
 
 def conf_dir() -> Path:
-    return REPO_ROOT / "conf"
+    """The Hydra config root: $SPECPILOT_CONF, default <repo>/conf."""
+    return Path(os.environ.get("SPECPILOT_CONF") or REPO_ROOT / "conf").expanduser().resolve()
 
 
 def hf_cache_dir() -> Path:

@@ -1,0 +1,87 @@
+"""`make sweep`: build many setting × arm engines as one Hydra multirun and print a summary table.
+
+Each job composes through Hydra (the joblib or Slurm launcher may run it elsewhere), builds its engine and writes
+build.json into its job directory; the summary callback reads those files when the multirun ends."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from .errors import SpecPilotError, debug_enabled
+from .locations import conf_dir, data_dir
+from .schema import register
+
+RESULT = "build.json"
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+def build_job(cfg: DictConfig) -> dict:
+    from .build import build_composed
+    from .compose import from_hydra_config
+
+    out = Path(HydraConfig.get().runtime.output_dir)
+    composed = from_hydra_config(cfg, dict(HydraConfig.get().runtime.choices))
+    row = {"setting": composed.setting, "arm": composed.arm}
+    try:
+        result = build_composed(composed)
+        row.update(id=result.engine.id, files=result.files, bytes=result.bytes, seconds=round(result.seconds, 3),
+                   created=result.created)
+    except SpecPilotError as exc:
+        if debug_enabled():
+            raise
+        row.update(error=str(exc))
+    (out / RESULT).write_text(json.dumps(row, indent=1) + "\n")
+    return row
+
+
+class SummaryCallback(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        rows = [json.loads(p.read_text()) for p in sorted(Path(config.hydra.sweep.dir).glob(f"*/{RESULT}"),
+                                                           key=lambda p: int(p.parent.name))]
+        table = Table("setting", "arm", "engine", "files", "bytes", "seconds", title="sweep")
+        for r in rows:
+            if "error" in r:
+                table.add_row(r["setting"], r["arm"], f"[red]{r['error']}[/]", "", "", "")
+            else:
+                table.add_row(r["setting"], r["arm"], r["id"][:12], str(r["files"]), f"{r['bytes']:,}",
+                              f"{r['seconds']:.2f}{'' if r['created'] else ' (existed)'}")
+        Console(width=160).print(table)
+        summary = Path(config.hydra.sweep.dir) / "summary.json"
+        summary.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"summary: {summary}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specpilot sweep", description=__doc__)
+    parser.add_argument("--settings", required=True, help="comma-separated setting names")
+    parser.add_argument("--arms", default="ar,stock,final")
+    parser.add_argument("--launcher", default=None, help="Hydra launcher config: local (joblib) or slurm")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    sweep_dir = data_dir() / "hydra" / "multirun" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    hydra_args = ["--multirun", f"setting@_global_={args.settings}", f"arm={args.arms}",
+                  f"hydra.sweep.dir={sweep_dir}", f"hydra.run.dir={data_dir() / 'hydra' / 'run'}",
+                  "+hydra.callbacks.summary._target_=specpilot_build.sweep.SummaryCallback",
+                  "hydra.job.chdir=false", *args.overrides]
+    if args.launcher:
+        hydra_args.append(f"hydra/launcher={args.launcher}")
+    register()
+    sys.argv = ["specpilot-sweep", *hydra_args]
+    build_job()
+    return 0
+
+
+if __name__ == "__main__":
+    register()
+    build_job()

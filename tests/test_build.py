@@ -1,0 +1,225 @@
+"""The builder: content-addressed, deterministic, idempotent, concurrent-safe engines and clear refusals."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specpilot_build.build import build_engine
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.manifest import engine_id
+from specpilot_build.store import check_engine, list_engines, resolve_engine
+
+REPO = Path(__file__).resolve().parent.parent
+EMBEDDED = "cpu_c1_stories260k_ngram"
+SOURCES = ["conf", "lockfiles", "runtimes", "specpilot_build", "kernels", "overlays"]
+
+
+def cli(*args, env=None, cwd=REPO, umask=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout,
+                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+
+
+def engine_dirs(store: Path) -> list[Path]:
+    return [p for p in store.iterdir() if len(p.name) == 64] if store.is_dir() else []
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    path = tmp_path / "engines"
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(path))
+    return path
+
+
+def test_the_embedded_default_builds_and_rebuilding_is_a_no_op(store):
+    first = build_engine(EMBEDDED, "final")
+    assert first.created and first.engine.path == store / first.engine.id
+    manifest_bytes = (first.engine.path / "manifest.json").read_bytes()
+    assert engine_id(json.loads(manifest_bytes)) == first.engine.id
+    again = build_engine(EMBEDDED, "final")
+    assert again.engine.id == first.engine.id and not again.created
+    assert len(engine_dirs(store)) == 1
+    assert check_engine(first.engine) == []
+    files = {f["path"] for f in first.engine.manifest["files"]}
+    assert {"config.json", "launch.json"} <= files
+    assert any(p.startswith("runtime/specpilot_runtime/") for p in files)
+
+
+def test_arms_are_distinct_engines_and_identical_content_is_stored_once(store):
+    ids = {arm: build_engine(EMBEDDED, arm).engine for arm in ("ar", "stock", "final")}
+    assert len({e.id for e in ids.values()}) == 3
+    server = next(f["path"] for f in ids["ar"].manifest["files"] if f["path"].startswith("runtime/"))
+    inodes = {(e.path / server).stat().st_ino for e in ids.values()}
+    assert len(inodes) == 1, "the same runtime file should be one object hardlinked into every engine"
+
+
+def test_the_cli_prints_the_id_and_path(store):
+    out = cli("engine", "build", "--setting", EMBEDDED, "--arm", "ar")
+    assert out.returncode == 0, out.stderr
+    eid, path = out.stdout.split()[:2]
+    assert Path(path) == store / eid
+    show = cli("engine", "show", eid[:8])
+    assert show.returncode == 0 and EMBEDDED in show.stdout and "karpathy/tinyllamas@0bd21da7" in show.stdout
+    listing = cli("engine", "ls")
+    assert eid[:12] in listing.stdout
+
+
+def test_ids_are_identical_across_clones_umasks_and_clocks(tmp_path):
+    ids = []
+    for n, (umask, mtime, tz) in enumerate([(0o022, 1_000_000_000, "UTC"), (0o077, 1_900_000_000, "Asia/Tokyo")]):
+        clone = tmp_path / f"clone-{n}" / "deep" / "path"
+        for name in SOURCES:
+            if (REPO / name).exists():
+                shutil.copytree(REPO / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+        for root, _, files in os.walk(clone):
+            for f in files:
+                os.utime(Path(root) / f, (mtime, mtime))
+        env = {"PYTHONPATH": str(clone), "SPECPILOT_ENGINES": "", "TZ": tz}  # the store: <clone>/engines
+        out = cli("engine", "build", "--setting", EMBEDDED, "--arm", "final", env=env, cwd=clone, umask=umask)
+        assert out.returncode == 0, out.stderr
+        assert str(clone) in out.stdout.split()[1], "the build must use the clone's sources"
+        ids.append(out.stdout.split()[0])
+    assert ids[0] == ids[1]
+
+
+def test_flipping_one_byte_in_any_file_is_named_by_engine_verify(store):
+    engine = build_engine(EMBEDDED, "stock").engine
+    for entry in engine.manifest["files"]:
+        path = engine.path / entry["path"]
+        original = path.read_bytes()
+        os.chmod(path, 0o644)
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0x01
+        path.write_bytes(bytes(flipped))
+        try:
+            out = cli("engine", "verify", engine.id)
+            assert out.returncode == 1
+            assert f"{entry['path']}: content differs" in out.stdout
+            assert out.stdout.count("differs") == 1
+        finally:
+            path.write_bytes(original)
+    assert cli("engine", "verify", engine.id).returncode == 0
+
+
+def test_an_added_or_missing_file_is_reported(store):
+    engine = build_engine(EMBEDDED, "ar").engine
+    (engine.path / "runtime" / "extra.py").write_text("print('hi')\n")
+    problems = check_engine(engine)
+    assert problems == ["runtime/extra.py: not in the manifest"]
+
+
+def test_unique_prefix_lookup_like_git(store):
+    a = build_engine(EMBEDDED, "ar").engine
+    assert resolve_engine(a.id[:6]).id == a.id
+    with pytest.raises(SpecPilotError, match="no engine"):
+        resolve_engine("ffff" if not a.id.startswith("ffff") else "0000")
+    with pytest.raises(SpecPilotError, match="not an engine id"):
+        resolve_engine("xyz")
+
+
+def test_an_unpinned_checkpoint_builds_nothing_and_says_how_to_pin_it(store):
+    out = cli("engine", "build", "--setting", "h100_c1_qwen38-27b_dflash2", "--arm", "stock")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr
+    assert "Qwen/Qwen3.8-27B" in lines[0] and "not pinned" in lines[0]
+    assert "make lock SETTING=h100_c1_qwen38-27b_dflash2" in lines[0]
+    assert engine_dirs(store) == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--setting", "no_such_setting"], ["unknown setting 'no_such_setting'"]),
+    (["--setting", EMBEDDED, "hardware=tpu"], ["hardware/tpu"]),
+    (["--setting", EMBEDDED, "batching.concurrency=many"], ["batching.concurrency", "many"]),
+])
+def test_bad_input_is_a_short_error_and_writes_nothing(store, args, words):
+    out = cli("engine", "build", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 2
+    for word in words:
+        assert word in out.stderr
+    assert engine_dirs(store) == []
+
+
+def _wheel_lock(tmp_path: Path, sha256: str | None = None) -> Path:
+    lock = tmp_path / "lock"
+    shutil.copytree(REPO / "lockfiles", lock)
+    if sha256:
+        text = (lock / "runtimes.toml").read_text()
+        import re
+        (lock / "runtimes.toml").write_text(re.sub(r'sha256 = "[0-9a-f]{64}"', f'sha256 = "{sha256}"', text, 1))
+    return lock
+
+
+def test_a_corrupt_cached_wheel_is_refused(store, tmp_path):
+    data = tmp_path / "data"
+    (data / "wheels").mkdir(parents=True)
+    from specpilot_build.lockfile import load_lock
+    pin = load_lock().runtimes["sglang"]
+    (data / "wheels" / pin.filename).write_bytes(b"PK\x03\x04 not really a wheel")
+    out = cli("engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar",
+              env={"SPECPILOT_DATA": str(data), "SPECPILOT_MIRROR": ""})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert pin.filename in out.stderr and "does not match the pin" in out.stderr
+    assert engine_dirs(store) == []
+
+
+def test_a_wheel_whose_hash_differs_from_the_lock_is_refused(store, tmp_path, session_data):
+    wheel = next((session_data / "wheels").glob("sglang-*.whl"), None)
+    if wheel is None:  # fetch it once for the session through the builder itself
+        build_engine("h100_c1_qwen3-8b_dflash", "ar")
+        wheel = next((session_data / "wheels").glob("sglang-*.whl"))
+    lock = _wheel_lock(tmp_path, sha256="0" * 64)
+    out = cli("engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar",
+              env={"SPECPILOT_LOCKFILES": str(lock)})
+    assert out.returncode == 2 and "does not match the pin" in out.stderr and wheel.name in out.stderr
+    assert engine_dirs(store) == []
+
+
+def test_two_builds_at_once_give_one_engine(store):
+    procs = [subprocess.Popen([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting",
+                               "h100_c1_qwen3-8b_dflash", "--arm", "ar"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    ids = {o[0].split()[0] for o in outs}
+    assert len(ids) == 1
+    assert [p.name for p in engine_dirs(store)] == list(ids)
+    assert check_engine(resolve_engine(ids.pop())) == []
+    leftovers = list((store / ".tmp").iterdir())
+    assert leftovers == []
+
+
+def test_an_interrupted_build_leaves_no_engine(store):
+    proc = subprocess.Popen([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting",
+                             "h100_c1_qwen3-8b_dflash", "--arm", "ar"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any((store / ".tmp").glob("*/python")):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert engine_dirs(store) == []
+    build_engine(EMBEDDED, "ar")  # the next build sweeps the dead build's directory
+    assert list((store / ".tmp").iterdir()) == []
+
+
+def test_sweep_runs_a_hydra_multirun_and_prints_a_summary(store, session_data):
+    out = cli("sweep", "--settings", f"{EMBEDDED},cpu_c16_stories260k_ngram", "--arms", "ar,final")
+    assert out.returncode == 0, out.stderr
+    summaries = sorted((session_data / "hydra" / "multirun").glob("*/summary.json"))
+    rows = json.loads(summaries[-1].read_text())
+    assert {(r["setting"], r["arm"]) for r in rows} == {(s, a) for s in (EMBEDDED, "cpu_c16_stories260k_ngram")
+                                                        for a in ("ar", "final")}
+    assert build_engine(EMBEDDED, "final").engine.id in {r["id"] for r in rows}
+    for row in rows:
+        assert row["id"][:12] in out.stdout
+    assert not (REPO / "multirun").exists() and not (REPO / "outputs").exists()
