@@ -49,26 +49,54 @@ def checkpoint_requests(config: dict) -> list[CheckpointRequest]:
 
 def materialize_setting(config: dict, pins: dict[str, CheckpointPin], *, mirror: Path | None = None) -> dict[str, Path]:
     """`materialize` every checkpoint of a composed setting: role ("model", "drafter") → local directory."""
-    return {req.role: materialize(req.repo, pins.get(req.repo), source_format=req.source_format,
-                                  files=req.files, mirror=mirror)
-            for req in checkpoint_requests(config)}
+    paths, setting = {}, config.get("setting") or "<setting>"
+    for req in checkpoint_requests(config):
+        if req.repo not in pins:
+            raise SpecPilotError(f"{req.repo} ({req.role} of {setting}): not pinned in lockfiles/checkpoints.toml; "
+                                 f"run `make lock SETTING={setting}` where huggingface.co is reachable")
+        paths[req.role] = materialize(req.repo, pins[req.repo], source_format=req.source_format, files=req.files,
+                                      mirror=mirror, setting=setting)
+    return paths
+
+
+def models_main(argv: Sequence[str]) -> int:
+    """`specpilot models --setting NAME [--mirror DIR]` (make models): fetch and verify a setting's checkpoints."""
+    import argparse
+
+    from specpilot_build.compose import compose_setting
+    from specpilot_build.lockfile import load_lock
+
+    parser = argparse.ArgumentParser(prog="specpilot models", description=models_main.__doc__)
+    parser.add_argument("--setting", required=True)
+    parser.add_argument("--mirror", type=Path, help="offline mirror of pinned files (default: $SPECPILOT_MIRROR, "
+                                                    "else ../shared beside the checkout)")
+    args = parser.parse_args(list(argv))
+    config = compose_setting(args.setting).config
+    pins = load_lock().checkpoints
+    for role, path in materialize_setting(config, pins, mirror=args.mirror).items():
+        repo = config[role]["repo"]
+        print(f"{role:8} {repo}@{pins[repo].revision[:12]}  {path}")
+    return 0
 
 
 def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "hf", files: Sequence[str] = (),
-                mirror: Path | None = None, cache_dir: Path | None = None) -> Path:
+                mirror: Path | None = None, cache_dir: Path | None = None, setting: str = "<setting>") -> Path:
     """Make `repo` at its pinned revision loadable by transformers and return that directory.
 
     hf: the snapshot directory in the HF cache. llama2c: the converted model under the data dir, checked
     against the lock's `converted` hashes when it has them. `files` limits which pinned files are fetched
-    (empty: all). `mirror` defaults to `mirror_dir()` ($SPECPILOT_MIRROR, or ../shared)."""
+    (empty: all). `mirror` defaults to `mirror_dir()` ($SPECPILOT_MIRROR, or ../shared). `setting` only
+    names the setting in the `make lock SETTING=...` hint of an error."""
     if source_format not in SOURCE_FORMATS:
         raise SpecPilotError(f"{repo}: unknown source_format {source_format!r}; choose one of {', '.join(SOURCE_FORMATS)}")
     if pin is None:
-        raise SpecPilotError(f"{repo}: not pinned in lockfiles/checkpoints.toml; run `make lock SETTING=<setting>` "
+        raise SpecPilotError(f"{repo}: not pinned in lockfiles/checkpoints.toml; run `make lock SETTING={setting}` "
                              "where huggingface.co is reachable")
     cache = Path(cache_dir) if cache_dir else hf_cache_dir()
+    if mirror is not None and not Path(mirror).is_dir():
+        raise SpecPilotError(f"mirror {mirror}: not a directory")
     mirror = Path(mirror) if mirror else mirror_dir()
-    wanted = _wanted_files(pin, files)
+    wanted = _wanted_files(pin, files, setting)
     paths = {f.path: fetch_file(repo, pin.revision, f, cache=cache, mirror=mirror) for f in wanted}
     if source_format == "hf":
         return snapshot_dir(cache, repo, pin.revision)
@@ -145,12 +173,12 @@ def sha256_of(path: Path, *, label: str | None = None) -> str:
     return digest.hexdigest()
 
 
-def _wanted_files(pin: CheckpointPin, files: Sequence[str]) -> list[PinnedFile]:
+def _wanted_files(pin: CheckpointPin, files: Sequence[str], setting: str) -> list[PinnedFile]:
     if not pin.files:
         if hub_is_offline():
             raise SpecPilotError(f"{pin.repo}@{pin.revision}: pinned, but its files are not locked (no sizes/sha256 in "
                                  "checkpoints.toml) and the hub is offline (HF_HUB_OFFLINE=1); run `make lock "
-                                 "SETTING=<setting>` where huggingface.co is reachable")
+                                 f"SETTING={setting}` where huggingface.co is reachable")
         from specpilot_build.lock import hub_files
 
         return hub_files(pin.repo, pin.revision, list(files))
@@ -158,7 +186,7 @@ def _wanted_files(pin: CheckpointPin, files: Sequence[str]) -> list[PinnedFile]:
     missing = [p for p in files if p not in by_path]
     if missing:
         raise SpecPilotError(f"{pin.repo}@{pin.revision[:12]}: {missing[0]} is not among the locked files in "
-                             "checkpoints.toml; run `make lock SETTING=<setting>`")
+                             f"checkpoints.toml; run `make lock SETTING={setting}`")
     return [by_path[p] for p in files] if files else list(pin.files)
 
 

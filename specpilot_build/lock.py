@@ -52,6 +52,28 @@ def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapp
     return locked
 
 
+def lock_main(argv: Sequence[str]) -> int:
+    """`specpilot lock --setting NAME [--update]` (make lock): pin the setting's model and drafter repos."""
+    import argparse
+
+    from specpilot_build.checkpoints import checkpoint_requests
+    from specpilot_build.compose import compose_setting
+    from specpilot_build.locations import lockfiles_dir
+
+    parser = argparse.ArgumentParser(prog="specpilot lock", description=lock_main.__doc__)
+    parser.add_argument("--setting", required=True)
+    parser.add_argument("--update", action="store_true", help="re-resolve `main` even for repos already pinned")
+    args = parser.parse_args(list(argv))
+    requests = checkpoint_requests(compose_setting(args.setting).config)
+    lockfile = lockfiles_dir() / "checkpoints.toml"
+    locked = lock_repos({r.repo: list(r.files) for r in requests}, lockfile, update=args.update,
+                        source_formats={r.repo: r.source_format for r in requests})
+    for repo, pin in locked.items():
+        print(f"{repo}@{pin.revision}  {len(pin.files)} files" + (f", {len(pin.converted)} converted" if pin.converted else ""))
+    print(f"wrote {lockfile}")
+    return 0
+
+
 def resolve_revision(repo: str, ref: str) -> str:
     """Branch, tag or commit → the 40-hex commit the hub serves for it now."""
     if hub_is_offline():

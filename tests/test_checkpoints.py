@@ -64,11 +64,11 @@ def _sha256(path: Path) -> str:
 def test_lock_carries_the_pins_of_pins_md():
     """Every revision in ../shared/docs/pins.md is in the lock, and stories260K's file hashes too."""
     pins = load_lock(REPO_ROOT / "lockfiles").checkpoints
-    text = (SHARED / "docs" / "pins.md").read_text()
-    table = re.findall(r"^\| ([\w.-]+/[\w.-]+)[^|]* \| ([0-9a-f]{40}) \|$", text, re.M)
+    table = _pins_md()
     assert len(table) == 10
-    for repo, revision in table:
+    for repo, revision in table.items():
         assert pins[repo].revision == revision, repo
+    text = (SHARED / "docs" / "pins.md").read_text()
     listed = dict(re.findall(r"`(stories260K/[\w.]+)` [\d,]+ bytes, sha256 ([0-9a-f]{64})", text))
     assert {f.path: f.sha256 for f in pins[TINY].files} == listed
 
@@ -183,20 +183,47 @@ def test_an_unpinned_repo_is_refused_naming_make_lock(hub):
         materialize("Qwen/Qwen3.8-27B", None)
 
 
-def test_the_real_gpu_pin_fails_offline_with_one_line_and_no_traceback(tmp_path):
-    """The CLI path: a process with HF_HUB_OFFLINE=1 and an empty cache; the message is one line on stderr."""
-    code = ("from specpilot_build.errors import user_errors\n"
-            "from specpilot_build.lockfile import load_lock\n"
-            "from specpilot_build.checkpoints import materialize\n"
-            "with user_errors():\n"
-            "    materialize('Qwen/Qwen3-8B', load_lock().checkpoints['Qwen/Qwen3-8B'])\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "SPECPILOT_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), SPECPILOT_DATA=str(tmp_path / "data"),
-               SPECPILOT_LOCKFILES=str(REPO_ROOT / "lockfiles"))
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+def _pins_md() -> dict[str, str]:
+    text = (SHARED / "docs" / "pins.md").read_text()
+    return dict(re.findall(r"^\| ([\w.-]+/[\w.-]+)[^|]* \| ([0-9a-f]{40}) \|$", text, re.M))
+
+
+def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned():
+    from specpilot_build.checkpoints import checkpoint_requests
+    from specpilot_build.compose import compose_setting, list_settings
+
+    pins, known = load_lock(REPO_ROOT / "lockfiles").checkpoints, _pins_md()
+    pinned_gpu_settings = []
+    for setting in list_settings():
+        for req in checkpoint_requests(compose_setting(setting).config):
+            if req.repo in known:
+                assert pins[req.repo].revision == known[req.repo], (setting, req.repo)
+                pinned_gpu_settings.append(setting) if not setting.startswith("cpu") else None
+            else:
+                assert req.repo not in pins, f"{setting}: {req.repo} is pinned but not in pins.md"
+    assert pinned_gpu_settings
+
+
+def test_make_models_for_the_embedded_default(hub, tiny_pin, capsys):
+    from specpilot_build.cli import main
+
+    assert main(["models", "--setting", "cpu_c1_stories260k_ngram", "--mirror", str(MIRROR)]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    model_dir = Path(line.split()[-1])
+    assert line.startswith(f"model    {TINY}@{tiny_pin.revision[:12]}")
+    assert _sha256(model_dir / "model.safetensors") == {f.path: f.sha256 for f in tiny_pin.converted}["model.safetensors"]
+
+
+@pytest.mark.parametrize("setting", ["h100_c1_qwen3-8b_eagle3", "h200_c1_qwen3-8b_dflash"])
+def test_make_models_for_a_real_gpu_pin_fails_offline_with_one_line(tmp_path, setting):
+    """The CLI in its own process: HF_HUB_OFFLINE=1, an empty cache, the default mirror (../shared)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "SPECPILOT_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), SPECPILOT_DATA=str(tmp_path / "data"))
+    done = subprocess.run([sys.executable, "-m", "specpilot_build.cli", "models", "--setting", setting],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith("error: Qwen/Qwen3-8B@b968826d9c46dd6066d109eabc6255188de91218") and "offline" in lines[0]
-    assert not any((tmp_path / "hub").rglob("*")) if (tmp_path / "hub").exists() else True
+    assert f"SETTING={setting}" in lines[0]
+    assert not [p for p in (tmp_path / "hub").rglob("*") if p.is_file()]
