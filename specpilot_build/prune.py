@@ -1,10 +1,203 @@
-"""Prune the SGLang wheel to what a setting can execute (placeholder: keeps every member until #3's rules land)."""
+"""Prune the SGLang wheel to what a setting can execute.
+
+Kept: the static import closure of the launcher (imports inside functions too, relative imports, `from x import
+y` where y is a submodule; not those under `if TYPE_CHECKING:`), started from the launcher plus the modules the setting's rules name, and the files the rules keep by glob
+(what is loaded by path or by a computed name: licences, metadata, JIT sources, tuning JSON). The rules are data
+in conf/runtime/sglang.yaml (`prune`); each rule applies when all its `when` keys equal the setting's config.
+
+The wheel's import graph is derived data: it is computed once per wheel sha256 and cached under
+<data>/cache/import-graph/, so a build only walks a graph and matches globs."""
 from __future__ import annotations
 
+import fnmatch
+import hashlib
+import json
+import os
+import re
 import zipfile
+from pathlib import Path
+
+from .errors import SpecPilotError
+from .locations import data_dir
+
+GRAPH_FORMAT = 1
 
 
 def select_members(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo], cfg: dict
                    ) -> tuple[list[zipfile.ZipInfo], dict]:
-    total = sum(m.file_size for m in members)
-    return members, {"kept_files": len(members), "kept_bytes": total, "dropped_files": 0, "dropped_bytes": 0}
+    rules = cfg["runtime"].get("prune")
+    total_bytes = sum(m.file_size for m in members)
+    if not rules:
+        return members, _record(members, members, total_bytes, [])
+    graph = import_graph(zf, members)
+    applied = [r for r in rules.get("rules", []) if rule_applies(r, cfg)]
+    roots = [rules["launcher"]]
+    for rule in applied:
+        roots += _expand_modules(rule.get("modules", []), graph, rule)
+    keep = {graph["modules"][m] for m in reach(graph, roots)}
+    by_glob = _glob_matcher([g for r in applied for g in r.get("files", [])])
+    dropped_by_rule = _glob_matcher([g for r in applied for g in r.get("drop", [])])
+    for info in members:
+        name = info.filename
+        if name not in keep and by_glob(name) and not dropped_by_rule(name):
+            keep.add(name)
+    kept = [m for m in members if m.filename in keep]
+    return kept, _record(kept, members, total_bytes, applied)
+
+
+def rule_applies(rule: dict, cfg: dict) -> bool:
+    return all(_lookup(cfg, key) == value for key, value in (rule.get("when") or {}).items())
+
+
+def reach(graph: dict, roots: list[str]) -> set[str]:
+    """Modules reachable from `roots`; importing a module also imports every package above it."""
+    modules, edges = graph["modules"], graph["edges"]
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        parent = name.rpartition(".")[0]
+        if parent:
+            stack.append(parent)
+        stack.extend(edges.get(name, ()))
+    return seen
+
+
+def _record(kept: list, members: list, total_bytes: int, applied: list[dict]) -> dict:
+    kept_bytes = sum(m.file_size for m in kept)
+    return {"total_files": len(members), "total_bytes": total_bytes,
+            "kept_files": len(kept), "kept_bytes": kept_bytes,
+            "dropped_files": len(members) - len(kept), "dropped_bytes": total_bytes - kept_bytes,
+            "rules": [r.get("why", "") for r in applied]}
+
+
+def _lookup(cfg: dict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _expand_modules(patterns: list[str], graph: dict, rule: dict) -> list[str]:
+    """Module names or patterns where `*` stands for one name component; a pattern that names nothing in the
+    wheel is an error (a rule gone stale with a new wheel must not silently keep less)."""
+    out = []
+    for pattern in patterns:
+        if "*" not in pattern:
+            found = [pattern] if pattern in graph["modules"] else []
+        else:
+            rx = re.compile(re.escape(pattern).replace(r"\*", r"[^.]*") + r"\Z")
+            found = [m for m in graph["modules"] if rx.match(m)]
+        if not found:
+            raise SpecPilotError(f"conf/runtime/sglang.yaml prune rule '{rule.get('why', '?')}': module "
+                                 f"{pattern} is not in the wheel; fix the rule for this SGLang version")
+        out += found
+    return out
+
+
+def _glob_matcher(globs: list[str]):
+    """One regex for all globs; `*` matches across `/` (so `dir/*` is everything below dir)."""
+    if not globs:
+        return lambda name: False
+    rx = re.compile("|".join(fnmatch.translate(g) for g in globs))
+    return lambda name: rx.match(name) is not None
+
+
+# --- the wheel's import graph ------------------------------------------------------------------------------
+
+_FROM = re.compile(rb"^[ \t]*from[ \t]+([.\w]+)[ \t]+import[ \t]+(\([^)]*\)|(?:[^\n\\#]|\\\n)*)", re.M)
+_IMPORT = re.compile(rb"^[ \t]*import[ \t]+((?:[^\n\\#;]|\\\n)*)", re.M)
+_TYPE_CHECKING_BLOCK = re.compile(rb"^([ \t]*)if (?:typing\.)?TYPE_CHECKING:[ \t]*\n(?:(?:\1[ \t]+[^\n]*)?\n)*", re.M)
+_EXTENSION = re.compile(r"^(.*/)?([A-Za-z_]\w*)(\.[\w-]+)?\.(so|pyd)$")
+
+
+def import_graph(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> dict:
+    """{"modules": {module: member path}, "edges": {module: [modules it may import]}}, cached per wheel."""
+    sha256 = _file_sha256(Path(zf.filename))
+    cache = data_dir() / "cache" / "import-graph" / f"{sha256}.json"
+    try:
+        graph = json.loads(cache.read_bytes())
+        if graph.get("format") == GRAPH_FORMAT:
+            return graph
+    except (FileNotFoundError, ValueError):
+        pass
+    graph = scan_imports(zf, members)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(graph, sort_keys=True))
+    os.replace(tmp, cache)
+    return graph
+
+
+def scan_imports(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> dict:
+    """A regex scan (not an AST parse: ~10× faster) that over-approximates: an import in a docstring or a string
+    counts too, which only keeps more. Imports under `if TYPE_CHECKING:` never run and are not edges; modules
+    loaded by a name computed or held in a string are dynamic and kept by rule."""
+    modules: dict[str, str] = {}
+    sources: dict[str, tuple[zipfile.ZipInfo, bool]] = {}
+    for info in members:
+        name = info.filename
+        if name.endswith(".py"):
+            module = name[:-3].replace("/", ".")
+            is_package = module.endswith(".__init__")
+            module = module.removesuffix(".__init__")
+            modules[module] = name
+            sources[module] = (info, is_package)
+        elif (m := _EXTENSION.match(name)) and ".dist-info/" not in name:
+            modules[(m.group(1) or "").replace("/", ".") + m.group(2)] = name
+    tops = {m.split(".")[0] for m in modules}
+    edges: dict[str, list[str]] = {}
+    for module, (info, is_package) in sources.items():
+        package = module if is_package else module.rpartition(".")[0]
+        named = _imported_names(zf.read(info), package)
+        found = {_known_prefix(n, modules) for n in named if n.split(".")[0] in tops}
+        found.discard(None)
+        found.discard(module)
+        edges[module] = sorted(found)
+    return {"format": GRAPH_FORMAT, "modules": modules, "edges": edges}
+
+
+def _imported_names(src: bytes, package: str) -> set[str]:
+    names: set[str] = set()
+    src = _TYPE_CHECKING_BLOCK.sub(b"", src)
+    for m in _FROM.finditer(src):
+        base = m.group(1).decode()
+        if base.startswith("."):
+            level = len(base) - len(base.lstrip("."))
+            parts = package.split(".")
+            parts = parts[: len(parts) - (level - 1)] if level > 1 else parts
+            rest = base.lstrip(".")
+            base = ".".join(parts + ([rest] if rest else []))
+        names.add(base)
+        listed = re.sub(rb"#[^\n]*", b"", m.group(2)).replace(b"\\\n", b" ").strip(b"() \t\n")
+        for item in listed.split(b","):
+            word = item.split()[0].decode() if item.split() else ""
+            if word.isidentifier():
+                names.add(f"{base}.{word}")
+    for m in _IMPORT.finditer(src):
+        for item in m.group(1).replace(b"\\\n", b" ").split(b","):
+            words = item.split()
+            if words:
+                names.add(words[0].decode(errors="replace"))
+    return names
+
+
+def _known_prefix(name: str, modules: dict) -> str | None:
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

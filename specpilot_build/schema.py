@@ -66,6 +66,7 @@ class Arm:
 class Runtime:
     name: str = MISSING  # "reference" | "sglang"
     launch_args: Dict[str, Any] = field(default_factory=dict)  # SGLang args every arm of this runtime gets
+    prune: Optional[Dict[str, Any]] = None  # wheel pruning rules (prune.py); None keeps every member
 
 
 @dataclass
