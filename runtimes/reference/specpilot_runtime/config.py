@@ -1,0 +1,120 @@
+"""The engine's resolved config (`<engine>/config.json`), read and checked once at start-up."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ARMS = ("ar", "stock", "final")
+DTYPES = ("float32", "bfloat16", "float16")
+ALGORITHMS = ("none", "ngram", "draft_model")
+
+# Mechanisms a `final` arm may switch on, with their value types.
+RUNTIME_OPTIONS = {
+    "shared_ngram_cache": bool,     # one n-gram index over all earlier prompts and outputs
+    "ngram_cache_capacity": int,    # tokens the shared index keeps before it starts afresh
+    "num_threads": int,             # torch CPU threads (the default is 1 for tiny models)
+}
+
+
+class RuntimeConfigError(Exception):
+    """A problem with the engine's config or the launch arguments; printed as one line, no traceback."""
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    algorithm: str = "none"
+    num_draft_tokens: int = 0
+    ngram_max_n: int = 4
+    ngram_min_n: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    setting: str
+    arm: str
+    model_name: str
+    dtype: str
+    quantization: str | None
+    device: str
+    drafter: DrafterConfig
+    runtime_options: dict = field(default_factory=dict)
+    concurrency: int = 1
+    max_running_requests: int = 1
+
+
+def load_engine_config(engine_dir: str | Path) -> EngineConfig:
+    path = Path(engine_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RuntimeConfigError(f"{path}: missing; is {engine_dir} an engine directory?") from None
+    except json.JSONDecodeError as exc:
+        raise RuntimeConfigError(f"{path}: not valid JSON ({exc})") from None
+    return parse_engine_config(raw, str(path))
+
+
+def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
+    def get(*keys, default=KeyError):
+        node = raw
+        for key in keys:
+            if not isinstance(node, dict) or key not in node:
+                if default is KeyError:
+                    raise RuntimeConfigError(f"{where}: missing key {'.'.join(keys)}")
+                return default
+            node = node[key]
+        return node
+
+    def choice(value, allowed, key):
+        if value not in allowed:
+            raise RuntimeConfigError(f"{where}: {key} is {value!r}; expected one of {', '.join(allowed)}")
+        return value
+
+    def positive_int(value, key, minimum=1):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise RuntimeConfigError(f"{where}: {key} is {value!r}; expected an integer >= {minimum}")
+        return value
+
+    arm = choice(get("arm", "name"), ARMS, "arm.name")
+    algorithm = choice(get("drafter", "algorithm", default="none"), ALGORITHMS, "drafter.algorithm")
+    drafter = DrafterConfig(algorithm=algorithm)
+    if algorithm != "none":
+        max_n = positive_int(get("drafter", "ngram_max_n", default=4), "drafter.ngram_max_n")
+        min_n = positive_int(get("drafter", "ngram_min_n", default=1), "drafter.ngram_min_n")
+        if min_n > max_n:
+            raise RuntimeConfigError(f"{where}: drafter.ngram_min_n {min_n} > drafter.ngram_max_n {max_n}")
+        drafter = DrafterConfig(
+            algorithm=algorithm,
+            num_draft_tokens=positive_int(get("drafter", "num_draft_tokens"), "drafter.num_draft_tokens"),
+            ngram_max_n=max_n, ngram_min_n=min_n,
+        )
+    options = get("runtime_options", default={}) or {}
+    if not isinstance(options, dict):
+        raise RuntimeConfigError(f"{where}: runtime_options must be a mapping, got {options!r}")
+    for name, value in options.items():
+        if name not in RUNTIME_OPTIONS:
+            raise RuntimeConfigError(
+                f"{where}: runtime_options.{name} is not a mechanism of the reference runtime "
+                f"(known: {', '.join(sorted(RUNTIME_OPTIONS))})")
+        expected = RUNTIME_OPTIONS[name]
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise RuntimeConfigError(
+                f"{where}: runtime_options.{name} is {value!r}; expected {expected.__name__}")
+    if options.get("shared_ngram_cache") and algorithm != "ngram":
+        raise RuntimeConfigError(f"{where}: runtime_options.shared_ngram_cache needs drafter.algorithm ngram")
+    quantization = get("model", "quantization", default=None)
+    if quantization not in (None, "w12"):
+        raise RuntimeConfigError(f"{where}: model.quantization {quantization!r} is not supported (null or w12)")
+    return EngineConfig(
+        setting=str(get("setting")),
+        arm=arm,
+        model_name=str(get("model", "name")),
+        dtype=choice(get("model", "dtype", default="float32"), DTYPES, "model.dtype"),
+        quantization=quantization,
+        device=choice(get("hardware", "device", default="cpu"), ("cpu", "cuda"), "hardware.device"),
+        drafter=drafter,
+        runtime_options=dict(options),
+        concurrency=positive_int(get("batching", "concurrency", default=1), "batching.concurrency"),
+        max_running_requests=positive_int(get("batching", "max_running_requests", default=1),
+                                          "batching.max_running_requests"),
+    )

@@ -1,0 +1,150 @@
+"""Drafters: propose up to k tokens that the target model is likely to produce next.
+
+Every drafter sees a sequence's full token list (prompt + output so far) and is told about each token
+appended to it; verification decides what is kept, so a drafter only affects speed, never the output.
+- `NoDrafter`: plain autoregressive decoding.
+- `PromptLookup` (stock `ngram`): match the last n tokens (n from max_n down to min_n) earlier in this
+  sequence and propose the tokens that followed that earlier occurrence.
+- `SharedNgramCache` (final mechanism `shared_ngram_cache`): the same lookup over one index shared by all
+  requests, holding earlier prompts and outputs too, like SGLang's NGRAM cache.
+- `DraftModelDrafter` (`draft_model`): a small model sharing the tokenizer proposes k tokens greedily.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class NoDrafter:
+    def start(self, seq) -> None:
+        pass
+
+    def observe(self, seq, first_new: int) -> None:
+        pass
+
+    def propose(self, seq, k: int) -> list[int]:
+        return []
+
+    def finish(self, seq) -> None:
+        pass
+
+
+class NgramIndex:
+    """Map each n-gram (min_n <= n <= max_n) to where its most recent continuation starts.
+
+    Sequences are stored by reference, so a continuation read from a sequence still being generated sees
+    its newest tokens. An n-gram is indexed once the token after it exists.
+    """
+
+    def __init__(self, min_n: int, max_n: int, capacity: int | None = None):
+        self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
+        self.table: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self.indexed_tokens = 0
+
+    def add(self, tokens: list[int], first_new: int) -> None:
+        """Index the continuations at positions first_new .. len(tokens)-1."""
+        if self.capacity is not None and self.indexed_tokens > self.capacity:
+            self.table.clear()  # start afresh rather than grow without bound
+            self.indexed_tokens = 0
+        table = self.table
+        for pos in range(max(first_new, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, pos) + 1):
+                table[tuple(tokens[pos - n:pos])] = (tokens, pos)
+        self.indexed_tokens += len(tokens) - first_new
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The tokens that followed the longest earlier match of the current suffix, at most k of them."""
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            hit = self.table.get(tuple(tokens[len(tokens) - n:]))
+            if hit is not None:
+                source, pos = hit
+                return source[pos:pos + k]
+        return []
+
+
+class PromptLookup(NoDrafter):
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def start(self, seq) -> None:
+        seq.ngram_index = NgramIndex(self.min_n, self.max_n)
+        seq.ngram_index.add(seq.tokens, 0)
+
+    def observe(self, seq, first_new: int) -> None:
+        seq.ngram_index.add(seq.tokens, first_new)
+
+    def propose(self, seq, k: int) -> list[int]:
+        return seq.ngram_index.lookup(seq.tokens, k)
+
+    def finish(self, seq) -> None:
+        seq.ngram_index = None
+
+
+class SharedNgramCache(NoDrafter):
+    def __init__(self, min_n: int, max_n: int, capacity: int):
+        self.index = NgramIndex(min_n, max_n, capacity)
+
+    def start(self, seq) -> None:
+        self.index.add(seq.tokens, 0)
+
+    def observe(self, seq, first_new: int) -> None:
+        self.index.add(seq.tokens, first_new)
+
+    def propose(self, seq, k: int) -> list[int]:
+        return self.index.lookup(seq.tokens, k)
+
+
+class DraftModelDrafter(NoDrafter):
+    """Greedy proposals from a draft model with its own KV cache slot per sequence.
+
+    `seq.draft_fed` holds the tokens whose keys/values sit in the draft cache; after verification only
+    the prefix shared with the real sequence stays valid, and the rest is fed again on the next proposal.
+    """
+
+    def __init__(self, model):
+        self.model = model
+
+    def start(self, seq) -> None:
+        seq.draft_fed = []
+
+    def propose(self, seq, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        valid = _common_prefix(seq.draft_fed, seq.tokens)
+        pending = seq.tokens[valid:]
+        device = self.model.device
+        proposals: list[int] = []
+        fed = seq.tokens[:valid]
+        for _ in range(k):
+            logits = self.model.forward(torch.tensor([pending], device=device), [seq.slot], [len(fed)],
+                                        logit_rows=torch.tensor([len(pending) - 1], device=device))
+            fed = fed + pending
+            token = int(logits[0, -1].argmax())
+            proposals.append(token)
+            pending = [token]
+        seq.draft_fed = fed
+        return proposals
+
+    def finish(self, seq) -> None:
+        seq.draft_fed = []
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def make_drafter(drafter_config, runtime_options: dict, draft_model=None):
+    algorithm = drafter_config.algorithm
+    if algorithm == "none":
+        return NoDrafter()
+    if algorithm == "ngram":
+        if runtime_options.get("shared_ngram_cache"):
+            return SharedNgramCache(drafter_config.ngram_min_n, drafter_config.ngram_max_n,
+                                    runtime_options.get("ngram_cache_capacity", 1_000_000))
+        return PromptLookup(drafter_config.ngram_min_n, drafter_config.ngram_max_n)
+    if algorithm == "draft_model":
+        return DraftModelDrafter(draft_model)
+    raise ValueError(f"unknown drafter algorithm {algorithm!r}")

@@ -1,0 +1,269 @@
+"""The decode loop: admit requests, prefill them, then step all running sequences together.
+
+One worker thread owns the model. Each step scores, for every running sequence, its last token plus the
+drafter's proposals in one forward pass (sequences padded to the same length and batched); the longest
+prefix of proposals equal to the target's argmax is accepted, followed by the target's own next token.
+The KV cache is rolled back simply by moving the sequence's cache length, so the output is the target's
+greedy decoding by construction, whatever the drafter proposes.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("specpilot_runtime")
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    # emit(kind, payload): "text" (streamed text so far), "done" (result dict), "error" (message).
+    emit: Callable[[str, object], None] = lambda kind, payload: None
+    cancelled: bool = False
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    slot: int
+    tokens: list[int]
+    prompt_len: int
+    cache_len: int = 0
+    verify_ct: int = 0
+    decode_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    finish_reason: dict | None = None
+    text: str = ""
+    streamed_upto: int = 0
+    input_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, drafter, num_draft_tokens: int, max_running_requests: int):
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.max_running = max_running_requests
+        self.free_slots = list(range(model.num_slots))
+        self.waiting: queue.Queue[GenerationRequest] = queue.Queue()
+        self.running: list[Sequence] = []
+        # Totals over decode steps (prefill excluded): tokens produced per target forward of a sequence.
+        self.decode_tokens = 0
+        self.verify_steps = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.finished_requests = 0
+        self.thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, request: GenerationRequest) -> None:
+        self.waiting.put(request)
+
+    @property
+    def avg_accept_length(self) -> float:
+        return self.decode_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    # ---------------------------------------------------------------- loop
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                self._admit(block=not self.running)
+                if self.running:
+                    self._guarded(self.running, self._step)
+
+    def _admit(self, block: bool) -> None:
+        while len(self.running) < self.max_running and self.free_slots:
+            try:
+                request = self.waiting.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if request.cancelled:
+                continue
+            seq = Sequence(request, self.free_slots.pop(), list(request.input_ids), len(request.input_ids))
+            self.running.append(seq)
+            self._guarded([seq], lambda seqs: self._prefill(seqs[0]))
+
+    def _guarded(self, seqs: list[Sequence], work) -> None:
+        try:
+            work(seqs)
+        except Exception as exc:  # a bug must fail these requests, not the server
+            log.exception("engine step failed")
+            for seq in list(seqs):
+                if seq in self.running:
+                    self._release(seq)
+                    seq.request.emit("error", f"internal error: {exc}")
+
+    # ---------------------------------------------------------------- prefill
+    def _prefill(self, seq: Sequence) -> None:
+        req, model = seq.request, self.model
+        prompt = seq.tokens
+        want_input = req.return_logprob and req.logprob_start_len >= 0
+        first_row = max(req.logprob_start_len - 1, 0) if want_input else len(prompt) - 1
+        rows = torch.arange(first_row, len(prompt), device=model.device)
+        logits = model.forward(torch.tensor([prompt], device=model.device), [seq.slot], [0], logit_rows=rows)[0]
+        seq.cache_len = len(prompt)
+        if want_input:
+            self._input_logprobs(seq, logits[:-1], first_row)
+        self.drafter.start(seq)
+        if req.max_new_tokens == 0:
+            self._finish(seq, {"type": "length", "length": 0})
+            return
+        self._append(seq, [int(logits[-1].argmax())], logits[-1:])
+
+    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, first_row: int) -> None:
+        """SGLang's input logprobs: position i scores token i given tokens[:i]; position 0 has none."""
+        req, prompt = seq.request, seq.tokens
+        logprobs = torch.log_softmax(logits, dim=-1)
+        start = req.logprob_start_len
+        if start == 0:
+            seq.input_logprobs.append((None, prompt[0], None))
+            seq.input_top_logprobs.append(None)
+        for pos in range(max(start, 1), len(prompt)):
+            row = logprobs[pos - 1 - first_row]
+            seq.input_logprobs.append((float(row[prompt[pos]]), prompt[pos], None))
+            seq.input_top_logprobs.append(_top(row, req.top_logprobs_num))
+
+    # ---------------------------------------------------------------- decode / verify
+    def _step(self, running: list[Sequence]) -> None:
+        for seq in [s for s in running if s.request.cancelled]:
+            self._finish(seq, {"type": "abort", "message": "request cancelled"})
+        running = list(self.running)
+        if not running:
+            return
+        proposals = []
+        for seq in running:
+            budget = min(self.num_draft_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1)
+            proposals.append(self.drafter.propose(seq, budget)[:budget] if budget > 0 else [])
+        width = 1 + max(len(p) for p in proposals)
+        rows = [[seq.tokens[-1]] + p + [0] * (width - 1 - len(p)) for seq, p in zip(running, proposals)]
+        model = self.model
+        logits = model.forward(torch.tensor(rows, device=model.device), [s.slot for s in running],
+                               [s.cache_len for s in running])
+        targets = logits.argmax(dim=-1).tolist()
+        for b, (seq, proposal) in enumerate(zip(running, proposals)):
+            accepted = 0
+            while accepted < len(proposal) and proposal[accepted] == targets[b][accepted]:
+                accepted += 1
+            new_tokens = proposal[:accepted] + [targets[b][accepted]]
+            seq.cache_len += accepted + 1
+            seq.verify_ct += 1
+            seq.draft_tokens += len(proposal)
+            seq.accepted_tokens += accepted
+            self.verify_steps += 1
+            self.draft_tokens += len(proposal)
+            self.accepted_tokens += accepted
+            self._append(seq, new_tokens, logits[b, : accepted + 1], decoded=True)
+
+    def _append(self, seq: Sequence, new_tokens: list[int], logits: torch.Tensor, decoded: bool = False) -> None:
+        """Append tokens one by one until a stop condition (`decoded`: they come from a decode step)."""
+        req = seq.request
+        first_new = len(seq.tokens)
+        logprobs = torch.log_softmax(logits, dim=-1) if req.return_logprob else None
+        kept = 0
+        reason = None
+        for i, token in enumerate(new_tokens):
+            seq.tokens.append(token)
+            kept += 1
+            if logprobs is not None:
+                seq.output_logprobs.append((float(logprobs[i, token]), token, None))
+                seq.output_top_logprobs.append(_top(logprobs[i], req.top_logprobs_num))
+            if token in req.stop_token_ids:
+                reason = {"type": "stop", "matched": token}
+            elif req.stop_strings:
+                reason = self._match_stop_string(seq)
+            if reason is None and len(seq.output_ids) >= req.max_new_tokens:
+                reason = {"type": "length", "length": req.max_new_tokens}
+            if reason is not None:
+                break
+        if decoded:
+            seq.decode_tokens += kept
+            self.decode_tokens += kept
+        self.drafter.observe(seq, first_new)
+        if reason is not None:
+            self._finish(seq, reason)
+        elif req.stream:
+            self._stream(seq)
+
+    def _match_stop_string(self, seq: Sequence) -> dict | None:
+        text = self._decode(seq.output_ids)
+        for stop in seq.request.stop_strings:
+            at = text.find(stop)
+            if at >= 0:
+                seq.text = text[:at]
+                return {"type": "stop", "matched": stop}
+        return None
+
+    def _stream(self, seq: Sequence) -> None:
+        text = self._decode(seq.output_ids)
+        hold = max((len(s) for s in seq.request.stop_strings), default=1) - 1
+        upto = len(text) - hold
+        while upto > 0 and text[upto - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
+            upto -= 1
+        if upto > seq.streamed_upto:
+            seq.streamed_upto = upto
+            seq.request.emit("text", text[:upto])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---------------------------------------------------------------- finish
+    def _finish(self, seq: Sequence, reason: dict) -> None:
+        seq.finish_reason = reason
+        if not (reason.get("type") == "stop" and isinstance(reason.get("matched"), str)):
+            seq.text = self._decode(seq.output_ids)
+        self._release(seq)
+        self.finished_requests += 1
+        seq.request.emit("done", self._result(seq))
+
+    def _release(self, seq: Sequence) -> None:
+        self.drafter.finish(seq)
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+
+    def _result(self, seq: Sequence) -> dict:
+        req = seq.request
+        meta = {
+            "prompt_tokens": seq.prompt_len,
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": 0,
+            "finish_reason": seq.finish_reason,
+            "spec_verify_ct": seq.verify_ct,
+            "spec_accept_length": seq.decode_tokens / seq.verify_ct if seq.verify_ct else 0.0,
+            "spec_accept_token_num": seq.accepted_tokens,
+            "spec_draft_token_num": seq.draft_tokens,
+            "spec_accept_rate": seq.accepted_tokens / seq.draft_tokens if seq.draft_tokens else 0.0,
+        }
+        if req.return_logprob:
+            meta.update(
+                input_token_logprobs=seq.input_logprobs, input_top_logprobs=seq.input_top_logprobs,
+                output_token_logprobs=seq.output_logprobs, output_top_logprobs=seq.output_top_logprobs)
+        return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
+
+
+def _top(logprobs: torch.Tensor, n: int) -> list | None:
+    if n <= 0:
+        return None
+    values, ids = torch.topk(logprobs, min(n, logprobs.shape[-1]))
+    return [(float(v), int(i), None) for v, i in zip(values.tolist(), ids.tolist())]

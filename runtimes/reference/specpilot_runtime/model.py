@@ -1,0 +1,227 @@
+"""A lean Llama forward over weights loaded by transformers, with a preallocated, slotted KV cache.
+
+transformers loads and validates the checkpoint; decoding then runs this forward, which does per layer only
+the handful of tensor ops the maths needs. On a model as small as stories260K the per-op overhead of a
+module tree dominates the arithmetic, so this is what makes plain greedy decoding fast:
+- activations are 2-D [tokens, hidden], so every projection is one plain matrix multiply;
+- q/k/v and gate/up projections are fused; RMSNorm weights are folded into the projection that follows,
+  the attention scale into the q rows (both are linear, so the maths is unchanged up to float rounding);
+- K is cached pre-transposed ([kv_heads, head_dim, position]) so attention is two batched matmuls.
+Logits match transformers' within float tolerance (tested); greedy tokens match llama2.c's (tested).
+
+The cache holds `num_slots` sequences. A forward scores a batch of B sequences, each with T new tokens
+starting at its own position. Padded query rows may write past a sequence's end; that is harmless because
+a query only reads keys at or before its own position, and those were all written by real tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+    rope_theta: float
+    rms_norm_eps: float
+
+
+def llama_shape(cfg) -> LlamaShape:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope_scaling = getattr(cfg, "rope_scaling", None)
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"rope_scaling {rope_scaling} is not supported by the reference runtime")
+    rope_theta = getattr(cfg, "rope_theta", None)
+    if rope_theta is None:  # transformers 5 may keep it only under rope_parameters
+        rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return LlamaShape(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+        context_length=cfg.max_position_embeddings, rope_theta=float(rope_theta),
+        rms_norm_eps=cfg.rms_norm_eps,
+    )
+
+
+class LeanLlama:
+    """Greedy-decoding forward of a Llama checkpoint over a slotted KV cache."""
+
+    def __init__(self, hf_model, num_slots: int, max_tokens_per_step: int, device: torch.device | str):
+        self.shape = s = llama_shape(hf_model.config)
+        self.device = torch.device(device)
+        self.dtype = next(hf_model.parameters()).dtype
+        self._take_weights(hf_model)
+        # Room past the context for padded query rows of a verify step.
+        self.cache_length = s.context_length + max_tokens_per_step + 1
+        self.k_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, self.cache_length,
+                                   dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, self.cache_length, s.head_dim,
+                                   dtype=self.dtype, device=self.device)
+        self.cos, self.sin = self._rope_tables()
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_cache.shape[1]
+
+    def _take_weights(self, hf_model) -> None:
+        s = self.shape
+        m = hf_model.model
+
+        # Folding is exact enough in float32; in 16-bit it would round the weights a second time, so there
+        # the norm weights and the attention scale are applied as separate ops, as transformers does.
+        self.folded = self.dtype == torch.float32
+        self.q_scale = 1.0 / math.sqrt(s.head_dim)
+
+        def fold(weight, norm, scale_rows: int = 0):  # W @ (norm * x) == (W * norm) @ x
+            w = weight.detach().float()
+            if self.folded:
+                w = w * norm.detach().float()[None, :]
+                w[:scale_rows] *= self.q_scale
+            return w.to(self.dtype).contiguous()
+
+        self.embed = m.embed_tokens.weight.detach()
+        self.final_norm = m.norm.weight.detach()
+        self.lm_head = fold(hf_model.lm_head.weight, m.norm.weight)
+        self.layers = []
+        self.norms = []
+        for layer in m.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            wqkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+            self.layers.append((
+                fold(wqkv, layer.input_layernorm.weight, scale_rows=att.q_proj.weight.shape[0]),
+                att.o_proj.weight.detach().contiguous(),
+                fold(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), layer.post_attention_layernorm.weight),
+                mlp.down_proj.weight.detach().contiguous(),
+            ))
+            self.norms.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()))
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, [position, 1, head_dim], for x*cos + swap_halves(x)*sin."""
+        s = self.shape
+        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
+        freqs = torch.outer(torch.arange(self.cache_length, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        sin = emb.sin()
+        sin[:, : s.head_dim // 2] *= -1  # rotate_half(x) == swap_halves(x) * [-1.., +1..]
+        as_table = lambda t: t.to(self.dtype).to(self.device)[:, None, :]  # noqa: E731
+        return as_table(emb.cos()), as_table(sin)
+
+    def _normalise(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm computed in float32 like HF; its weight is folded into the next projection in float32."""
+        xf = x if self.folded else x.float()
+        mean_square = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1])
+        xf = xf * mean_square.add_(self.shape.rms_norm_eps).rsqrt_()
+        return xf if self.folded else weight * xf.to(self.dtype)
+
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32:
+            return torch.softmax(scores, dim=-1)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor, slots: list[int], starts: list[int],
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run B sequences of T new tokens (tokens [B, T]) from positions `starts` in cache `slots`.
+
+        Returns float32 logits [B, T, V], or [B, R, V] for the token rows `logit_rows` ([R] indices into T).
+        """
+        batch, steps = tokens.shape
+        if batch == 1:
+            x = self._layers_one(tokens[0], slots[0], starts[0])[None]
+        else:
+            x = self._layers_batch(tokens, slots, starts)
+        if logit_rows is not None:
+            x = x[:, logit_rows]
+        return F.linear(self._normalise(x, self.final_norm), self.lm_head).float()
+
+    def _layers_one(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+        s = self.shape
+        steps = tokens.shape[0]
+        nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        group = nh // nkv
+        end = start + steps
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        mask = None
+        if steps > 1:  # query row (t, g) sees keys 0 .. start + t
+            mask = torch.ones(steps, end, dtype=torch.bool, device=self.device).tril(start)
+            mask = mask.repeat_interleave(group, dim=0)
+        x = F.embedding(tokens, self.embed)
+        for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
+            wqkv, wo, w_gate_up, w_down = weights
+            qkv = F.linear(self._normalise(x, attn_norm), wqkv).view(steps, nh + 2 * nkv, hd)
+            qk = qkv[:, : nh + nkv]
+            qk = qk * cos + _swap_halves(qk) * sin
+            kc, vc = self.k_cache[i, slot], self.v_cache[i, slot]
+            kc[:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
+            vc[:, start:end] = qkv[:, nh + nkv:].transpose(0, 1)
+            q = qk[:, :nh].reshape(steps, nkv, group, hd).transpose(0, 1).reshape(nkv, steps * group, hd)
+            scores = torch.bmm(q, kc[:, :, :end])
+            if not self.folded:
+                scores = scores * self.q_scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.bmm(self._softmax(scores), vc[:, :end])
+            o = o.view(nkv, steps, group * hd).transpose(0, 1).reshape(steps, nh * hd)
+            x = x + F.linear(o, wo)
+            gate, up = F.linear(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+        return x
+
+    def _layers_batch(self, tokens: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:
+        s = self.shape
+        batch, steps = tokens.shape
+        nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        group = nh // nkv
+        slot_t = torch.tensor(slots, device=self.device)
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(steps, device=self.device)
+        flat_positions = positions.reshape(-1)
+        cos, sin = self.cos[flat_positions], self.sin[flat_positions]
+        key_len = max(starts) + steps
+        keys = torch.arange(key_len, device=self.device)
+        visible = (keys[None, None, :] <= positions[:, :, None]).repeat_interleave(group, dim=1)[:, None]
+        x = F.embedding(tokens.reshape(-1), self.embed)
+        for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
+            wqkv, wo, w_gate_up, w_down = weights
+            qkv = F.linear(self._normalise(x, attn_norm), wqkv).view(batch * steps, nh + 2 * nkv, hd)
+            qk = qkv[:, : nh + nkv]
+            qk = qk * cos + _swap_halves(qk) * sin
+            k = qk[:, nh:].reshape(batch, steps, nkv, hd)
+            v = qkv[:, nh + nkv:].reshape(batch, steps, nkv, hd)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc.permute(0, 3, 1, 2)[slot_t[:, None], positions] = k  # kc: [slot, kv, hd, pos]
+            vc.permute(0, 2, 1, 3)[slot_t[:, None], positions] = v  # vc: [slot, kv, pos, hd]
+            q = qk[:, :nh].reshape(batch, steps, nkv, group, hd).transpose(1, 2).reshape(
+                batch, nkv, steps * group, hd)
+            scores = torch.matmul(q, kc[slot_t, :, :, :key_len])
+            if not self.folded:
+                scores = scores * self.q_scale
+            scores = scores.masked_fill(~visible, float("-inf"))
+            o = torch.matmul(self._softmax(scores), vc[slot_t, :, :key_len])  # [B, kv, T*group, hd]
+            o = o.view(batch, nkv, steps, group * hd).transpose(1, 2).reshape(batch * steps, nh * hd)
+            x = x + F.linear(o, wo)
+            gate, up = F.linear(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+        return x.view(batch, steps, -1)
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def load_hf_model(model_dir: str | Path, dtype: str, device: str):
+    """Load a causal LM with transformers, in `dtype`, on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
+    return model.to(device).eval()

@@ -1,0 +1,170 @@
+"""Start-up: read the engine config, load target (and draft) model and tokenizer, start the engine."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .config import EngineConfig, RuntimeConfigError, load_engine_config
+from .drafters import make_drafter
+from .engine import Engine
+from .model import LeanLlama, load_hf_model
+from .protocol import ModelLimits
+
+# For a model this small, one thread beats several (measured in benchmarks/reference_runtime.md).
+SMALL_MODEL_HIDDEN_SIZE = 1024
+
+
+@dataclass
+class Runtime:
+    config: EngineConfig
+    engine_id: str
+    model_path: str
+    draft_model_path: str | None
+    device: str
+    tokenizer: object
+    engine: Engine
+    limits: ModelLimits
+    num_threads: int
+
+    def server_info(self) -> dict:
+        engine, cfg = self.engine, self.config
+        avg = engine.avg_accept_length
+        return {
+            "engine_id": self.engine_id,
+            "setting": cfg.setting,
+            "arm": cfg.arm,
+            "runtime": "specpilot-reference",
+            "version": __version__,
+            "model_path": self.model_path,
+            "served_model_name": cfg.model_name,
+            "draft_model_path": self.draft_model_path,
+            "dtype": cfg.dtype,
+            "quantization": cfg.quantization,
+            "device": self.device,
+            "num_threads": self.num_threads,
+            "context_length": self.limits.context_length,
+            "speculative_algorithm": cfg.drafter.algorithm,
+            "speculative_num_draft_tokens": cfg.drafter.num_draft_tokens,
+            "ngram_max_n": cfg.drafter.ngram_max_n,
+            "ngram_min_n": cfg.drafter.ngram_min_n,
+            "runtime_options": cfg.runtime_options,
+            "concurrency": cfg.concurrency,
+            "max_running_requests": cfg.max_running_requests,
+            "avg_spec_accept_length": avg,
+            "spec_verify_ct": engine.verify_steps,
+            "spec_decode_tokens": engine.decode_tokens,
+            "spec_draft_token_num": engine.draft_tokens,
+            "spec_accept_token_num": engine.accepted_tokens,
+            "finished_requests": engine.finished_requests,
+            "internal_states": [{"avg_spec_accept_length": avg}],
+        }
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.config.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "context_length": self.limits.context_length,
+            "vocab_size": self.limits.vocab_size,
+            "dtype": self.config.dtype,
+        }
+
+
+def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str | None,
+                 device: str | None) -> Runtime:
+    config = load_engine_config(engine_dir)
+    device = device or ("cuda:0" if config.device == "cuda" else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeConfigError(f"--device {device}: no CUDA device is visible to torch {torch.__version__}")
+    num_threads = _set_threads(config, model, device)
+    hf_model = _load_checked(model, config.dtype, device, "--model")
+    if config.quantization == "w12":
+        _apply_w12(hf_model)
+    tokenizer = _load_tokenizer(model)
+    k = config.drafter.num_draft_tokens
+    slots = config.max_running_requests
+    target = LeanLlama(hf_model, num_slots=slots, max_tokens_per_step=k + 1, device=device)
+    draft = None
+    if config.drafter.algorithm == "draft_model":
+        if not draft_model:
+            raise RuntimeConfigError("drafter.algorithm is draft_model: pass --draft-model <hf_model_dir>")
+        draft_hf = _load_checked(draft_model, config.dtype, device, "--draft-model")
+        if draft_hf.config.vocab_size != hf_model.config.vocab_size:
+            raise RuntimeConfigError(f"--draft-model {draft_model}: vocabulary {draft_hf.config.vocab_size} "
+                                     f"differs from the target's {hf_model.config.vocab_size}")
+        draft = LeanLlama(draft_hf, num_slots=slots, max_tokens_per_step=k + 1, device=device)
+    drafter = make_drafter(config.drafter, config.runtime_options, draft)
+    limits = ModelLimits(vocab_size=target.shape.vocab_size, context_length=target.shape.context_length,
+                         eos_token_ids=_eos_ids(model, tokenizer))
+    engine = Engine(target, tokenizer, drafter, k, config.max_running_requests)
+    _warm_up(target)
+    engine.start()
+    return Runtime(config, engine_id, str(model), draft_model, device, tokenizer, engine, limits, num_threads)
+
+
+def _set_threads(config: EngineConfig, model: str, device: str) -> int:
+    threads = config.runtime_options.get("num_threads") or int(os.environ.get("SPECPILOT_THREADS", "0"))
+    if not threads and device == "cpu":
+        hidden = _read_json(Path(model) / "config.json", "--model").get("hidden_size", 0)
+        threads = 1 if hidden <= SMALL_MODEL_HIDDEN_SIZE else torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def _load_checked(model_dir: str, dtype: str, device: str, flag: str):
+    config = _read_json(Path(model_dir) / "config.json", flag)
+    if config.get("model_type") != "llama":
+        raise RuntimeConfigError(f"{flag} {model_dir}: model_type {config.get('model_type')!r}; the reference "
+                                 "runtime serves Llama-architecture checkpoints only")
+    return load_hf_model(model_dir, dtype, device)
+
+
+def _read_json(path: Path, flag: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RuntimeConfigError(f"{flag}: {path} is missing; expected a Hugging Face model directory") from None
+    except json.JSONDecodeError as exc:
+        raise RuntimeConfigError(f"{flag}: {path} is not valid JSON ({exc})") from None
+
+
+def _load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _apply_w12(hf_model) -> None:
+    """W12 weights come from an optional `w12` package; it must expose apply_w12(hf_model)."""
+    try:
+        import w12  # noqa: PLC0415
+    except ImportError:
+        raise RuntimeConfigError("model.quantization is w12 but no `w12` package is on sys.path") from None
+    if not hasattr(w12, "apply_w12"):
+        raise RuntimeConfigError("model.quantization is w12 but the `w12` package has no apply_w12(model)")
+    w12.apply_w12(hf_model)
+
+
+def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    ids = set()
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = _read_json(gen, "--model").get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _warm_up(model: LeanLlama) -> None:
+    with torch.inference_mode():
+        for steps in (4, 1):
+            model.forward(torch.zeros(1, steps, dtype=torch.long, device=model.device), [0], [0])

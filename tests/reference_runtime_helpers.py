@@ -1,0 +1,113 @@
+"""Test helpers for the reference runtime: an engine config.json in a temp dir, and a real server process."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+RUNTIME_DIR = REPO / "runtimes" / "reference"
+MODEL_DIR = REPO.parent / "shared" / "models" / "stories260K"
+GOLDEN = json.loads((MODEL_DIR / "golden_greedy.json").read_text())
+
+
+def engine_config(arm: str = "final", *, algorithm: str | None = None, k: int = 8, max_n: int = 6,
+                  min_n: int = 1, runtime_options: dict | None = None, max_running: int = 1,
+                  dtype: str = "float32") -> dict:
+    """A resolved config as the builder writes it (the keys the reference runtime reads)."""
+    if algorithm is None:
+        algorithm = "none" if arm == "ar" else "ngram"
+    if runtime_options is None:
+        runtime_options = {"shared_ngram_cache": True} if arm == "final" else {}
+    return {
+        "setting": "cpu_c1_stories260k_ngram" if max_running == 1 else "cpu_c16_stories260k_ngram",
+        "arm": {"name": arm},
+        "model": {"name": "stories260K", "dtype": dtype, "quantization": None},
+        "hardware": {"device": "cpu"},
+        "drafter": {"algorithm": algorithm, "num_draft_tokens": k, "ngram_max_n": max_n, "ngram_min_n": min_n},
+        "runtime_options": runtime_options,
+        "batching": {"concurrency": max_running, "max_running_requests": max_running},
+    }
+
+
+def write_engine(directory: Path, config: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(engine_dir: Path, engine_id: str, port: int, extra: list[str] = ()) -> subprocess.Popen:
+    """Start the server exactly as `make serve` does (the launch contract)."""
+    env = dict(os.environ, PYTHONPATH=str(RUNTIME_DIR))
+    argv = [sys.executable, "-m", "specpilot_runtime.server", "--engine", str(engine_dir), "--engine-id",
+            engine_id, "--model", str(MODEL_DIR), "--host", "127.0.0.1", "--port", str(port), *extra]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> str:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server on port {port} not healthy after {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers' own generate (an independent reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=2, pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()
+
+
+_HF = {}
+
+
+def _hf_model():
+    if "model" not in _HF:
+        from transformers import AutoModelForCausalLM
+
+        _HF["model"] = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR)).eval()
+    return _HF["model"]
+
+
+STORY_PROMPTS = [
+    "Once upon a time", "One day, a little boy", "Lily and Tom went to the park", "The sun was shining",
+    "There was a big dog", "Tim had a red ball", "Sue liked to paint", "A little bird sat on a tree",
+    "Mom said, \"Let's go", "The cat was hungry", "Ben found a box", "Anna wanted to fly",
+    "In a small house lived", "The rain fell all day", "Max saw a frog", "Sara had a new doll",
+    "Once there was a kind king", "The boy and his dad", "A fish swam in the pond", "It was a cold night",
+]
