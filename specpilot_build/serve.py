@@ -1,0 +1,284 @@
+"""`make serve` / `make stop`: run exactly one engine tree, and stop exactly the process that was recorded.
+
+serve: resolve (or build) the engine → re-hash it against its manifest → hardware gate → pinned checkpoints
+present and verified → the launch spec from the tree → run record → wait for health and for /server_info to
+report this engine's id. stop: the recorded process group only, idempotently."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .errors import SpecPilotError
+from .lockfile import CheckpointPin, PinnedFile
+from .locations import data_dir
+from .store import Engine, check_engine, resolve_engine
+
+HOST = "127.0.0.1"
+SGLANG_RUNTIME_MODULES = ("torch", "transformers", "uvicorn", "fastapi", "sgl_kernel", "flashinfer")
+
+
+def runs_dir() -> Path:
+    return data_dir() / "runs"
+
+
+def record_path(port: int) -> Path:
+    return runs_dir() / f"{port}.json"
+
+
+# --- serve --------------------------------------------------------------------------------------------------
+
+def serve(engine: Engine, port: int = 30000, gpu: int = 0, *, ignore_hardware: bool = False, dry_run: bool = False,
+          timeout: float = 300.0, quiet: bool = False) -> dict:
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+    problems = check_engine(engine)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; … {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise SpecPilotError(f"engine {engine.id[:12]} differs from its manifest, refusing to serve it: {shown}")
+    cfg = engine.config
+    check_hardware(cfg, gpu, ignore_hardware)
+    if cfg["runtime"]["name"] == "sglang":
+        _check_sglang_dependencies()
+    models = model_dirs(engine)
+    argv, env = launch_command(engine, models, port)
+    env["CUDA_VISIBLE_DEVICES"] = str(gpu) if cfg["hardware"]["device"] == "cuda" else ""
+    if dry_run:
+        for key in sorted(env):
+            print(f"{key}={shlex.quote(env[key])}")
+        print(shlex.join(argv))
+        return {}
+    _claim_port(port, say)
+    log = runs_dir() / f"{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=engine.path, start_new_session=True)
+    record = {"port": port, "host": HOST, "pid": proc.pid, "engine_id": engine.id, "setting": cfg["setting"],
+              "arm": cfg["arm"]["name"], "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "log": str(log), "argv": argv}
+    _write_record(record)
+    say(f"serving {engine.id[:12]} ({cfg['setting']}, {cfg['arm']['name']}) on {HOST}:{port}, pid {proc.pid}")
+    try:
+        _wait_healthy(proc, port, engine.id, timeout, log)
+    except BaseException:
+        _terminate(proc.pid)
+        record_path(port).unlink(missing_ok=True)
+        raise
+    say(f"ready: http://{HOST}:{port}  (log {log})")
+    return record
+
+
+def model_dirs(engine: Engine) -> dict[str, Path]:
+    """The engine's pinned checkpoints, fetched (or taken from the mirror) and verified; role → directory."""
+    from .checkpoints import materialize
+
+    cfg = engine.config
+    dirs = {}
+    for role, record in engine.manifest["inputs"]["checkpoints"].items():
+        if record is None:
+            continue
+        pin = CheckpointPin(repo=record["repo"], revision=record["revision"],
+                            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
+                            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])))
+        section = cfg[role]
+        dirs[role] = materialize(pin.repo, pin, source_format=section.get("source_format") or "hf",
+                                 files=section.get("files") or (), setting=cfg["setting"])
+    return dirs
+
+
+def launch_command(engine: Engine, models: dict[str, Path], port: int) -> tuple[list[str], dict[str, str]]:
+    spec = json.loads((engine.path / "launch.json").read_bytes())
+    values = {"python": sys.executable, "engine": str(engine.path), "engine_id": engine.id, "host": HOST,
+              "port": str(port), "model": str(models.get("model", "")), "draft_model": str(models.get("drafter", ""))}
+    argv = [arg.format(**values) for arg in spec["argv"]]
+    env = {key: value.format(**values) for key, value in spec["env"].items()}
+    return argv, env
+
+
+def check_hardware(cfg: dict, gpu: int, ignore: bool) -> None:
+    """CPU settings run anywhere; a GPU setting needs the configured GPU (name and compute capability)."""
+    hw = cfg["hardware"]
+    if hw["device"] != "cuda" or ignore:
+        return
+    visible = _gpu(gpu)
+    want = f"{hw['gpu']} (compute capability {hw['compute_capability']}, {hw['arch']})"
+    if visible is None:
+        raise SpecPilotError(f"setting {cfg['setting']} needs {want}, but no CUDA GPU {gpu} is visible "
+                             f"(nvidia-smi); pass --ignore-hardware to try anyway")
+    name, capability = visible
+    if capability != hw["compute_capability"] or not name.startswith(hw["gpu"].split(" 80GB")[0]):
+        raise SpecPilotError(f"setting {cfg['setting']} needs {want}, GPU {gpu} is {name} (compute capability "
+                             f"{capability}); pass --ignore-hardware to serve it anyway")
+
+
+def _gpu(index: int) -> tuple[str, str] | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=name,compute_cap",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    name, capability = (part.strip() for part in out.stdout.strip().splitlines()[0].rsplit(",", 1))
+    return name, capability
+
+
+def _check_sglang_dependencies() -> None:
+    missing = [m for m in SGLANG_RUNTIME_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecPilotError(f"SGLang's runtime dependencies are missing here: {', '.join(missing)} "
+                             f"(install sglang's requirements on the GPU machine)")
+
+
+def _claim_port(port: int, say) -> None:
+    existing = read_record(port)
+    if existing is not None:
+        if _is_our_process(existing):
+            raise SpecPilotError(f"port {port}: engine {existing['engine_id'][:12]} is already served there "
+                                 f"(pid {existing['pid']}); `make stop PORT={port}` first")
+        say(f"port {port}: removing a stale run record (pid {existing['pid']} is not running)")
+        record_path(port).unlink(missing_ok=True)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            raise SpecPilotError(f"port {port} on {HOST} is in use by another program; choose PORT=...") from None
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, engine_id: str, timeout: float, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    base = f"http://{HOST}:{port}"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SpecPilotError(f"the server exited with status {proc.returncode} before it was healthy; "
+                                 f"log tail:\n{_tail(log)}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                reported = httpx.get(f"{base}/server_info", timeout=5).json().get("engine_id")
+                if reported != engine_id:
+                    raise SpecPilotError(f"the server on port {port} reports engine {reported!r}, not {engine_id}")
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SpecPilotError(f"the server did not become healthy within {timeout:.0f} s; log tail:\n{_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+# --- run records and stop -----------------------------------------------------------------------------------
+
+def read_record(port: int) -> dict | None:
+    try:
+        return json.loads(record_path(port).read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError:
+        raise SpecPilotError(f"{record_path(port)}: unreadable run record; remove it") from None
+
+
+def _write_record(record: dict) -> None:
+    path = record_path(record["port"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _is_our_process(record: dict) -> bool:
+    """The recorded pid still runs the recorded engine (a reused pid running something else does not count)."""
+    try:
+        cmdline = Path(f"/proc/{record['pid']}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    return record["engine_id"].encode() in cmdline or str(record["port"]).encode() in cmdline.split(b"\0")
+
+
+def stop(port: int) -> str:
+    record = read_record(port)
+    if record is None:
+        return f"port {port}: nothing recorded, nothing to stop"
+    if _is_our_process(record):
+        _terminate(record["pid"])
+        message = f"stopped engine {record['engine_id'][:12]} on port {port} (pid {record['pid']})"
+    else:
+        message = f"port {port}: recorded pid {record['pid']} was not running; removed the stale record"
+    record_path(port).unlink(missing_ok=True)
+    return message
+
+
+def _terminate(pid: int, grace: float = 10.0) -> None:
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            if not Path(f"/proc/{pid}").exists() or _zombie(pid):
+                return
+            time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+# --- command line -------------------------------------------------------------------------------------------
+
+def serve_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specpilot serve", description=__doc__)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--engine", help="engine id or unique prefix")
+    what.add_argument("--setting", help="build (or find) this setting's engine first")
+    parser.add_argument("--arm", default="final")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--ignore-hardware", action="store_true", help="serve even if the GPU differs (experts)")
+    parser.add_argument("--dry-run", action="store_true", help="print the exact command and environment")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
+    args = parser.parse_args(argv)
+    if args.setting:
+        from .build import build_engine
+        engine = build_engine(args.setting, args.arm).engine
+    else:
+        engine = resolve_engine(args.engine)
+    serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, dry_run=args.dry_run,
+          timeout=args.timeout)
+    return 0
+
+
+def stop_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specpilot stop")
+    parser.add_argument("--port", type=int, default=30000)
+    print(stop(parser.parse_args(argv).port))
+    return 0
+
+
+main = serve_main

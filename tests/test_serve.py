@@ -1,0 +1,127 @@
+"""make serve / make stop: exactly the engine given, exactly the process recorded."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from specpilot_build.build import build_engine
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = json.loads((REPO.parent / "shared/models/stories260K/golden_greedy.json").read_text())
+EMBEDDED = "cpu_c1_stories260k_ngram"
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def record(session_data: Path, port: int) -> dict | None:
+    path = session_data / "runs" / f"{port}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.split(")")[-1].split()[0] != "Z"
+
+
+def test_serve_runs_exactly_the_engine_and_stop_is_idempotent(session_data):
+    engine = build_engine(EMBEDDED, "ar").engine
+    port = free_port()
+    out = cli("serve", "--engine", engine.id[:10], "--port", str(port))
+    assert out.returncode == 0, out.stderr
+    rec = record(session_data, port)
+    try:
+        assert rec["engine_id"] == engine.id and rec["port"] == port and alive(rec["pid"])
+        info = httpx.get(f"http://127.0.0.1:{port}/server_info").json()
+        assert info["engine_id"] == engine.id and info["arm"] == "ar"
+        prompt = GOLDEN["prompt_ids"]
+        n = len(GOLDEN["sequence_ids"]) - len(prompt)
+        got = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60, json={
+            "input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0}}).json()
+        assert prompt + got["output_ids"] == GOLDEN["sequence_ids"][:len(prompt) + len(got["output_ids"])]
+        assert len(got["output_ids"]) > 0
+    finally:
+        first = cli("stop", "--port", str(port))
+    assert first.returncode == 0 and "stopped engine" in first.stdout
+    assert not alive(rec["pid"]) and record(session_data, port) is None
+    second = cli("stop", "--port", str(port))
+    assert second.returncode == 0 and "nothing to stop" in second.stdout
+
+
+def test_a_tampered_engine_is_refused_before_anything_starts(tmp_path, monkeypatch, session_data):
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    engine = build_engine(EMBEDDED, "final").engine
+    target = engine.path / "runtime" / "specpilot_runtime" / "server.py"
+    os.chmod(target, 0o644)
+    target.write_text(target.read_text() + "\n# tampered\n")
+    port = free_port()
+    out = cli("serve", "--engine", engine.id, "--port", str(port))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "runtime/specpilot_runtime/server.py" in out.stderr and "refusing" in out.stderr
+    assert record(session_data, port) is None and not (session_data / "runs" / f"{port}.log").exists()
+
+
+def test_a_killed_server_leaves_a_stale_record_the_next_serve_detects(session_data):
+    engine = build_engine(EMBEDDED, "ar").engine
+    port = free_port()
+    assert cli("serve", "--engine", engine.id, "--port", str(port)).returncode == 0
+    pid = record(session_data, port)["pid"]
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    deadline = time.time() + 10
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    again = cli("serve", "--engine", engine.id, "--port", str(port))
+    try:
+        assert again.returncode == 0, again.stderr
+        assert "stale run record" in again.stderr
+        assert record(session_data, port)["pid"] != pid
+    finally:
+        cli("stop", "--port", str(port))
+
+
+def test_a_port_in_use_is_a_clear_error(session_data):
+    engine = build_engine(EMBEDDED, "ar").engine
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = cli("serve", "--engine", engine.id, "--port", str(port))
+    assert out.returncode == 2 and f"port {port}" in out.stderr and "in use" in out.stderr
+    assert record(session_data, port) is None
+
+
+def test_dry_run_prints_the_exact_command_from_the_tree():
+    engine = build_engine(EMBEDDED, "final").engine
+    out = cli("serve", "--engine", engine.id, "--port", "30999", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert f"PYTHONPATH={engine.path}/runtime:{engine.path}/kernels" in lines
+    assert "-m specpilot_runtime.server" in lines[-1] and f"--engine-id {engine.id}" in lines[-1]
+    assert "--port 30999" in lines[-1]
+
+
+def test_the_hardware_gate_refuses_a_gpu_setting_without_its_gpu():
+    out = cli("serve", "--setting", "h200_c1_stories260k_ngram", "--arm", "ar", "--dry-run")
+    assert out.returncode == 2 and "NVIDIA H200" in out.stderr and "--ignore-hardware" in out.stderr
+    forced = cli("serve", "--setting", "h200_c1_stories260k_ngram", "--arm", "ar", "--dry-run",
+                 "--ignore-hardware")
+    assert forced.returncode == 0 and "CUDA_VISIBLE_DEVICES=0" in forced.stdout
