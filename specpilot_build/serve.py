@@ -37,8 +37,11 @@ def record_path(port: int) -> Path:
 
 # --- serve --------------------------------------------------------------------------------------------------
 
-def serve(engine: Engine, port: int = 30000, gpu: int = 0, *, ignore_hardware: bool = False, dry_run: bool = False,
-          timeout: float = 300.0, quiet: bool = False) -> dict:
+def serve(engine: Engine | str, port: int = 30000, gpu: int = 0, *, ignore_hardware: bool = False,
+          dry_run: bool = False, timeout: float = 300.0, quiet: bool = False) -> dict:
+    """Serve `engine` (an Engine or an id / unique prefix) on 127.0.0.1:port; returns the run record."""
+    if isinstance(engine, str):
+        engine = resolve_engine(engine)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     problems = check_engine(engine)
     if problems:
