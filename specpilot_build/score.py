@@ -1,0 +1,323 @@
+"""Grade a bench run: `specpilot score RUN` reads a results JSON and writes <run>.score.json beside it.
+
+- gsm8k: the completion's final number (last \\boxed{}, else a '####' line, else "the answer is", else the
+  last number in the text) compared numerically with the reference's '#### N'.
+- math500: the completion's answer and the reference answer parsed and compared by math-verify, in a
+  separate worker process (its timeouts use SIGALRM, which needs a main thread we may not own).
+- humaneval: prompt + code + the problem's tests + check(entry_point), executed in the sandbox.
+- mbpp: code + the problem's setup code + its asserts, executed in the sandbox.
+  Code is the fenced block (```python ... ```) that defines the function under test, else all fenced
+  blocks, else the completion as is (an unterminated fence counts to the end: truncated answers).
+- mt-bench: counted, not auto-scored.
+Truncated answers (finish reason "length", or as many tokens as the run allowed) are counted per dataset;
+they are graded like the others.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import secrets
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+from specpilot_build import sandbox
+from specpilot_build.errors import SpecPilotError, user_errors
+from specpilot_build.results import load_results, write_json
+
+SCHEMA = "specpilot.score/1"
+AUTO_SCORED = ("gsm8k", "math500", "humaneval", "mbpp")
+
+
+def score_run(results_path: str | Path, workers: int | None = None,
+              limits: sandbox.Limits = sandbox.Limits()) -> dict:
+    """Grade every request of a results JSON; write and return the score record."""
+    path, run = load_results(results_path)
+    requests = run.get("requests") or []
+    for index, request in enumerate(requests):
+        missing = [key for key in ("dataset", "item_id") if key not in request]
+        if missing:
+            raise SpecPilotError(f"{path}: requests[{index}] lacks {', '.join(missing)}")
+    records = _reference_records({request["dataset"] for request in requests})
+    graded: list[dict | None] = [None] * len(requests)
+
+    by_dataset: dict[str, list[int]] = {}
+    for index, request in enumerate(requests):
+        by_dataset.setdefault(request["dataset"], []).append(index)
+
+    for dataset, indices in by_dataset.items():
+        rows = [_record_for(records, dataset, requests[i]["item_id"], path) for i in indices]
+        outputs = [requests[i].get("output_text") or "" for i in indices]
+        if dataset == "gsm8k":
+            results = [grade_gsm8k(text, row) for text, row in zip(outputs, rows)]
+        elif dataset == "math500":
+            results = grade_math500(outputs, [row["answer"] for row in rows])
+        elif dataset in ("humaneval", "mbpp"):
+            build = humaneval_program if dataset == "humaneval" else mbpp_program
+            # A program passes when it exits 0 *after* the last test ran: an answer that calls exit(0)
+            # before the tests must not pass, so the program ends by printing a secret it cannot know.
+            token = secrets.token_hex(16)
+            programs = [f"{build(text, row)}\nprint({token!r})\n" for text, row in zip(outputs, rows)]
+            outcomes = sandbox.run_many(programs, limits, workers)
+            results = [{"correct": o.passed and token in o.stdout, "detail": _failure_detail(o, token)}
+                       for o in outcomes]
+        else:
+            results = [{"correct": None} for _ in indices]
+        for i, result in zip(indices, results):
+            graded[i] = {"dataset": dataset, "item_id": requests[i]["item_id"],
+                         "truncated": is_truncated(requests[i], run.get("max_new_tokens")), **result}
+
+    score = {
+        "schema": SCHEMA,
+        "results": path.name,
+        **{key: run.get(key) for key in ("name", "engine_id", "setting", "arm", "max_new_tokens")},
+        "sandbox": sandbox.isolation().describe() if {"humaneval", "mbpp"} & by_dataset.keys() else None,
+        "datasets": {dataset: _summary(dataset, [graded[i] for i in indices])
+                     for dataset, indices in sorted(by_dataset.items())},
+        "items": graded,
+    }
+    out = score_path(path)
+    write_json(out, score)
+    return {**score, "path": str(out)}
+
+
+def score_path(results_path: Path) -> Path:
+    name = results_path.name.removesuffix(".json")
+    return results_path.with_name(f"{name}.score.json")
+
+
+def is_truncated(request: dict, run_max_new_tokens: int | None) -> bool:
+    """Stopped by the token budget: finish reason "length", or as many tokens as the request allowed."""
+    finish = request.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind == "length":
+        return True
+    budget = request.get("max_new_tokens") or run_max_new_tokens
+    tokens = request.get("completion_tokens")
+    return bool(budget) and tokens is not None and tokens >= budget
+
+
+def _summary(dataset: str, graded: list[dict]) -> dict:
+    scored = dataset in AUTO_SCORED
+    correct = sum(1 for g in graded if g["correct"]) if scored else None
+    return {
+        "n": len(graded),
+        "scored": scored,
+        "correct": correct,
+        "accuracy": correct / len(graded) if scored and graded else None,
+        "truncated": sum(1 for g in graded if g["truncated"]),
+    }
+
+
+# --- gsm8k -------------------------------------------------------------------------------------------
+
+_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+"
+
+
+def grade_gsm8k(completion: str, record: dict) -> dict:
+    reference = gsm8k_reference(record["answer"])
+    predicted = extract_final_number(completion)
+    return {"correct": predicted is not None and predicted == reference,
+            "predicted": None if predicted is None else str(predicted), "reference": str(reference)}
+
+
+def gsm8k_reference(answer: str) -> Fraction:
+    """The number after '####' in a GSM8K reference answer."""
+    value = _to_number(answer.split("####")[-1])
+    if value is None:
+        raise SpecPilotError(f"gsm8k reference answer has no number after '####': {answer[-80:]!r}")
+    return value
+
+
+def extract_final_number(text: str) -> Fraction | None:
+    """The final numeric answer of a completion: last \\boxed{}, '####' line, 'the answer is', last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        value = _to_number(boxed)
+        if value is not None:
+            return value
+    for pattern in (r"####\s*([^\n]*)", r"answer is[:\s]*([^\n]*)"):
+        matches = re.findall(pattern, text, flags=re.IGNORECASE)
+        if matches:
+            value = _first_number(matches[-1])
+            if value is not None:
+                return value
+    numbers = re.findall(_NUMBER, text)
+    return _to_number(numbers[-1]) if numbers else None
+
+
+def _first_number(text: str) -> Fraction | None:
+    match = re.search(_NUMBER, text)
+    return _to_number(match.group()) if match else None
+
+
+def _to_number(text: str) -> Fraction | None:
+    cleaned = re.sub(r"\\text\{[^}]*\}|\\[,!; %$]|[\s$,%]", "", text)
+    fraction = re.search(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", cleaned)
+    if fraction and int(fraction.group(2)):
+        return Fraction(int(fraction.group(1)), int(fraction.group(2)))
+    match = re.search(r"-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+", cleaned)
+    try:
+        return Fraction(match.group()) if match else None
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last \\boxed{...} (or \\fbox{...}), braces balanced."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    if not starts:
+        return None
+    depth, start = 1, starts[-1]
+    for position in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        if depth == 0:
+            return text[start:position]
+    return None
+
+
+# --- math500 -----------------------------------------------------------------------------------------
+
+def grade_math500(completions: list[str], answers: list[str], timeout_s: float = 60.0) -> list[dict]:
+    """math-verify equivalence of each completion's answer with the reference answer.
+
+    Runs in a child interpreter: math-verify guards sympy with signal.alarm, which works only in a main
+    thread, and a pathological expression must not hang the caller. If the child does not finish within
+    timeout_s + 5 s per item it is killed and the items count as wrong."""
+    if not completions:
+        return []
+    worker = ("import sys; sys.path.insert(0, sys.argv[1]); "
+              "from specpilot_build.score import _math_verify_stdio; _math_verify_stdio()")
+    package_root = str(Path(__file__).resolve().parent.parent)
+    try:
+        done = subprocess.run([sys.executable, "-c", worker, package_root], capture_output=True, text=True,
+                              input=json.dumps({"completions": completions, "answers": answers}),
+                              timeout=timeout_s + 5 * len(completions))
+    except subprocess.TimeoutExpired:
+        return [{"correct": False, "detail": "math-verify did not finish"} for _ in completions]
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise SpecPilotError(f"math-verify worker failed: {tail[0]}")
+    return json.loads(done.stdout)
+
+
+def _math_verify_stdio() -> None:
+    request = json.load(sys.stdin)
+    json.dump(_math_verify_batch(request["completions"], request["answers"]), sys.stdout)
+
+
+def _math_verify_batch(completions: list[str], answers: list[str]) -> list[dict]:
+    from math_verify import parse, verify
+
+    results = []
+    for completion, answer in zip(completions, answers):
+        gold = parse(f"${answer}$")
+        predicted = parse(completion)
+        correct = bool(gold) and bool(predicted) and verify(gold, predicted)
+        results.append({"correct": bool(correct), "predicted": str(predicted[-1]) if predicted else None,
+                        "reference": answer})
+    return results
+
+
+# --- code ------------------------------------------------------------------------------------------
+
+def humaneval_program(completion: str, record: dict) -> str:
+    # The prompt's function (signature + docstring) is valid on its own: a completion that continues it
+    # and one that restates the whole function both run.
+    code = extract_code(completion, record["entry_point"])
+    return f"{record['prompt']}{code}\n\n{record['test']}\n\ncheck({record['entry_point']})\n"
+
+
+def mbpp_program(completion: str, record: dict) -> str:
+    tests = record["test_list"]
+    name = _called_function(tests)
+    imports = "\n".join(record.get("test_imports") or [])  # the sanitized split keeps its imports here
+    setup = record.get("test_setup_code") or ""
+    code = extract_code(completion, name)
+    return f"{imports}\n{code}\n\n{setup}\n" + "\n".join(tests) + "\n"
+
+
+def extract_code(text: str, function: str | None = None) -> str:
+    """The fenced block that defines `function`, else all fenced blocks, else the text itself."""
+    blocks = re.findall(r"```[^\n`]*\n(.*?)(?:```|\Z)", text, flags=re.DOTALL)
+    if not blocks:
+        return text
+    if function:
+        defining = [b for b in blocks if re.search(rf"^\s*def\s+{re.escape(function)}\s*\(", b, re.MULTILINE)]
+        if defining:
+            return defining[0]
+    return "\n\n".join(blocks)
+
+
+def _called_function(tests: list[str]) -> str | None:
+    for test in tests:
+        match = re.search(r"assert\s+(?:not\s+)?\(?\s*(?:math\.isclose\(\s*|set\(\s*)?([A-Za-z_]\w*)\s*\(", test)
+        if match:
+            return match.group(1)
+    return None
+
+
+def _failure_detail(outcome: sandbox.Outcome, token: str) -> str | None:
+    if outcome.passed:
+        return None if token in outcome.stdout else "exited before its tests finished"
+    if outcome.timed_out:
+        return "timed out"
+    lines = outcome.stderr.strip().splitlines()
+    return lines[-1][:200] if lines else f"exit status {outcome.returncode}"
+
+
+# --- inputs --------------------------------------------------------------------------------------------
+
+def _reference_records(datasets: set[str]) -> dict[str, dict[str, dict]]:
+    from specpilot_build.datasets import load_split
+
+    return {dataset: {item.id: item.record for item in load_split(dataset)} for dataset in datasets}
+
+
+def _record_for(records: dict, dataset: str, item_id: str, path: Path) -> dict:
+    try:
+        return records[dataset][str(item_id)]
+    except KeyError:
+        raise SpecPilotError(f"{path}: {dataset} item {item_id!r} is not in the pinned {dataset} split") from None
+
+
+# --- CLI -----------------------------------------------------------------------------------------------
+
+def print_table(score: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"score: {score.get('name') or score['results']}"
+    if score.get("arm"):
+        title += f"  (arm {score['arm']}, engine {str(score.get('engine_id'))[:16]})"
+    table = Table(title=title, caption=f"sandbox: {score['sandbox']}" if score.get("sandbox") else None)
+    for column in ("dataset", "n", "correct", "accuracy", "truncated"):
+        table.add_column(column, justify="left" if column == "dataset" else "right")
+    for dataset, summary in score["datasets"].items():
+        if summary["scored"]:
+            table.add_row(dataset, str(summary["n"]), str(summary["correct"]),
+                          f"{summary['accuracy']:.1%}", str(summary["truncated"]))
+        else:
+            table.add_row(dataset, str(summary["n"]), "-", "not auto-scored", str(summary["truncated"]))
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specpilot score", description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="results JSON written by bench: a path or a run name (<data>/results/<name>.json)")
+    parser.add_argument("--workers", type=int, default=None, help="sandboxed programs run in parallel")
+    parser.add_argument("--timeout", type=float, default=sandbox.Limits.wall_s,
+                        help="wall seconds per program (its CPU-time limit is half of it)")
+    args = parser.parse_args(argv)
+    with user_errors():
+        limits = sandbox.Limits(wall_s=args.timeout, cpu_s=max(1, int(args.timeout / 2)))
+        score = score_run(args.run, workers=args.workers, limits=limits)
+        print_table(score)
+        print(f"wrote {score['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

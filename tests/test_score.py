@@ -1,0 +1,197 @@
+"""Scoring: reference answers and canonical solutions score 100%, wrong and hostile ones score 0."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specpilot_build import sandbox, score
+from specpilot_build.datasets import load_split
+from specpilot_build.errors import SpecPilotError
+
+
+def _request(dataset: str, item_id: str, text: str, finish: str = "stop", tokens: int = 10) -> dict:
+    return {"dataset": dataset, "item_id": item_id, "prompt_ids": [1, 2, 3], "output_ids": list(range(tokens)),
+            "output_text": text, "completion_tokens": tokens, "max_new_tokens": 64,
+            "finish_reason": finish}
+
+
+def _write_run(path: Path, requests: list[dict]) -> Path:
+    path.write_text(json.dumps({"schema": "specpilot.results/1", "name": path.stem, "engine_id": "e" * 64,
+                                "setting": "test", "arm": "final", "max_new_tokens": 64,
+                                "requests": requests}))
+    return path
+
+
+def _fenced(code: str) -> str:
+    return f"Here is my solution.\n\n```python\n{code}```\n\nIt passes the examples."
+
+
+@pytest.fixture(scope="module")
+def canonical(tmp_path_factory):
+    """A results file whose answers are the upstream canonical solutions of every HumanEval problem and
+    every MBPP test-split problem; one in ten restated as a fenced markdown answer, the way chat models write."""
+    requests = []
+    for index, item in enumerate(load_split("humaneval")):
+        solution = item.record["canonical_solution"]
+        if index % 10 == 0:
+            solution = _fenced(item.record["prompt"] + solution)
+        requests.append(_request("humaneval", item.id, solution))
+    for index, item in enumerate(load_split("mbpp")):
+        solution = item.record["code"].replace("\r\n", "\n")
+        if index % 10 == 0:
+            solution = _fenced(solution + "\n")
+        requests.append(_request("mbpp", item.id, solution))
+    path = _write_run(tmp_path_factory.mktemp("runs") / "canonical.json", requests)
+    return path, score.score_run(path)
+
+
+def test_every_canonical_code_solution_passes_in_the_sandbox(canonical):
+    _, result = canonical
+    failures = [(g["item_id"], g["detail"]) for g in result["items"] if not g["correct"]]
+    assert failures == []
+    assert result["datasets"]["humaneval"] == {"n": 164, "scored": True, "correct": 164, "accuracy": 1.0,
+                                               "truncated": 0}
+    assert result["datasets"]["mbpp"]["n"] == 500 and result["datasets"]["mbpp"]["accuracy"] == 1.0
+
+
+def test_score_json_is_written_next_to_the_run(canonical):
+    path, result = canonical
+    written = json.loads((path.parent / "canonical.score.json").read_text())
+    assert written["schema"] == "specpilot.score/1" and written["results"] == "canonical.json"
+    assert written["datasets"] == result["datasets"]
+    assert len(written["items"]) == 164 + 500
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    gsm8k = load_split("gsm8k", 6)
+    math500 = load_split("math500", 6)
+    humaneval = {item.id: item.record for item in load_split("humaneval")}
+    mbpp = load_split("mbpp", 3)
+    mt_bench = load_split("mt-bench", 2)
+    requests = [
+        # gsm8k: the reference solution text is right; the neighbour's final number is wrong
+        *[_request("gsm8k", it.id, it.record["answer"]) for it in gsm8k[:4]],
+        _request("gsm8k", gsm8k[4].id, gsm8k[5].record["answer"]),
+        _request("gsm8k", gsm8k[5].id, "I could not finish the", finish="length", tokens=64),
+        # math500: reference solution texts are right; a swapped one is wrong
+        *[_request("math500", it.id, it.record["solution"]) for it in math500[:4]],
+        _request("math500", math500[4].id, "The answer is $\\boxed{\\frac{7}{13}}$ for sure."),
+        _request("math500", math500[5].id, math500[5].record["solution"], finish="length", tokens=64),
+        # code: right, wrong, hostile, truncated mid-fence
+        _request("humaneval", "HumanEval/0", humaneval["HumanEval/0"]["canonical_solution"]),
+        _request("humaneval", "HumanEval/2", "    return 0.5\n"),
+        _request("humaneval", "HumanEval/4", "    while True:\n        pass\n"),
+        _request("humaneval", "HumanEval/7", "```python\nfrom typing import List\ndef filter_by_substring(",
+                 finish="length", tokens=64),
+        _request("mbpp", mbpp[0].id, mbpp[0].record["code"]),
+        _request("mbpp", mbpp[1].id, _fenced("import sys\nsys.exit(0)  # skip the tests\n")),
+        _request("mbpp", mbpp[2].id, "I am not sure how to do this."),
+        *[_request("mt-bench", it.id, "A thoughtful essay.", finish=f, tokens=n)
+          for it, f, n in zip(mt_bench, ("stop", "length"), (10, 64))],
+    ]
+    path = _write_run(tmp_path_factory.mktemp("runs") / "mixed.json", requests)
+    return score.score_run(path, workers=2, limits=sandbox.Limits(wall_s=3.0, cpu_s=1))
+
+
+def test_mixed_run_counts_correct_and_truncated_answers(mixed):
+    datasets = mixed["datasets"]
+    assert (datasets["gsm8k"]["correct"], datasets["gsm8k"]["n"], datasets["gsm8k"]["truncated"]) == (4, 6, 1)
+    assert (datasets["math500"]["correct"], datasets["math500"]["truncated"]) == (5, 1)  # truncation is not failure
+    assert (datasets["humaneval"]["correct"], datasets["humaneval"]["truncated"]) == (1, 1)
+    assert datasets["mbpp"]["correct"] == 1
+    assert datasets["mt-bench"] == {"n": 2, "scored": False, "correct": None, "accuracy": None, "truncated": 1}
+    details = {g["item_id"]: g.get("detail") for g in mixed["items"]}
+    assert details["HumanEval/4"] == "timed out" or "CPU" in (details["HumanEval/4"] or "") or details["HumanEval/4"]
+    assert details[load_split("mbpp", 3)[1].id] == "exited before its tests finished"
+
+
+def test_cli_prints_the_table_and_writes_the_score(tmp_path, capsys):
+    item = load_split("gsm8k", 1)[0]
+    path = _write_run(tmp_path / "tiny.json", [_request("gsm8k", item.id, item.record["answer"]),
+                                               _request("mt-bench", "81", "Hello.")])
+    assert score.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "gsm8k" in out and "100.0%" in out and "not auto-scored" in out
+    assert (tmp_path / "tiny.score.json").is_file()
+
+
+def test_unknown_item_is_a_user_error(tmp_path):
+    path = _write_run(tmp_path / "bad.json", [_request("humaneval", "HumanEval/999", "pass")])
+    with pytest.raises(SpecPilotError, match="HumanEval/999"):
+        score.score_run(path)
+
+
+def test_missing_run_exits_with_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        score.main([str(tmp_path / "nothing.json")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+# --- answer extraction -------------------------------------------------------------------------------
+
+def test_gsm8k_final_number_from_every_reference_solution():
+    wrong = []
+    for item in load_split("gsm8k"):
+        answer = item.record["answer"]
+        reference = score.gsm8k_reference(answer)
+        body, final = answer.split("####")
+        final = final.strip()
+        for text in (answer, f"{body}The answer is {final}.", f"{body}So the total is $\\boxed{{{final}}}$.",
+                     f"{body}{final}"):
+            if score.extract_final_number(text) != reference:
+                wrong.append((item.id, text[-40:]))
+    assert wrong == []
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("She pays $1,250.50 in total.\n#### 1,250.50", "2501/2"),
+    ("so \\boxed{\\$18} dollars", "18"),
+    ("The answer is: -7 degrees", "-7"),
+    ("\\boxed{\\frac{3}{4}} of the cake", "3/4"),
+    ("First 12, then 30, finally 42 apples.", "42"),
+    ("12 eggs \\boxed{36}. Later we note 5 other things.", "36"),
+    ("no digits here", None),
+])
+def test_gsm8k_extraction_cases(text, expected):
+    value = score.extract_final_number(text)
+    assert (None if value is None else str(value)) == expected
+
+
+def test_gsm8k_reference_numbers():
+    assert score.gsm8k_reference("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == 72
+    assert score.gsm8k_reference("#### 1,000") == 1000
+
+
+def test_math500_reference_solutions_match_their_answers():
+    items = load_split("math500", 40)
+    solutions = [item.record["solution"] for item in items]
+    answers = [item.record["answer"] for item in items]
+    assert [r["correct"] for r in score.grade_math500(solutions, answers)] == [True] * 40
+    shifted = answers[1:] + answers[:1]
+    distinct = [i for i in range(40) if shifted[i] != answers[i]]
+    results = score.grade_math500(solutions, shifted)
+    assert [results[i]["correct"] for i in distinct] == [False] * len(distinct)
+
+
+def test_math500_equivalent_forms():
+    results = score.grade_math500(
+        ["so $\\boxed{0.5}$", "thus \\boxed{\\dfrac{1}{2}}", "x = \\boxed{3}", "I give up"],
+        ["\\frac{1}{2}", "\\frac12", "3", "3"])
+    assert [r["correct"] for r in results] == [True, True, True, False]
+
+
+def test_last_boxed_balances_braces():
+    assert score.last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert score.last_boxed("\\boxed{unclosed") is None
+
+
+def test_code_extraction_prefers_the_block_defining_the_function():
+    text = ("Example use:\n```python\nprint(add(1, 2))\n```\nThe function:\n```py\ndef add(a, b):\n"
+            "    return a + b\n```\n")
+    assert score.extract_code(text, "add") == "def add(a, b):\n    return a + b\n"
+    assert score.extract_code("def add(a, b): return a + b", "add") == "def add(a, b): return a + b"
+    assert score.extract_code("```python\ndef add(a, b):\n    return a", "add") == "def add(a, b):\n    return a"
