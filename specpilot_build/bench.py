@@ -1,8 +1,9 @@
 """Bench: the dev splits' first turns, greedy, through the server that serves exactly one engine id.
 
 Prompts are rendered on the client (prompts.py) so every arm gets identical input ids. A request's budget is
-`max_new_tokens`, cut to what fits the model's context (identical for every arm, recorded per request); a
-prompt that leaves no room for one new token is skipped and listed. A short warm-up pass (not counted)
+`max_new_tokens`, cut so that prompt + output stays below the model's context (as SGLang cuts it; it also lets
+verify force the whole output, since servers refuse inputs as long as the context). The cut is identical for
+every arm and recorded per request; a prompt that leaves no room for one new token is skipped and listed. A short warm-up pass (not counted)
 precedes the timed pass. Datasets run one after another, each with the setting's concurrency, so each has
 its own wall time (the c16 throughput of that dataset). One results JSON holds everything compare, score and
 verify need.
@@ -109,7 +110,7 @@ def plan_requests(renderer: PromptRenderer, names: list[str], limit: int | None,
         plan[dataset], skipped[dataset] = [], []
         for item in load_split(dataset, limit):
             prompt = renderer.prompt(dataset, item.id, item.prompt)
-            budget = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt.ids))
+            budget = max_new_tokens if context is None else min(max_new_tokens, context - 1 - len(prompt.ids))
             if budget < 1:
                 skipped[dataset].append(item.id)
                 continue

@@ -39,12 +39,13 @@ def demo(setting: str = "cpu_c1_stories260k_ngram", limit: int = 3, max_new_toke
                               max_new_tokens=max_new_tokens, port=port, datasets=datasets, overwrite=True)
         finally:
             stop(port)
-        console.print(f"bench {arm:5s} → {runs[arm]}")
+        console.print(f"bench {arm:5s} → {runs[arm]} ({time.perf_counter() - started:.0f} s)")
     report = compare(str(runs["ar"]), str(runs["stock"]), str(runs["final"]), name=f"demo_{setting}_compare",
                      console=console)
-    console.print(f"chart → {report['chart']}")
+    console.print(f"chart → {report['chart']} ({time.perf_counter() - started:.0f} s)")
     score = score_run(runs["final"])
     print_score(score)
+    console.print(f"scored ({time.perf_counter() - started:.0f} s)")
     verification = verify(str(runs["final"]), oracle=engines["ar"].id, port=port, console=console)
     seconds = time.perf_counter() - started
     console.print(f"demo done in {seconds:.0f} s: verdict {verification['verdict']}")
