@@ -133,9 +133,9 @@ def fetch_file(repo: str, revision: str, pinned: PinnedFile, *, cache: Path, mir
         if verified(Path(cached), pinned):
             return Path(cached)
         _remove_cached(Path(cached))  # a corrupt cache entry: replace it from the mirror or the hub
-    source = _mirror_file(mirror, pinned, repo) if mirror else None
-    if source is not None:
-        return _place_in_cache(source, cache, repo, revision, pinned)
+    candidates = _mirror_candidates(mirror, pinned, repo) if mirror else []
+    if candidates:
+        return _place_in_cache(candidates, cache, repo, revision, pinned)
     return _download(repo, revision, pinned, cache=cache, mirror=mirror)
 
 
@@ -190,10 +190,9 @@ def _wanted_files(pin: CheckpointPin, files: Sequence[str], setting: str) -> lis
     return [by_path[p] for p in files] if files else list(pin.files)
 
 
-def _mirror_file(mirror: Path, pinned: PinnedFile, repo: str) -> Path | None:
-    """A file in the mirror for `pinned`: at <mirror>/<path> or <mirror>/<repo>/<path>, else anywhere below
-    the mirror with the same name and size. The first whose sha256 matches wins; candidates that all
-    differ are refused naming the file (a corrupt mirror is an error, not a reason to go online)."""
+def _mirror_candidates(mirror: Path, pinned: PinnedFile, repo: str) -> list[Path]:
+    """Files in the mirror that may be `pinned`: <mirror>/<path>, <mirror>/<repo>/<path>, then any file
+    below the mirror with the same name and size (e.g. ../shared/models/stories260K/llama2c/tok512.bin)."""
     candidates = [mirror / pinned.path, mirror / repo / pinned.path]
     candidates = [p for p in candidates if p.is_file() and p.stat().st_size == pinned.size]
     name = Path(pinned.path).name
@@ -203,18 +202,14 @@ def _mirror_file(mirror: Path, pinned: PinnedFile, repo: str) -> Path | None:
             path = Path(root) / name
             if path.is_file() and path.stat().st_size == pinned.size and path not in candidates:
                 candidates.append(path)
-    for path in candidates:
-        if sha256_of(path, label=str(path)) == pinned.sha256:
-            return path
-    if candidates:
-        raise SpecPilotError(f"{candidates[0]}: sha256 differs from the pin of {repo} {pinned.path} "
-                             f"({pinned.sha256[:16]}…); refusing it")
-    return None
+    return candidates
 
 
-def _place_in_cache(source: Path, cache: Path, repo: str, revision: str, pinned: PinnedFile) -> Path:
-    """Copy `source` into blobs/<sha256> (via a temp file, verified again while copying: the mirror may
-    change underneath) and link snapshots/<revision>/<path> to it, as huggingface_hub lays out a download."""
+def _place_in_cache(candidates: list[Path], cache: Path, repo: str, revision: str, pinned: PinnedFile) -> Path:
+    """Copy the first candidate whose bytes hash to the pin into blobs/<sha256> (hashed while copying, into
+    a temp file renamed only once proven) and link snapshots/<revision>/<path> to it, as huggingface_hub
+    lays out a download. If every candidate differs, refuse naming the first: a corrupt mirror is an
+    error, not a reason to go online."""
     from filelock import FileLock
 
     storage = _storage(cache, repo)
@@ -225,26 +220,32 @@ def _place_in_cache(source: Path, cache: Path, repo: str, revision: str, pinned:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock_path)):
         if not (blob.is_file() and verified(blob, pinned)):
-            fd, tmp = tempfile.mkstemp(dir=blob.parent, prefix=f"{pinned.sha256}.", suffix=".incomplete")
-            try:
-                digest = hashlib.sha256()
-                with os.fdopen(fd, "wb") as out, open(source, "rb") as src, \
-                        _progress(pinned.size, f"copy {pinned.path}") as bar:
-                    while chunk := src.read(CHUNK):
-                        digest.update(chunk)
-                        out.write(chunk)
-                        bar.update(len(chunk))
-                if digest.hexdigest() != pinned.sha256 or os.path.getsize(tmp) != pinned.size:
-                    raise SpecPilotError(f"{source}: changed while copying; sha256 differs from the pin of "
-                                         f"{repo} {pinned.path}")
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, blob)
-                _stamp(blob.resolve(), pinned.sha256)  # hashed while copying
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            if not any(_copy_if_pinned(source, blob, pinned) for source in candidates):
+                raise SpecPilotError(f"{candidates[0]}: sha256 differs from the pin of {repo} {pinned.path} "
+                                     f"({pinned.sha256[:16]}…); refusing it")
         _link(pointer, blob)
     return pointer
+
+
+def _copy_if_pinned(source: Path, blob: Path, pinned: PinnedFile) -> bool:
+    fd, tmp = tempfile.mkstemp(dir=blob.parent, prefix=f"{pinned.sha256}.", suffix=".incomplete")
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out, open(source, "rb") as src, \
+                _progress(pinned.size, f"copy {pinned.path}") as bar:
+            while chunk := src.read(CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+                bar.update(len(chunk))
+        if digest.hexdigest() != pinned.sha256 or os.path.getsize(tmp) != pinned.size:
+            return False
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, blob)
+        _stamp(blob.resolve(), pinned.sha256)  # hashed while copying
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _link(pointer: Path, blob: Path) -> None:

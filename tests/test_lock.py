@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 from fake_hub import FakeHub
 
@@ -37,6 +38,8 @@ def hub(monkeypatch, tmp_path, files):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("SPECPILOT_MIRROR", "")  # no mirror: everything comes over HTTP
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: whatever the environment said then, go online
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with FakeHub() as fake:
         monkeypatch.setenv("HF_ENDPOINT", fake.url)
