@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
 from .build import build_engine, describe
 from .compose import ARMS
 from .store import check_engine, list_engines, resolve_engine
@@ -48,6 +45,9 @@ def _verify(args) -> int:
 
 
 def _show(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     engine = resolve_engine(args.engine)
     m = engine.manifest
     files = m["files"]
@@ -80,6 +80,9 @@ def _runtime_line(rt: dict) -> str:
 
 
 def _ls(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table("engine", "setting", "arm", "files", "bytes")
     for engine in list_engines():
         m = engine.manifest
