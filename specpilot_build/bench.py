@@ -30,7 +30,7 @@ def bench(engine_ref: str, name: str, limit: int | None = None, max_new_tokens: 
           port: int = 30000, datasets: list[str] | None = None, host: str = "127.0.0.1",
           overwrite: bool = False, progress: bool = True):
     """Bench the engine served on host:port; returns the path of the results JSON."""
-    from specpilot_build.serve import model_dir
+    from specpilot_build.serve import model_dirs
     from specpilot_build.store import resolve_engine
 
     engine = resolve_engine(engine_ref)
@@ -46,7 +46,7 @@ def bench(engine_ref: str, name: str, limit: int | None = None, max_new_tokens: 
     config = engine.config
     concurrency = int(config["batching"]["concurrency"])
     names = list(datasets or config.get("datasets") or BENCHMARKS)
-    renderer = PromptRenderer(model_dir(engine), config["model"].get("chat_template"))
+    renderer = PromptRenderer(model_dirs(engine)["model"], config["model"].get("chat_template"))
     context = config["model"].get("context_length") or renderer.context_length
     plan, skipped = plan_requests(renderer, names, limit, max_new_tokens, context)
     if not any(plan.values()):
