@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -336,7 +336,7 @@ def converted_dir(repo: str, revision: str, model_path: str) -> Path:
 def _converted_model(repo: str, pin: CheckpointPin, paths: dict[str, Path]) -> Path:
     from filelock import FileLock
 
-    model_path, tokenizer_path = _llama2c_pair(repo, paths)
+    model_path, tokenizer_path = llama2c_pair(repo, paths)
     out = converted_dir(repo, pin.revision, model_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f".{out.name}.lock")):
@@ -370,8 +370,9 @@ def _convert_once(repo: str, pin: CheckpointPin, model_bin: Path, tokenizer_bin:
     return out
 
 
-def _llama2c_pair(repo: str, paths: dict[str, Path]) -> tuple[str, str]:
+def llama2c_pair(repo: str, paths: Iterable[str]) -> tuple[str, str]:
     """llama2.c names its tokenizer tokenizer.bin or tok<vocab>.bin; the other .bin is the checkpoint."""
+    paths = list(paths)
     tokenizers = [p for p in paths if Path(p).name.startswith("tok")]
     models = [p for p in paths if p not in tokenizers and p.endswith(".bin")]
     if len(tokenizers) != 1 or len(models) != 1:

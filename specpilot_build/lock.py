@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from specpilot_build.checkpoints import (
-    converted_files, hub_endpoint, hub_errors, hub_is_offline, materialize, sha256_of,
+    converted_files, hub_endpoint, hub_errors, hub_is_offline, llama2c_pair, materialize, sha256_of,
 )
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.lockfile import REVISION, CheckpointPin, PinnedFile, _load_checkpoints
@@ -45,8 +45,7 @@ def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapp
         pin = CheckpointPin(repo=repo, revision=revision, files=files)
         if source_formats.get(repo, "hf") == "llama2c":
             pin = CheckpointPin(repo=repo, revision=revision, files=files,
-                                converted=tuple(converted_files(materialize(
-                                    repo, pin, source_format="llama2c", mirror=mirror))))
+                                converted=conversion_hashes(pin, mirror=mirror))
         locked[repo] = pin
     write_lockfile({**existing, **locked}, lockfile)
     return locked
@@ -72,6 +71,18 @@ def lock_main(argv: Sequence[str]) -> int:
         print(f"{repo}@{pin.revision}  {len(pin.files)} files" + (f", {len(pin.converted)} converted" if pin.converted else ""))
     print(f"wrote {lockfile}")
     return 0
+
+
+def conversion_hashes(pin: CheckpointPin, *, mirror: Path | None = None) -> tuple[PinnedFile, ...]:
+    """Fetch (verified) and convert a llama2c pin afresh, in a temp dir: what this converter writes now."""
+    from specpilot_build.llama2c import convert
+
+    snapshot = materialize(pin.repo, pin, source_format="hf", mirror=mirror)
+    model_path, tokenizer_path = llama2c_pair(pin.repo, [f.path for f in pin.files])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model"
+        convert(snapshot / model_path, snapshot / tokenizer_path, out)
+        return tuple(converted_files(out))
 
 
 def resolve_revision(repo: str, ref: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import huggingface_hub
+from huggingface_hub import constants as hub_constants
 import pytest
 from fake_hub import FakeHub
 
@@ -39,7 +39,7 @@ def hub(monkeypatch, tmp_path, files):
     monkeypatch.setenv("SPECPILOT_MIRROR", "")  # no mirror: everything comes over HTTP
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     # huggingface_hub reads HF_HUB_OFFLINE once, at import: whatever the environment said then, go online
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with FakeHub() as fake:
         monkeypatch.setenv("HF_ENDPOINT", fake.url)
