@@ -227,3 +227,27 @@ def test_make_models_for_a_real_gpu_pin_fails_offline_with_one_line(tmp_path, se
     assert lines[0].startswith("error: Qwen/Qwen3-8B@b968826d9c46dd6066d109eabc6255188de91218") and "offline" in lines[0]
     assert f"SETTING={setting}" in lines[0]
     assert not [p for p in (tmp_path / "hub").rglob("*") if p.is_file()]
+
+
+def test_a_conversion_that_differs_from_the_lock_is_refused_and_not_kept(hub, tiny_pin):
+    wrong = tuple(PinnedFile(path=f.path, size=f.size, sha256="0" * 64) if f.path == "tokenizer.json" else f
+                  for f in tiny_pin.converted)
+    pin = CheckpointPin(repo=TINY, revision=tiny_pin.revision, files=tiny_pin.files, converted=wrong)
+    with pytest.raises(SpecPilotError, match="converted tokenizer.json differs from the lock"):
+        materialize(TINY, pin, source_format="llama2c", mirror=MIRROR)
+    converted = Path(os.environ["SPECPILOT_DATA"]) / "converted"
+    assert not [p for p in converted.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+
+@pytest.mark.parametrize("variable", ["HF_HOME", "none"])
+def test_the_cache_follows_hf_home_else_the_data_dir(monkeypatch, tmp_path, tiny_pin, variable):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
+    if variable == "HF_HOME":
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    expected = tmp_path / ("hf-home/hub" if variable == "HF_HOME" else "data/huggingface/hub")
+    path = materialize(TINY, tiny_pin, files=[TINY_FILES[1]], mirror=MIRROR)
+    assert path == snapshot_dir(expected, TINY, tiny_pin.revision)
+    assert (path / TINY_FILES[1]).is_file()
