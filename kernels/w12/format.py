@@ -1,9 +1,9 @@
 """W12: a lossless 12-bit container for bf16 weights (see FORMAT.md).
 
 Each bf16 weight keeps its sign and 7-bit mantissa in a byte plane and its exponent as a 4-bit code
-relative to its row's base exponent in a nibble plane. Code 15 means "exponent field 0" (±0 and
-subnormals, stored inline); a weight whose exponent lies outside the row's 15-exponent window is
-stored as +0 in the planes and recorded exactly in a row-sorted side table.
+relative to its row's base exponent in a nibble plane (a 16-exponent window). A weight whose exponent
+lies outside its row's window is stored as code 0 with sign|mantissa 0 (it reads as 2^(base-127))
+and recorded exactly in a row-sorted side table.
 
 Works on CPU and GPU tensors alike (plain PyTorch integer ops).
 """
@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-WINDOW = 15          # exponents base .. base+14 are coded 0..14
-ZERO_CODE = 15       # exponent field 0, sign+mantissa from the byte plane
-MIN_BASE, MAX_BASE = 1, 255 - (WINDOW - 1)
+WINDOW = 16          # exponents base .. base+15 are coded 0..15
+MIN_BASE, MAX_BASE = 0, 240   # base + 15 <= 255: a byte-wise add of base and code never carries
 
 
 @dataclass
@@ -27,7 +26,7 @@ class W12Tensor:
     cols: int
     signman: torch.Tensor    # uint8 [rows, cols_padded]: sign << 7 | mantissa
     codes: torch.Tensor      # uint8 [rows, cols_padded // 2]: byte j = code[j] | code[j + half] << 4
-    base: torch.Tensor       # uint8 [rows]: exponent coded 0
+    base: torch.Tensor       # uint8 [rows]: the exponent field that code 0 stands for
     esc_ptr: torch.Tensor    # int32 [rows + 1]: escapes of row r are esc_ptr[r] .. esc_ptr[r+1]-1
     esc_col: torch.Tensor    # int32 [escapes]: column, ascending within a row
     esc_bits: torch.Tensor   # int16 [escapes]: the weight's exact bf16 bit pattern
@@ -71,21 +70,22 @@ def encode(weight: torch.Tensor) -> W12Tensor:
         raise ValueError(f"W12 cannot encode an empty tensor of shape {shape}")
     bits = weight.contiguous().view(torch.int16).reshape(rows, cols).to(torch.int32) & 0xFFFF
     cols_padded = cols + (cols % 2)
-    if cols_padded != cols:     # a padding column holds +0: exponent 0, coded inline
+    if cols_padded != cols:     # a padding column, dropped again by decode
         bits = torch.nn.functional.pad(bits, (0, 1))
 
     sign_man = ((bits >> 8) & 0x80) | (bits & 0x7F)
     exponent = (bits >> 7) & 0xFF
-    base = _best_base(exponent)
+    base = _best_base(exponent[:, :cols])
     code = exponent - base[:, None]
-    in_window = (code >= 0) & (code < WINDOW) & (exponent != 0)
-    escaped = ~in_window & (exponent != 0)
-    code = torch.where(in_window, code, torch.full_like(code, ZERO_CODE))
+    escaped = (code < 0) | (code >= WINDOW)
+    escaped[:, cols:] = True            # the padding column: stored like an escape, but not listed
+    code = torch.where(escaped, torch.zeros_like(code), code)
     sign_man = torch.where(escaped, torch.zeros_like(sign_man), sign_man)
 
     half = cols_padded // 2
     packed_codes = code[:, :half] | (code[:, half:] << 4)
 
+    escaped[:, cols:] = False
     esc_row, esc_col = escaped.nonzero(as_tuple=True)   # row-major order: sorted by row, then column
     esc_bits = bits[esc_row, esc_col]
     counts = torch.bincount(esc_row, minlength=rows)
@@ -118,21 +118,19 @@ def decode(packed: W12Tensor) -> torch.Tensor:
 
 
 def decode_planes(packed: W12Tensor) -> torch.Tensor:
-    """int32 bit patterns [rows, cols_padded] as the GEMM kernel sees them: escapes read as +0."""
+    """int32 bit patterns [rows, cols_padded] as the GEMM kernel sees them (escapes: base << 7)."""
     sm = packed.signman.to(torch.int32)
     nib = packed.codes.to(torch.int32)
     code = torch.cat([nib & 0xF, nib >> 4], dim=1)
     exponent = code + packed.base.to(torch.int32)[:, None]
-    exponent = torch.where(code == ZERO_CODE, torch.zeros_like(exponent), exponent)
     return ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
 
 
 def _best_base(exponent: torch.Tensor) -> torch.Tensor:
-    """Per row, the base whose 15-exponent window holds the most nonzero-exponent weights."""
+    """Per row, the base whose 16-exponent window holds the most weights."""
     rows = exponent.shape[0]
     hist = torch.zeros(rows, 256, dtype=torch.int32, device=exponent.device)
     hist.scatter_add_(1, exponent, torch.ones_like(exponent))
-    hist[:, 0] = 0                                      # exponent 0 is coded inline, never escapes
     csum = torch.nn.functional.pad(torch.cumsum(hist, 1), (1, 0))   # csum[:, e] = count below e
     starts = torch.arange(MIN_BASE, MAX_BASE + 1, device=exponent.device)
     covered = csum[:, starts + WINDOW] - csum[:, starts]

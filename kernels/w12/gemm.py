@@ -1,10 +1,11 @@
 """y = x @ W.T with W in W12 form, decoded tile by tile in registers (Triton).
 
 Small M (decode, M <= 32) runs the fused kernel: each program streams BLOCK_N full rows of the byte
-and nibble planes, rebuilds bf16 bit patterns with integer ops and feeds them to tl.dot. Escaped
-weights read as +0 there; the program then adds x[:, col] * w for its rows' escapes through one more
-small bf16 dot, so the sum equals a GEMM with the exact original weights (fp32 accumulation).
-Larger M decodes W to bf16 once and calls cuBLAS.
+and nibble planes, rebuilds bf16 bit patterns four at a time with byte-parallel integer ops (inline
+PTX; plain Triton ops under the interpreter) and feeds them to tl.dot. An escaped weight reads as
+w_planes = 2^(base-127) there; the program then adds x[:, col] * (w - w_planes) for its rows'
+escapes as two more small bf16 dots (exact products), so in exact arithmetic the sum is the GEMM
+with the original weights; accumulation is fp32. Larger M decodes W to bf16 once and calls cuBLAS.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False        # accumulate y.T = W @ x.T (weights as the dot's A operand)
+    split_k: int = 1          # programs per row block, each over a K range; the last one sums
+    block_m: int = 0          # 0: 16 for M <= 16, else 32 (8 is allowed with swap)
+    ptx: bool = True          # byte-parallel decode in inline PTX (False: plain Triton integer ops)
 
 
 # Chosen on the H200 by bench.py --tune (see BENCH.md); a plain default elsewhere.
@@ -56,21 +60,46 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         raise TypeError(f"W12 GEMM takes bf16 activations, got {x.dtype}")
     x = x.contiguous()
     n = packed.rows
-    block_m = 16 if m <= 16 else 32
-    cfg = config or TUNED.get((n, k, block_m)) or Config()
+    cfg = config or TUNED.get((n, k, 16 if m <= 16 else 32)) or Config()
+    block_m = cfg.block_m if cfg.block_m >= m else (16 if m <= 16 else 32)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     half = packed.cols_padded // 2
-    esc_block = 16 if packed.escapes == 0 else 32
-    grid = (triton.cdiv(n, cfg.block_n),)
+    per_block = packed.escapes * cfg.block_n / max(1, n)
+    esc_block = min(128, max(16, triton.next_power_of_2(int(1.5 * per_block) + 1)))
+    row_blocks = triton.cdiv(n, cfg.block_n)
+    partials, counters = _split_workspace(x.device, cfg.split_k, n, row_blocks)
+    grid = (row_blocks, cfg.split_k)
     _w12_gemm_kernel[grid](
         x, packed.signman, packed.codes, packed.base, packed.esc_ptr, packed.esc_col,
-        packed.esc_bits, y,
+        packed.esc_bits, y, partials, counters,
         m, n, k, half, x.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
-        SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half), DOT_F32=_interpreting(),
+        SPLIT_K=cfg.split_k,
+        SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
+        PTX=not _interpreting() and cfg.ptx, DOT_F32=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+_WORKSPACES: dict = {}
+
+
+def _split_workspace(device, split_k: int, n: int, row_blocks: int):
+    """fp32 partial sums [split_k, 32, n] and per-row-block arrival counters (kept at zero between
+    launches: the last program of a block resets its counter). Shared by all W12 GEMMs on a device,
+    which is safe for launches in one stream; grown outside CUDA-graph capture (warm up first)."""
+    need_parts, need_counts = max(1, split_k) * FUSED_MAX_M * n, row_blocks
+    parts, counts = _WORKSPACES.get(device, (None, None))
+    if split_k > 1 and (parts is None or parts.numel() < need_parts or counts.numel() < need_counts):
+        size_p = max(need_parts, 0 if parts is None else parts.numel())
+        size_c = max(need_counts, 0 if counts is None else counts.numel())
+        parts = torch.empty(size_p, dtype=torch.float32, device=device)
+        counts = torch.zeros(size_c, dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (parts, counts)
+    if parts is None:
+        parts = counts = torch.zeros(1, dtype=torch.int32, device=device)
+    return parts, counts
 
 
 def _interpreting() -> bool:
@@ -78,12 +107,50 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Four weights per instance: $2 = 4 sign|mantissa bytes, $3 = 4 code-plane bytes, $4 = base x4.
+# e = base + code byte-wise (no carries: base + 15 <= 255); the bf16 high byte is s | e >> 1, the
+# low byte e << 7 | m; two byte permutes interleave them into two bf16x2 registers.
+_DECODE_PTX = """
+{
+.reg .b32 c, e, h, l;
+%s
+add.u32 e, c, $4;
+shr.b32 h, e, 1;
+and.b32 h, h, 0x7F7F7F7F;
+and.b32 c, $2, 0x80808080;
+or.b32 h, h, c;
+shl.b32 l, e, 7;
+and.b32 l, l, 0x80808080;
+and.b32 c, $2, 0x7F7F7F7F;
+or.b32 l, l, c;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+}
+"""
+_PTX_LOW = tl.constexpr(_DECODE_PTX % "and.b32 c, $3, 0x0F0F0F0F;")
+_PTX_HIGH = tl.constexpr(_DECODE_PTX % "shr.b32 c, $3, 4;\nand.b32 c, c, 0x0F0F0F0F;")
+
+
 @triton.jit
-def _decode_tile(sm, code, base):
-    """int32 sign|mantissa bytes and 4-bit codes -> bf16 (escapes and code 15 -> exponent 0)."""
-    exponent = tl.where(code == 15, 0, code + base[:, None])
-    bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+def _decode(sm, nib, base, HIGH: tl.constexpr, PTX: tl.constexpr):
+    """uint8 sign|mantissa [BN, BK], uint8 code-plane bytes [BN, BK], uint8 base [BN] -> bf16."""
+    if PTX:
+        base_b = tl.broadcast_to(base[:, None], sm.shape)
+        if HIGH:
+            return tl.inline_asm_elementwise(_PTX_HIGH, "=r,=r,r,r,r", [sm, nib, base_b],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_PTX_LOW, "=r,=r,r,r,r", [sm, nib, base_b],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        s = sm.to(tl.int32)
+        if HIGH:
+            code = nib.to(tl.int32) >> 4
+        else:
+            code = nib.to(tl.int32) & 0xF
+        exponent = code + base.to(tl.int32)[:, None]
+        bits = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -97,53 +164,83 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _add_escapes(acc, x_ptr, xrows, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
+                 neg_planes, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc += x[:, col_e] * (w_e - w_planes) in column row_e, as two bf16 dots of [BM, E] x [E, BN]."""
+    mine = (offs_e[:, None] >= row_lo[None, :]) & (offs_e[:, None] < row_hi[None, :]) & emask[:, None]
+    w_e = wbits.to(tl.bfloat16, bitcast=True)
+    true_w = tl.where(mine, w_e[:, None], 0.0).to(tl.bfloat16)                  # [E, BN]
+    undo = tl.where(mine, neg_planes[None, :], 0.0).to(tl.bfloat16)            # [E, BN]
+    xg = tl.load(x_ptr + xrows[:, None] * stride_xm + col[None, :],
+                 mask=xmask[:, None] & emask[None, :], other=0.0)              # [BM, E]
+    if SWAP:
+        acc = _dot(tl.trans(true_w), tl.trans(xg), acc, DOT_F32)
+        acc = _dot(tl.trans(undo), tl.trans(xg), acc, DOT_F32)
+    else:
+        acc = _dot(xg, true_w, acc, DOT_F32)
+        acc = _dot(xg, undo, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
 def _w12_gemm_kernel(
-    x_ptr, sm_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr,
+    x_ptr, sm_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, HALF, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ESC_BLOCK: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ESC_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)               # clamped: loads need no row mask
+    rows = tl.minimum(offs_n, N - 1)               # clamped: weight loads need no row mask
     offs_m = tl.arange(0, BLOCK_M)
-    xrows = tl.minimum(offs_m, M - 1)
-    base = tl.load(base_ptr + rows).to(tl.int32)
+    xmask = offs_m < M                             # masked, not clamped: no traffic for padding rows
+    base = tl.load(base_ptr + rows)
+    # An escaped weight reads as bits base << 7; its correction subtracts x * that value.
+    neg_planes = ((base.to(tl.int32) << 7) | 0x8000).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
-    # This block's escapes, fetched before the main loop so their latency hides behind it.
+    # This block's first escapes, loaded before the main loop so their latency hides behind it.
     first_row = pid * BLOCK_N
-    last_row = tl.minimum(first_row + BLOCK_N, N)
     esc_start = tl.load(esc_ptr_ptr + first_row)
-    esc_end = tl.load(esc_ptr_ptr + last_row)
+    esc_end = tl.load(esc_ptr_ptr + tl.minimum(first_row + BLOCK_N, N))
+    esc_end = tl.where(pid_k == 0, esc_end, esc_start)      # split K: the first range adds them
     row_lo = tl.load(esc_ptr_ptr + rows)
     row_hi = tl.where(offs_n < N, tl.load(esc_ptr_ptr + rows + 1), row_lo)
+    offs_e = esc_start + tl.arange(0, ESC_BLOCK)
+    emask = offs_e < esc_end
+    col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
+    wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
 
     sm_rows = sm_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
     nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
-    x_rows = x_ptr + xrows[:, None] * stride_xm
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
 
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, HALF, BLOCK_K):
+    steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), SPLIT_K)
+    k_first = pid_k * steps * BLOCK_K
+    k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
+    for k0 in range(k_first, k_last, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            nib = tl.load(nib_rows + offs_k[None, :]).to(tl.int32)
-            sm_lo = tl.load(sm_rows + offs_k[None, :]).to(tl.int32)
-            sm_hi = tl.load(sm_rows + HALF + offs_k[None, :]).to(tl.int32)
-            x_lo = tl.load(x_rows + offs_k[None, :])
-            x_hi = tl.load(x_rows + HALF + offs_k[None, :])
+            nib = tl.load(nib_rows + offs_k[None, :])
+            sm_lo = tl.load(sm_rows + offs_k[None, :])
+            sm_hi = tl.load(sm_rows + HALF + offs_k[None, :])
+            x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None], other=0.0)
         else:
             kmask = offs_k < HALF
-            nib = tl.load(nib_rows + offs_k[None, :], mask=kmask[None, :], other=0).to(tl.int32)
-            sm_lo = tl.load(sm_rows + offs_k[None, :], mask=kmask[None, :], other=0).to(tl.int32)
-            sm_hi = tl.load(sm_rows + HALF + offs_k[None, :], mask=kmask[None, :], other=0).to(tl.int32)
-            x_lo = tl.load(x_rows + offs_k[None, :], mask=kmask[None, :], other=0.0)
+            nib = tl.load(nib_rows + offs_k[None, :], mask=kmask[None, :], other=0)
+            sm_lo = tl.load(sm_rows + offs_k[None, :], mask=kmask[None, :], other=0)
+            sm_hi = tl.load(sm_rows + HALF + offs_k[None, :], mask=kmask[None, :], other=0)
+            x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None] & kmask[None, :], other=0.0)
             hmask = (HALF + offs_k) < K
-            x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=hmask[None, :], other=0.0)
-        w_lo = _decode_tile(sm_lo, nib & 0xF, base)
-        w_hi = _decode_tile(sm_hi, nib >> 4, base)
+            x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None] & hmask[None, :], other=0.0)
+        w_lo = _decode(sm_lo, nib, base, False, PTX)
+        w_hi = _decode(sm_hi, nib, base, True, PTX)
         if SWAP:
             acc = _dot(w_lo, tl.trans(x_lo), acc, DOT_F32)
             acc = _dot(w_hi, tl.trans(x_hi), acc, DOT_F32)
@@ -151,25 +248,31 @@ def _w12_gemm_kernel(
             acc = _dot(x_lo, tl.trans(w_lo), acc, DOT_F32)
             acc = _dot(x_hi, tl.trans(w_hi), acc, DOT_F32)
 
-    # Escapes: acc += x[:, col_e] * w_e in column row_e, as a bf16 dot against a [E, BLOCK_N]
-    # matrix that holds w_e in its row's column and 0 elsewhere (products exact in fp32).
-    for e0 in range(esc_start, esc_end, ESC_BLOCK):
+    acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
+                       neg_planes, SWAP, DOT_F32)
+    for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):   # rarely taken: many escapes
         offs_e = e0 + tl.arange(0, ESC_BLOCK)
         emask = offs_e < esc_end
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
-        w_e = wbits.to(tl.bfloat16, bitcast=True)
-        mine = (offs_e[:, None] >= row_lo[None, :]) & (offs_e[:, None] < row_hi[None, :])
-        spread = tl.where(mine & emask[:, None], w_e[:, None], 0.0).to(tl.bfloat16)  # [E, BN]
-        xg = tl.load(x_ptr + xrows[:, None] * stride_xm + col[None, :],
-                     mask=emask[None, :], other=0.0)                              # [BM, E]
-        if SWAP:
-            acc = _dot(tl.trans(spread), tl.trans(xg), acc, DOT_F32)
-        else:
-            acc = _dot(xg, spread, acc, DOT_F32)
+        acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo,
+                           row_hi, neg_planes, SWAP, DOT_F32)
 
-    out = acc.to(tl.bfloat16)
     if SWAP:
-        out = tl.trans(out)
+        acc = tl.trans(acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    ymask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(tl.bfloat16), mask=ymask)
+    else:
+        # Each range stores its fp32 partial; the last to arrive sums them in a fixed order.
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + pid_k * (32 * N), acc, mask=ymask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * (32 * N), mask=ymask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(tl.bfloat16), mask=ymask)
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")

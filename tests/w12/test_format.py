@@ -52,30 +52,30 @@ def test_specials_and_signed_zeros_keep_their_bits():
 
 def test_size_on_normal_weights_with_per_row_sigma():
     g = torch.Generator().manual_seed(2)
-    sigma = 0.02 * torch.exp(torch.randn(1024, 1, generator=g))
-    w = (torch.randn(1024, 4096, generator=g) * sigma).to(torch.bfloat16)
+    sigma = 0.02 * torch.exp(torch.randn(512, 1, generator=g))
+    w = (torch.randn(512, 4096, generator=g) * sigma).to(torch.bfloat16)
     packed = encode(w)
     assert packed.bits_per_weight() <= 12.1
     assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16))
 
 
-def test_kernel_view_reads_escapes_as_positive_zero():
+def test_kernel_view_reads_escapes_as_the_window_floor():
     w = (torch.randn(4, 64) * 0.02).to(torch.bfloat16)
     w[1, 3] = 1e6
     w[2, 60] = float("inf")
+    w[3, 7] = 0.0
     packed = encode(w)
     planes = decode_planes(packed)
-    assert planes[1, 3] == 0 and planes[2, 60] == 0
     expected = w.view(torch.int16).to(torch.int32) & 0xFFFF
-    expected[1, 3] = 0
-    expected[2, 60] = 0
+    for r, c in ((1, 3), (2, 60), (3, 7)):
+        expected[r, c] = int(packed.base[r]) << 7      # sign 0, mantissa 0, exponent = base
     assert torch.equal(planes, expected)
-    assert packed.escapes == 2 and packed.esc_ptr.tolist() == [0, 0, 1, 2, 2]
+    assert packed.escapes == 3 and packed.esc_ptr.tolist() == [0, 0, 1, 2, 3]
 
 
-def test_window_holds_fifteen_exponents():
-    # Row 0: exponents 100..114 all in window; row 1: 100..115 -> exactly one exponent escapes.
-    e = torch.arange(100, 116, dtype=torch.int32)
+def test_window_holds_sixteen_exponents():
+    # Row 0: exponents 100..115 all in window; row 1: 100..116 -> exactly one exponent escapes.
+    e = torch.arange(100, 117, dtype=torch.int32)
     rows = torch.stack([torch.cat([e[:WINDOW], e[:1]]), e]) << 7
     w = rows.to(torch.int16).view(torch.bfloat16)
     packed = encode(w)

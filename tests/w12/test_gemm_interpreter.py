@@ -29,25 +29,28 @@ def weights(n, k, seed):
     return w.to(torch.bfloat16)
 
 
-# (M, N, K, block_n, block_k, swap): tails in every dimension, odd K (a padding column), M=1..32.
+# (M, N, K, block_n, block_k, swap, split_k, block_m): tails in every dimension, odd K (a padding
+# column), M = 1..32, split K with uneven ranges, both dot orientations.
 SHAPES = [
-    (1, 48, 100, 16, 32, False),
-    (2, 64, 512, 32, 64, True),
-    (3, 40, 130, 16, 32, False),
-    (5, 33, 1031, 32, 128, True),
-    (8, 16, 64, 16, 32, False),
-    (17, 24, 96, 16, 16, True),
-    (32, 16, 66, 16, 32, False),
+    (1, 48, 100, 16, 32, False, 1, 0),
+    (2, 32, 256, 32, 32, True, 3, 0),
+    (3, 40, 130, 16, 32, False, 2, 0),
+    (5, 33, 1031, 32, 128, True, 1, 8),
+    (8, 16, 64, 16, 32, False, 4, 0),
+    (17, 24, 96, 16, 16, True, 2, 0),
+    (32, 16, 66, 16, 32, False, 1, 0),
+    (4, 16, 1024, 16, 64, False, 5, 0),   # 8 K steps over 5 ranges: one is empty
 ]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cases = []
-    for i, (m, n, k, bn, bk, swap) in enumerate(SHAPES):
+    for i, (m, n, k, bn, bk, swap, split, bm) in enumerate(SHAPES):
         g = torch.Generator().manual_seed(100 + i)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        cases.append(dict(x=x, w=weights(n, k, i), block_n=bn, block_k=bk, swap=swap))
+        cases.append(dict(x=x, w=weights(n, k, i), config=dict(block_n=bn, block_k=bk, swap=swap,
+                                                                split_k=split, block_m=bm)))
     path = tmp_path_factory.mktemp("w12") / "cases.pt"
     torch.save(cases, path)
     env = dict(os.environ, TRITON_INTERPRET="1",
@@ -82,3 +85,10 @@ def test_escapes_matter_in_these_cases(results):
 
 def _as_bf16(bits32):
     return (bits32 - ((bits32 & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
+
+
+def test_repeated_launches_agree(results):
+    split = [case for case in results if "y_again" in case]
+    assert split
+    for case in split:
+        assert torch.equal(case["y"].view(torch.int16), case["y_again"].view(torch.int16))
