@@ -22,9 +22,10 @@ def _reference(cfg: dict) -> dict:
 
 
 def sglang_args(cfg: dict) -> list[str]:
-    """SGLang server arguments (without model path, host and port)."""
-    model, drafter, batching = cfg["model"], cfg["drafter"], cfg["batching"]
-    args: dict = {"dtype": model["dtype"], "max-running-requests": batching["max_running_requests"]}
+    """SGLang server arguments (without model path, host and port). Stock arms keep SGLang's defaults
+    (max running requests, CUDA-graph sizes, block sizes); `final` mechanisms add tuned values."""
+    model, drafter = cfg["model"], cfg["drafter"]
+    args: dict = {"dtype": model["dtype"]}
     if model.get("quantization"):
         args["quantization"] = model["quantization"]
     if drafter["algorithm"] != "none":

@@ -1,0 +1,92 @@
+"""The launch-args check of SGLang engines, without a GPU: the engine tree's own SGLang parses and validates the
+engine's launch argv (`prepare_server_args`), and every .py file in the tree compiles.
+
+This catches a prune rule that dropped a module the launcher imports, an overlay that broke a module, and a
+tuned argument SGLang does not know. One subprocess checks many engines: torch and transformers are imported
+once, and between engines every `sglang` module is dropped from sys.modules and sys.path points at the next
+engine's python/ directory (the check asserts SGLang was imported from inside that engine)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+from .store import Engine
+
+PLACEHOLDER_DEFAULTS = {"host": "127.0.0.1", "port": "30000"}
+
+_DRIVER = r"""
+import contextlib, io, json, os, sys, traceback
+jobs = json.loads(sys.stdin.read())
+results = {}
+import torch, transformers  # imported once, before any engine's SGLang
+for job in jobs:
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]
+    sys.path[:] = [job["python"]] + [p for p in sys.path if p not in job["others"]]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            import sglang
+            from sglang.srt.server_args import prepare_server_args
+            where = os.path.realpath(sglang.__file__)
+            if not where.startswith(os.path.realpath(job["python"]) + os.sep):
+                raise RuntimeError(f"sglang was imported from {where}, not from the engine")
+            prepare_server_args(job["argv"])
+        results[job["id"]] = None
+    except SystemExit as exc:
+        results[job["id"]] = (err.getvalue().strip().splitlines() or [f"exit {exc.code}"])[-1]
+    except BaseException as exc:
+        results[job["id"]] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def server_argv(engine: Engine, model_dir: Path, draft_dir: Path | None = None) -> list[str]:
+    """The engine's launch argv after `-m sglang.launch_server`, placeholders filled for a check."""
+    spec = json.loads((engine.path / "launch.json").read_bytes())
+    values = {**PLACEHOLDER_DEFAULTS, "engine": str(engine.path), "engine_id": engine.id,
+              "python": sys.executable, "model": str(model_dir), "draft_model": str(draft_dir or model_dir)}
+    argv = [arg.format(**values) for arg in spec["argv"]]
+    module = argv.index("sglang.launch_server")
+    return argv[module + 1:]
+
+
+def check_launch_args(engines: list[Engine], model_dir: Path, timeout: float = 900) -> dict[str, str | None]:
+    """{engine id: None when its SGLang accepts its argv, else the error line}. One subprocess for all."""
+    if not engines:
+        return {}
+    pythons = [str(e.path / "python") for e in engines]
+    jobs = [{"id": e.id, "python": p, "others": pythons, "argv": server_argv(e, model_dir)}
+            for e, p in zip(engines, pythons)]
+    env = {**os.environ, "PYTHONPATH": pythons[0], "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(jobs), capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=str(model_dir))
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULTS ")), None)
+    if line is None:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        return {e.id: f"the check did not finish (exit {proc.returncode}): {tail}" for e in engines}
+    return json.loads(line[len("RESULTS "):])
+
+
+def compile_engines(engines: list[Engine]) -> dict[str, str]:
+    """Compile every .py file of every engine (each distinct content once, by its manifest digest).
+    Returns {path in the engine: error} for the files that do not compile; nothing is written."""
+    seen: dict[str, Path] = {}
+    for engine in engines:
+        for entry in engine.manifest["files"]:
+            if entry["path"].endswith(".py") and entry["blake3"] not in seen:
+                seen[entry["blake3"]] = engine.path / entry["path"]
+    failures = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)  # SGLang's own invalid escapes: not our failure
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for path in seen.values():
+            try:
+                compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+            except (SyntaxError, ValueError) as exc:
+                failures[str(path)] = f"{type(exc).__name__}: {exc}"
+    return failures

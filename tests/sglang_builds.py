@@ -1,0 +1,85 @@
+"""Every SGLang setting built as `stock` and `final` once per test session (shared by the SGLang test modules).
+
+Settings whose checkpoints are not pinned in lockfiles/ (the seed's six) are built with a test lock: the real
+lock plus fake-but-well-formed 40-hex revisions for the missing repos."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import tomllib
+from contextlib import contextmanager
+from pathlib import Path
+
+from specpilot_build.build import build_engine
+from specpilot_build.store import Engine
+
+REPO = Path(__file__).resolve().parent.parent
+ARMS = ("stock", "final")
+
+
+def sglang_settings() -> list[str]:
+    return sorted(p.stem for p in (REPO / "conf" / "setting").glob("*.yaml")
+                  if re.search(r"override /runtime: sglang\b", p.read_text()))
+
+
+def repos_of(setting: str) -> list[str]:
+    text = (REPO / "conf" / "setting" / f"{setting}.yaml").read_text()
+    repos = []
+    for group in ("model", "drafter"):
+        option = re.search(rf"override /{group}: (\S+)", text).group(1)
+        data = (REPO / "conf" / group / f"{option}.yaml").read_text()
+        repos.append(re.search(r"^repo: (\S+)", data, re.M).group(1))
+    return repos
+
+
+def fake_revision(repo: str) -> str:
+    return hashlib.sha1(f"test-lock:{repo}".encode()).hexdigest()
+
+
+def write_test_lock(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    real = REPO / "lockfiles"
+    shutil.copyfile(real / "runtimes.toml", directory / "runtimes.toml")
+    text = (real / "checkpoints.toml").read_text()
+    pinned = tomllib.loads(text)
+    missing = sorted({r for s in sglang_settings() for r in repos_of(s)} - set(pinned))
+    text += "\n# test lock: fake revisions for the repos lockfiles/ does not pin\n"
+    text += "".join(f'\n["{repo}"]\nrevision = "{fake_revision(repo)}"\n' for repo in missing)
+    (directory / "checkpoints.toml").write_text(text)
+    return directory
+
+
+@contextmanager
+def environment(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class Builds:
+    def __init__(self, root: Path):
+        self.store = root / "engines"
+        self.lock = write_test_lock(root / "lock")
+        self.engines: dict[tuple[str, str], Engine] = {}
+        with self.env():
+            for setting in sglang_settings():
+                for arm in ARMS:
+                    self.engines[setting, arm] = build_engine(setting, arm).engine
+
+    def env(self):
+        return environment(SPECPILOT_ENGINES=str(self.store), SPECPILOT_LOCKFILES=str(self.lock))
+
+
+@functools.cache
+def all_builds(root: Path) -> Builds:
+    return Builds(root)

@@ -1,0 +1,137 @@
+"""SGLang engines: every SGLang setting builds `stock` and `final` from the pinned wheel, pruned, with its
+overlays; the tree's own SGLang accepts the engine's launch arguments; every .py file compiles."""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sglang_builds import ARMS, all_builds, sglang_settings
+from specpilot_build.launch_check import check_launch_args, compile_engines
+from specpilot_build.locations import data_dir
+from specpilot_build.manifest import digest_file
+from specpilot_build.store import Engine
+
+CASES = [(s, a) for s in sglang_settings() for a in ARMS]
+HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory):
+    return all_builds(tmp_path_factory.getbasetemp() / "sglang-builds")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("dummy-model")
+
+
+@pytest.fixture(scope="session")
+def launch_results(builds, model_dir):
+    return check_launch_args(list(builds.engines.values()), model_dir)
+
+
+@pytest.fixture(scope="session")
+def wheel_members(builds):
+    engine = next(iter(builds.engines.values()))
+    wheel = data_dir() / "wheels" / engine.manifest["base"]["wheel"]
+    with zipfile.ZipFile(wheel) as zf:
+        return {i.filename: i.file_size for i in zf.infolist() if not i.is_dir()}
+
+
+def test_the_sglang_settings_include_the_seeds_six_and_the_real_pinned_ones():
+    settings = set(sglang_settings())
+    assert {"h100_c1_qwen38-27b_dflash2", "h100_c1_qwen38-27b_dspark", "h100_c16_qwen38-27b-fp8_dflash2",
+            "h100_c16_qwen38-27b-fp8_dspark", "rtx-pro-6000_c1_muse-glimmer-30b_dflash2",
+            "rtx-pro-6000_c16_qwen38-27b-fp8_dflash2", "h100_c1_qwen3-8b_dflash"} <= settings
+
+
+@pytest.mark.parametrize("setting,arm", CASES)
+def test_the_engines_sglang_accepts_its_launch_arguments(builds, launch_results, setting, arm):
+    engine = builds.engines[setting, arm]
+    assert launch_results[engine.id] is None, f"{setting}/{arm}: {launch_results[engine.id]}"
+
+
+def test_every_python_file_of_every_engine_compiles(builds):
+    assert compile_engines(list(builds.engines.values())) == {}
+
+
+def test_a_flag_sglang_does_not_know_is_rejected_by_the_check(builds, model_dir, tmp_path):
+    real = builds.engines["h100_c1_qwen3-8b_dflash", "final"]
+    spec = json.loads((real.path / "launch.json").read_bytes())
+    spec["argv"] = [a.replace("--speculative-dflash-block-size", "--speculative-dflash-block-sise")
+                    for a in spec["argv"]]
+    fake = tmp_path / "fake-engine"
+    fake.mkdir()
+    os.symlink(real.path / "python", fake / "python")
+    (fake / "launch.json").write_text(json.dumps(spec))
+    result = check_launch_args([Engine("f" * 64, fake)], model_dir)["f" * 64]
+    assert result is not None and "--speculative-dflash-block-sise" in result
+
+
+@pytest.mark.parametrize("setting", sglang_settings())
+def test_final_adds_the_engine_id_overlay_and_tuned_arguments_to_stock(builds, setting):
+    stock, final = builds.engines[setting, "stock"], builds.engines[setting, "final"]
+    stock_server = (stock.path / HTTP_SERVER).read_text()
+    final_server = (final.path / HTTP_SERVER).read_text()
+    assert "SPECPILOT_ENGINE_ID" not in stock_server
+    assert final_server.count('"engine_id": os.environ.get("SPECPILOT_ENGINE_ID")') == 2
+    [record] = final.manifest["base"]["overlays"]
+    assert record["name"] == "engine-id"
+    assert record["files"] == [{"path": HTTP_SERVER, "before": digest_file(stock.path / HTTP_SERVER),
+                                "after": digest_file(final.path / HTTP_SERVER)}]
+    stock_argv = json.loads((stock.path / "launch.json").read_bytes())["argv"]
+    final_argv = json.loads((final.path / "launch.json").read_bytes())["argv"]
+    assert "--cuda-graph-max-bs-decode" in final_argv and "--cuda-graph-max-bs-decode" not in stock_argv
+    assert ("--max-running-requests" in final_argv) == ("_c16_" in setting)
+    assert "--max-running-requests" not in stock_argv
+
+
+@pytest.mark.parametrize("setting,arm", CASES)
+def test_pruned_engines_keep_at_most_60_percent_of_the_wheel_and_say_what_they_dropped(
+        builds, wheel_members, setting, arm):
+    engine = builds.engines[setting, arm]
+    base = engine.manifest["base"]
+    assert (base["total_files"], base["total_bytes"]) == (len(wheel_members), sum(wheel_members.values()))
+    shipped = {f["path"][len("python/"):] for f in engine.manifest["files"] if f["path"].startswith("python/")}
+    assert shipped <= set(wheel_members)
+    assert base["kept_files"] == len(shipped)
+    assert base["kept_bytes"] == sum(wheel_members[p] for p in shipped)
+    assert base["dropped_files"] == len(wheel_members) - len(shipped)
+    assert base["kept_bytes"] <= 0.60 * base["total_bytes"]
+    assert "sglang-0.5.23.dist-info/licenses/LICENSE" in shipped
+    assert not any(p.startswith("sglang/multimodal_gen/") for p in shipped)
+
+
+def test_engines_keep_what_their_setting_loads_dynamically_and_not_other_settings_parts(builds):
+    def shipped(setting):
+        return {f["path"] for f in builds.engines[setting, "stock"].manifest["files"]}
+
+    dflash, dspark = shipped("h100_c1_qwen38-27b_dflash2"), shipped("h100_c1_qwen38-27b_dspark")
+    rtx = shipped("rtx-pro-6000_c1_muse-glimmer-30b_dflash2")
+    model = "python/sglang/srt/models/"
+    assert {model + "qwen3.py", model + "dflash.py"} <= dflash and model + "dspark.py" not in dflash
+    assert model + "dspark.py" in dspark
+    assert model + "deepseek_v4.py" not in dflash
+    assert any("device_name=NVIDIA_H100_80GB_HBM3" in p for p in dflash)
+    assert not any("device_name=NVIDIA_H100_80GB_HBM3" in p for p in rtx)
+    assert any(p.startswith("python/sglang/kernels/jit/csrc/") for p in rtx)
+    assert not any("gfx9" in p for p in dflash if p.startswith("python/sglang/kernels/jit/"))
+
+
+def test_all_sglang_engines_together_take_at_most_1_3_times_one_engine_on_disk(builds):
+    def disk(paths: list[Path]) -> int:
+        inodes = {}
+        for root in paths:
+            for dirpath, _, files in os.walk(root):
+                for name in files:
+                    st = os.lstat(os.path.join(dirpath, name))
+                    inodes[st.st_dev, st.st_ino] = st.st_size
+        return sum(inodes.values())
+
+    paths = [e.path for e in builds.engines.values()]
+    one = max(disk([p]) for p in paths)
+    assert disk(paths) <= 1.3 * one
