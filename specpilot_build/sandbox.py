@@ -1,25 +1,27 @@
 """Run untrusted Python (generated code and its tests) in a contained child process.
 
-Containment, strongest the OS allows (probed once per process, reported by `isolation()`):
+Containment, the strongest the OS allows (probed once per process by trying it; `isolation()` reports it):
 - its own session / process group, and its own PID namespace when `unshare` may create one: the wall
   timeout kills the group, and ending the namespace's first process ends every process inside it, even
   one that called setsid();
 - rlimits: CPU seconds, address space, file size, number of processes, open files, no core dumps;
-- a minimal environment, cwd / HOME / TMPDIR in a fresh temporary directory;
-- no network: a new network namespace (only a down loopback) when `unshare --net` is permitted (as root, or
-  unprivileged through a user namespace: `unshare -r`); otherwise only a Python-level socket guard, which a
-  determined program can get around (ctypes, subprocesses) — `isolation()` says which one is in force;
-- as root: a private mount namespace whose /tmp, /var/tmp, /dev/shm and /run/lock are fresh small tmpfs
-  (the program's working directory is that /tmp), and the program runs under an unused uid/gid with no
-  supplementary groups, so it can write nowhere else and cannot undo any of the above; a fresh uid per run
-  also makes the process limit count only that run's processes (RLIMIT_NPROC does not bind root).
+- a minimal environment; cwd = HOME = TMPDIR = a fresh temporary directory;
+- no network: a new network namespace (only a loopback that is down) when `unshare --net` is permitted (as
+  root, or unprivileged inside a user namespace, `unshare -r`); otherwise only a Python-level socket
+  guard, which a determined program can get around (ctypes, subprocesses);
+- a private mount namespace (same conditions) whose /tmp, /var/tmp, /dev/shm and /run/lock are fresh,
+  small tmpfs; the program's working directory is that /tmp;
+- as root, with an interpreter that other users can reach: the program runs under a fresh unused uid/gid
+  with no supplementary groups, so it can write nowhere but those tmpfs and cannot undo any of the above;
+  the fresh uid also makes RLIMIT_NPROC count only this run's processes (the limit does not bind root).
+  Unprivileged, the program keeps our uid: it could write where we can outside the tmpfs (e.g. $HOME).
 
-The program's exit status decides: 0 passes; anything else, a signal, or the timeout fails.
+One interpreter per run: the launcher sets all this up, then executes the program as __main__. The exit
+status decides: 0 passes; anything else, a signal, or the wall timeout fails.
 """
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import secrets
 import shutil
@@ -37,8 +39,8 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Limits:
-    wall_s: float = 20.0  # generous: CPU contention must not fail a correct but slow solution
-    cpu_s: int = 10
+    cpu_s: int = 10  # what stops busy programs
+    wall_s: float = 60.0  # what stops blocked ones; roomy, so that a loaded machine fails no slow, correct one
     memory_bytes: int = 512 * 2**20  # address space; a process per run limit keeps the total bounded
     file_bytes: int = 16 * 2**20
     processes: int = 16
@@ -82,12 +84,15 @@ def run_python(program: str, limits: Limits = Limits()) -> Outcome:
     workdir.mkdir()
     try:
         (workdir / "program.py").write_text(program)
-        config = {
-            "python": iso.python, "uid": uid, "private_tmp": iso.private_tmp,
-            "socket_guard": iso.network != "namespace", "limits": limits.__dict__,
-        }
+        process_limit = limits.processes
+        if uid is None:  # RLIMIT_NPROC counts every process of our uid, not only this run's
+            process_limit += _processes_of(os.getuid())
+        settings = [-1 if uid is None else uid, int(iso.private_tmp), int(iso.network != "namespace"),
+                    limits.cpu_s, limits.memory_bytes, limits.file_bytes, process_limit, limits.open_files,
+                    limits.tmpfs_bytes]
         argv = ["unshare", *iso.namespace_flags, "--"] if iso.namespace_flags else []
-        argv += [iso.python, "-I", "-c", _LAUNCHER, json.dumps(config)]
+        # -S: no site import (it costs as much as the rest of the start-up); the standard library is there
+        argv += [iso.python, "-I", "-S", "-c", _LAUNCHER, *map(str, settings)]
         with open(scratch / "stdout", "wb+") as out, open(scratch / "stderr", "wb+") as err:
             proc = subprocess.Popen(argv, cwd=workdir, env=_environment(workdir), stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=err, start_new_session=True, close_fds=True)
@@ -214,6 +219,17 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                count += entry.stat().st_uid == uid
+            except OSError:
+                continue
+    return count
+
+
 def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
@@ -230,15 +246,13 @@ def _tail(handle, size: int = 4000) -> str:
 # Runs inside the namespaces, as the first process there (still privileged when we are root): sets the
 # limits, mounts the private tmpfs, drops to the run's uid, then runs the program.
 _LAUNCHER = r"""
-import json, os, resource, sys
-config = json.loads(sys.argv[1])
-limits = config["limits"]
+import os, resource, sys
+uid, private_tmp, socket_guard, cpu_s, memory, file_size, processes, open_files, tmpfs_size = map(int, sys.argv[1:])
 program = open("program.py").read()
-for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_bytes"]),
-                    ("RLIMIT_FSIZE", limits["file_bytes"]), ("RLIMIT_NPROC", limits["processes"]),
-                    ("RLIMIT_NOFILE", limits["open_files"]), ("RLIMIT_CORE", 0)):
+for name, value in (("RLIMIT_CPU", cpu_s), ("RLIMIT_AS", memory), ("RLIMIT_FSIZE", file_size),
+                    ("RLIMIT_NPROC", processes), ("RLIMIT_NOFILE", open_files), ("RLIMIT_CORE", 0)):
     resource.setrlimit(getattr(resource, name), (value, value))
-if config["private_tmp"]:
+if private_tmp:
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 262144
@@ -246,31 +260,33 @@ if config["private_tmp"]:
         if libc.mount(source, target, fstype, flags, data) != 0:
             raise OSError(ctypes.get_errno(), "mount " + target.decode())
     mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
-    size = ("size=%d,mode=1777" % limits["tmpfs_bytes"]).encode()
     for target in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock"):
         if os.path.isdir(target):
-            mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV, size)
+            mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=%d,mode=1777" % tmpfs_size)
     os.chdir("/tmp")
     with open("program.py", "w") as handle:
         handle.write(program)
     os.environ.update(HOME="/tmp", TMPDIR="/tmp")
-if config["uid"] is not None:
-    os.chown(".", config["uid"], config["uid"])
-    os.chown("program.py", config["uid"], config["uid"])
+if uid >= 0:
+    os.chown(".", uid, uid)
+    os.chown("program.py", uid, uid)
     os.setgroups([])
-    os.setgid(config["uid"])
-    os.setuid(config["uid"])
-if config["socket_guard"]:
+    os.setgid(uid)
+    os.setuid(uid)
+if socket_guard:
     import socket
     def no_network(*args, **kwargs):
         raise OSError("network is disabled in the sandbox")
     for name in ("connect", "connect_ex", "bind", "sendto", "sendmsg"):
         setattr(socket.socket, name, no_network)
-# The program runs in this interpreter (one start-up per run, not two), as __main__, as the run's uid.
-del json, resource, config, limits
+# The program runs in this interpreter (one start-up per run, not two), as __main__, as the run's uid;
+# exit() and quit() are what it would miss from the skipped site import.
+import builtins, _sitebuiltins
+builtins.exit = _sitebuiltins.Quitter("exit", "Ctrl-D (i.e. EOF)")
+builtins.quit = _sitebuiltins.Quitter("quit", "Ctrl-D (i.e. EOF)")
 sys.argv[:] = ["program.py"]
-namespace = {"__name__": "__main__", "__file__": os.path.abspath("program.py"), "__builtins__": __builtins__}
+namespace = {"__name__": "__main__", "__file__": os.path.abspath("program.py"), "__builtins__": builtins}
 code = compile(program, "program.py", "exec")
-del program
+del program, resource, uid, private_tmp, socket_guard, cpu_s, memory, file_size, processes, open_files
 exec(code, namespace)
 """

@@ -308,11 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specpilot score", description=__doc__.splitlines()[0])
     parser.add_argument("run", help="results JSON written by bench: a path or a run name (<data>/results/<name>.json)")
     parser.add_argument("--workers", type=int, default=None, help="sandboxed programs run in parallel")
-    parser.add_argument("--timeout", type=float, default=sandbox.Limits.wall_s,
-                        help="wall seconds per program (its CPU-time limit is half of it)")
+    parser.add_argument("--cpu-seconds", type=int, default=sandbox.Limits.cpu_s,
+                        help="CPU-time limit per program")
+    parser.add_argument("--wall-seconds", type=float, default=sandbox.Limits.wall_s,
+                        help="wall-clock limit per program")
     args = parser.parse_args(argv)
     with user_errors():
-        limits = sandbox.Limits(wall_s=args.timeout, cpu_s=max(1, int(args.timeout / 2)))
+        limits = sandbox.Limits(cpu_s=args.cpu_seconds, wall_s=args.wall_seconds)
         score = score_run(args.run, workers=args.workers, limits=limits)
         print_table(score)
         print(f"wrote {score['path']}")
