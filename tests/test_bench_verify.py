@@ -63,3 +63,140 @@ def test_tolerances_follow_the_dtype_rounding_step():
 def test_an_answer_without_forcing_logprobs_is_refused():
     with pytest.raises(SpecPilotError, match="gsm8k item 12, expected 5"):
         vf.check_request(REQUEST, {"meta_info": {"input_top_logprobs": [[]]}}, tolerance=0.25)
+
+
+# --- end to end: the real reference runtime serving the real stories260K on loopback ----------------------
+
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+SETTING = "cpu_c1_stories260k_ngram"
+E2E_DATASETS = ["gsm8k", "mt-bench"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    """Engines of the embedded setting, a final run benched on the real runtime, and a running ar oracle."""
+    from specpilot_build.bench import bench
+    from specpilot_build.build import build_engine
+    from specpilot_build.serve import serve, stop
+
+    root = tmp_path_factory.mktemp("loop")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPECPILOT_ENGINES", str(root / "engines"))
+        env.setenv("SPECPILOT_DATA", str(root / "data"))
+        engines = {arm: build_engine(SETTING, arm).engine for arm in ("ar", "final")}
+        bench_port, oracle_port = _free_port(), _free_port()
+        serve(engines["final"], bench_port, quiet=True)
+        try:
+            final_run = bench(engines["final"].id, "final", limit=1, max_new_tokens=48, port=bench_port,
+                              datasets=E2E_DATASETS, progress=False)
+        finally:
+            stop(bench_port)
+        # verify serves the oracle itself here (and stops it afterwards)
+        first = vf.verify(str(final_run), oracle=engines["ar"].id, port=oracle_port, progress=False)
+        serve(engines["ar"], oracle_port, quiet=True)
+        try:
+            ar_run = bench(engines["ar"].id, "ar", limit=1, max_new_tokens=48, port=oracle_port,
+                           datasets=E2E_DATASETS, progress=False)
+            yield {"ar_run": ar_run, "engines": engines, "final_run": final_run, "first_verify": first, "oracle_port": oracle_port,
+                   "root": root, "env": dict(SPECPILOT_ENGINES=str(root / "engines"),
+                                             SPECPILOT_DATA=str(root / "data"))}
+        finally:
+            stop(oracle_port)
+
+
+def test_bench_records_what_compare_score_and_verify_need(loop):
+    run = json.loads(loop["final_run"].read_text())
+    assert run["engine_id"] == loop["engines"]["final"].id and run["arm"] == "final"
+    assert run["target_pin"] == loop["engines"]["ar"].model_pin
+    assert [r["dataset"] for r in run["requests"]] == E2E_DATASETS
+    for r in run["requests"]:
+        assert r["prompt_ids"][0] == 1  # stories260K has no chat template: plain text after BOS
+        assert len(r["output_ids"]) == r["completion_tokens"] > 0
+        assert r["latency_s"] > 0 and r["finish_reason"] in ("length", "stop")
+        assert r["accept_length"] is not None and r["accept_length"] >= 1.0
+    assert run["per_dataset"]["gsm8k"]["wall_s"] > 0 and 0 <= run["client"]["overhead_fraction"] < 1
+
+
+def test_embedded_final_and_ar_outputs_are_token_identical(loop):
+    from specpilot_build import compare as cmp
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in loop["env"].items():
+            env.setenv(key, value)
+        report = cmp.compare(str(loop["ar_run"]), str(loop["ar_run"]), str(loop["final_run"]), name="identity")
+    ident = report["identity"]["final/ar"]["overall"]
+    assert ident["identical"] == ident["requests"] == len(E2E_DATASETS)
+    assert ident["first_difference"] is None
+
+
+def test_final_run_verifies_lossless_with_every_token_checked(loop):
+    report = loop["first_verify"]
+    run = json.loads(loop["final_run"].read_text())
+    assert report["verdict"] == "lossless" and report["real_mismatches"] == 0
+    assert report["verified"] == report["tokens"] == sum(r["completion_tokens"] for r in run["requests"])
+    assert report["checked_engine_id"] == loop["engines"]["final"].id
+    assert report["oracle_engine_id"] == loop["engines"]["ar"].id
+    written = json.loads(loop["final_run"].with_name("final.verify.json").read_text())
+    assert written["verdict"] == "lossless"
+
+
+def test_one_changed_token_is_a_real_mismatch_at_exactly_that_place(loop):
+    run = json.loads(loop["final_run"].read_text())
+    request, position = 1, 17
+    original = run["requests"][request]["output_ids"][position]
+    run["requests"][request]["output_ids"][position] = (original + 1) % 512
+    tampered = loop["final_run"].with_name("tampered.json")
+    tampered.write_text(json.dumps(run))
+    proc = subprocess.run(
+        [sys.executable, "-m", "specpilot_build.verify", str(tampered), "--oracle", loop["engines"]["ar"].id,
+         "--port", str(loop["oracle_port"])], capture_output=True, text=True, env={**_environ(), **loop["env"]},
+        timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(tampered.with_name("tampered.verify.json").read_text())
+    assert report["verdict"] == "not lossless" and report["real_mismatches"] == 1
+    bad = [c for c in report["requests"] if c["first_mismatch"]]
+    assert [(c["dataset"], c["item_id"]) for c in bad] == [(run["requests"][request]["dataset"],
+                                                           run["requests"][request]["item_id"])]
+    mismatch = bad[0]["first_mismatch"]
+    assert (mismatch["position"], mismatch["emitted_id"]) == (position, (original + 1) % 512)
+    assert mismatch["oracle_id"] == original and mismatch["margin"] > report["tolerance"]
+    assert bad[0]["verified"] == position
+    assert f"position {position}" in proc.stdout
+
+
+def test_a_run_of_another_target_is_refused(loop):
+    run = json.loads(loop["final_run"].read_text())
+    run["target_pin"] = {"repo": "Qwen/Qwen3-8B", "revision": "b968826d9c46dd6066d109eabc6255188de91218"}
+    other = loop["final_run"].with_name("other_target.json")
+    other.write_text(json.dumps(run))
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in loop["env"].items():
+            env.setenv(key, value)
+        with pytest.raises(SpecPilotError, match="Qwen/Qwen3-8B.*same target model"):
+            vf.verify(str(other), oracle=loop["engines"]["ar"].id, port=loop["oracle_port"], progress=False)
+
+
+def test_bench_refuses_a_server_of_another_engine(loop):
+    from specpilot_build.bench import bench
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in loop["env"].items():
+            env.setenv(key, value)
+        with pytest.raises(SpecPilotError, match=f"serves engine {loop['engines']['ar'].id}, not "
+                                                 f"{loop['engines']['final'].id[:16]}"):
+            bench(loop["engines"]["final"].id, "wrong", limit=1, port=loop["oracle_port"], progress=False)
+
+
+def _environ():
+    import os
+    return dict(os.environ)
