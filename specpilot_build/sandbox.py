@@ -13,7 +13,8 @@ Containment, the strongest the OS allows (probed once per process by trying it; 
   small tmpfs; the program's working directory is that /tmp;
 - as root, with an interpreter that other users can reach: the program runs under a fresh unused uid/gid
   with no supplementary groups, so it can write nowhere but those tmpfs and cannot undo any of the above;
-  the fresh uid also makes RLIMIT_NPROC count only this run's processes (the limit does not bind root).
+  the fresh uid also makes RLIMIT_NPROC count only this run's processes (the limit does not bind root),
+  and after the run every process of that uid is killed, namespace or not.
   Unprivileged, the program keeps our uid: it could write where we can outside the tmpfs (e.g. $HOME).
 
 One interpreter per run: the launcher sets all this up, then executes the program as __main__. The exit
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -102,6 +104,8 @@ def run_python(program: str, limits: Limits = Limits()) -> Outcome:
             except subprocess.TimeoutExpired:
                 returncode, timed_out = None, True
             _kill_group(proc, via_unshare=bool(iso.namespace_flags))
+            if uid is not None:  # a backstop where no PID namespace holds the run's processes together
+                _kill_uid(uid)
             stdout, stderr = _tail(out), _tail(err)
         return Outcome(passed=returncode == 0, returncode=returncode, timed_out=timed_out,
                        stdout=stdout, stderr=stderr, uid=uid, pgid=proc.pid)
@@ -135,8 +139,8 @@ def isolation() -> Isolation:
             if _unshare_works(flags):
                 network = "namespace" if "--net" in flags else "python-guard"
                 private_tmp = "--mount" in flags
-                return Isolation(tuple(flags), network, private_tmp, drop_uid and private_tmp, python)
-    return Isolation((), "python-guard", False, False, python)
+                return Isolation(tuple(flags), network, private_tmp, drop_uid, python)
+    return Isolation((), "python-guard", False, drop_uid, python)
 
 
 def _unshare_works(flags: list[str]) -> bool:
@@ -219,15 +223,31 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of a run's private uid, until none is left (its NPROC limit bounds a race)."""
+    for _ in range(100):
+        pids = _pids_of(uid)
+        if not pids:
+            return
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
 def _processes_of(uid: int) -> int:
-    count = 0
+    return len(_pids_of(uid))
+
+
+def _pids_of(uid: int) -> list[int]:
+    pids = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                count += entry.stat().st_uid == uid
+                if entry.stat().st_uid == uid:
+                    pids.append(int(entry.name))
             except OSError:
                 continue
-    return count
+    return pids
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -50,22 +50,7 @@ def score_run(results_path: str | Path, workers: int | None = None,
     for dataset, indices in by_dataset.items():
         rows = [_record_for(records, dataset, requests[i]["item_id"], path) for i in indices]
         outputs = [requests[i].get("output_text") or "" for i in indices]
-        if dataset == "gsm8k":
-            results = [grade_gsm8k(text, row) for text, row in zip(outputs, rows)]
-        elif dataset == "math500":
-            results = grade_math500(outputs, [row["answer"] for row in rows])
-        elif dataset in ("humaneval", "mbpp"):
-            build = humaneval_program if dataset == "humaneval" else mbpp_program
-            # A program passes when it exits 0 *after* the last test ran: an answer that calls exit(0)
-            # before the tests must not pass, so the program ends by printing a secret it cannot know.
-            token = secrets.token_hex(16)
-            programs = [f"{build(text, row)}\nprint({token!r})\n" for text, row in zip(outputs, rows)]
-            outcomes = sandbox.run_many(programs, limits, workers)
-            results = [{"correct": o.passed and token in o.stdout, "detail": _failure_detail(o, token)}
-                       for o in outcomes]
-        else:
-            results = [{"correct": None} for _ in indices]
-        for i, result in zip(indices, results):
+        for i, result in zip(indices, grade(dataset, outputs, rows, limits, workers)):
             graded[i] = {"dataset": dataset, "item_id": requests[i]["item_id"],
                          "truncated": is_truncated(requests[i], run.get("max_new_tokens")), **result}
 
@@ -81,6 +66,25 @@ def score_run(results_path: str | Path, workers: int | None = None,
     out = score_path(path)
     write_json(out, score)
     return {**score, "path": str(out)}
+
+
+def grade(dataset: str, outputs: list[str], records: list[dict], limits: sandbox.Limits = sandbox.Limits(),
+          workers: int | None = None) -> list[dict]:
+    """One {"correct": bool | None, ...} per completion of one dataset (None: not auto-scored)."""
+    if dataset == "gsm8k":
+        return [grade_gsm8k(text, record) for text, record in zip(outputs, records)]
+    if dataset == "math500":
+        return grade_math500(outputs, [record["answer"] for record in records])
+    if dataset in ("humaneval", "mbpp"):
+        build = humaneval_program if dataset == "humaneval" else mbpp_program
+        # A program passes when it exits 0 *after* its last test ran: an answer that calls exit(0) before
+        # the tests must not pass, so each program ends by printing a secret the answer cannot know.
+        token = secrets.token_hex(16)
+        programs = [f"{build(text, record)}\nprint({token!r})\n" for text, record in zip(outputs, records)]
+        outcomes = sandbox.run_many(programs, limits, workers)
+        return [{"correct": o.passed and token in o.stdout, "detail": _failure_detail(o, token)}
+                for o in outcomes]
+    return [{"correct": None} for _ in outputs]
 
 
 def score_path(results_path: Path) -> Path:
