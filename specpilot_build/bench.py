@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot_build.errors import user_errors
 
     parser = argparse.ArgumentParser(prog="specpilot bench", description=__doc__.split("\n")[0])
-    parser.add_argument("engine", help="engine id or unique prefix (the server on --port must serve it)")
-    parser.add_argument("name", help="run name: writes <data>/results/<name>.json")
+    parser.add_argument("--engine", required=True, help="engine id or unique prefix (served on --port)")
+    parser.add_argument("--name", required=True, help="run name: writes <data>/results/<name>.json")
     parser.add_argument("--limit", type=int, default=None, help="items per dataset (default: whole split)")
     parser.add_argument("--max-new-tokens", type=int, default=2048)
     parser.add_argument("--port", type=int, default=30000)

@@ -214,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot_build.errors import user_errors
 
     parser = argparse.ArgumentParser(prog="specpilot compare", description=__doc__.split("\n")[0])
-    parser.add_argument("ar", help="results of the ar arm (path or run name)")
-    parser.add_argument("stock")
-    parser.add_argument("final")
+    parser.add_argument("--ar", required=True, help="results of the ar arm (path or run name)")
+    parser.add_argument("--stock", required=True, help="results of the stock arm")
+    parser.add_argument("--final", required=True, help="results of the final arm")
     parser.add_argument("--name", help="output name (default compare_<final run name>)")
     args = parser.parse_args(argv)
     with user_errors():
