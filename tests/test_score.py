@@ -56,6 +56,22 @@ def test_every_canonical_code_solution_passes_in_the_sandbox(canonical):
     assert result["datasets"]["mbpp"]["n"] == 500 and result["datasets"]["mbpp"]["accuracy"] == 1.0
 
 
+def test_sanitized_mbpp_records_with_test_imports_pass(tmp_path):
+    """The sanitized MBPP split keeps its imports in `test_imports` (e.g. `import math` for isclose)."""
+    from specpilot_build.locations import mirror_dir
+
+    rows = json.loads((mirror_dir() / "datasets" / "mbpp" / "sanitized-mbpp.json").read_text())
+    with_imports = [row for row in rows if row["test_imports"]]
+    assert len(with_imports) == 13
+    results = score.grade("mbpp", [row["code"] for row in with_imports], with_imports)
+    assert [r["detail"] for r in results if not r["correct"]] == []
+    # an answer without the import its test needs passes only thanks to test_imports
+    answer = "def volume_sphere(r):\n    return 4 / 3 * 3.141592653589793 * r ** 3\n"
+    record = next(row for row in with_imports if "volume_sphere" in row["code"])
+    assert score.grade("mbpp", [answer], [record])[0]["correct"]
+    assert not score.grade("mbpp", [answer], [{**record, "test_imports": []}])[0]["correct"]
+
+
 def test_score_json_is_written_next_to_the_run(canonical):
     path, result = canonical
     written = json.loads((path.parent / "canonical.score.json").read_text())
@@ -109,10 +125,12 @@ def test_mixed_run_counts_correct_and_truncated_answers(mixed):
 
 
 def test_cli_prints_the_table_and_writes_the_score(tmp_path, capsys):
+    from specpilot_build import cli
+
     item = load_split("gsm8k", 1)[0]
     path = _write_run(tmp_path / "tiny.json", [_request("gsm8k", item.id, item.record["answer"]),
                                                _request("mt-bench", "81", "Hello.")])
-    assert score.main([str(path)]) == 0
+    assert cli.main(["score", str(path)]) == 0
     out = capsys.readouterr().out
     assert "gsm8k" in out and "100.0%" in out and "not auto-scored" in out
     assert (tmp_path / "tiny.score.json").is_file()
