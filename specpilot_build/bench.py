@@ -170,9 +170,10 @@ def _versions(info: dict) -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     try:
-        versions["specpilot_git"] = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-            timeout=5).stdout.strip() or None
+        git = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        if git.returncode == 0:
+            versions["specpilot_git"] = git.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     return versions
