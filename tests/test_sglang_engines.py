@@ -29,9 +29,20 @@ def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("dummy-model")
 
 
+BAD_FLAG_ID = "f" * 64
+
+
 @pytest.fixture(scope="session")
-def launch_results(builds, model_dir):
-    return check_launch_args(list(builds.engines.values()), model_dir)
+def launch_results(builds, model_dir, tmp_path_factory):
+    """One check run for every engine, plus a copy of one engine whose argv misspells a flag."""
+    real = builds.engines["h100_c1_qwen3-8b_dflash", "final"]
+    spec = json.loads((real.path / "launch.json").read_bytes())
+    spec["argv"] = [a.replace("--speculative-dflash-block-size", "--speculative-dflash-block-sise")
+                    for a in spec["argv"]]
+    fake = tmp_path_factory.mktemp("bad-flag-engine")
+    os.symlink(real.path / "python", fake / "python")
+    (fake / "launch.json").write_text(json.dumps(spec))
+    return check_launch_args([*builds.engines.values(), Engine(BAD_FLAG_ID, fake)], model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -59,16 +70,8 @@ def test_every_python_file_of_every_engine_compiles(builds):
     assert compile_engines(list(builds.engines.values())) == {}
 
 
-def test_a_flag_sglang_does_not_know_is_rejected_by_the_check(builds, model_dir, tmp_path):
-    real = builds.engines["h100_c1_qwen3-8b_dflash", "final"]
-    spec = json.loads((real.path / "launch.json").read_bytes())
-    spec["argv"] = [a.replace("--speculative-dflash-block-size", "--speculative-dflash-block-sise")
-                    for a in spec["argv"]]
-    fake = tmp_path / "fake-engine"
-    fake.mkdir()
-    os.symlink(real.path / "python", fake / "python")
-    (fake / "launch.json").write_text(json.dumps(spec))
-    result = check_launch_args([Engine("f" * 64, fake)], model_dir)["f" * 64]
+def test_a_flag_sglang_does_not_know_is_rejected_by_the_check(launch_results):
+    result = launch_results[BAD_FLAG_ID]
     assert result is not None and "--speculative-dflash-block-sise" in result
 
 
@@ -115,7 +118,7 @@ def test_engines_keep_what_their_setting_loads_dynamically_and_not_other_setting
     model = "python/sglang/srt/models/"
     assert {model + "qwen3.py", model + "dflash.py"} <= dflash and model + "dspark.py" not in dflash
     assert model + "dspark.py" in dspark
-    assert model + "deepseek_v4.py" not in dflash
+    assert model + "bailing_moe.py" not in dflash and model + "dspark_minimax.py" not in dspark
     assert any("device_name=NVIDIA_H100_80GB_HBM3" in p for p in dflash)
     assert not any("device_name=NVIDIA_H100_80GB_HBM3" in p for p in rtx)
     assert any(p.startswith("python/sglang/kernels/jit/csrc/") for p in rtx)
