@@ -18,7 +18,7 @@ from specpilot_build.checkpoints import (
     converted_files, hub_endpoint, hub_errors, hub_is_offline, llama2c_pair, materialize, sha256_of,
 )
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.lockfile import REVISION, CheckpointPin, PinnedFile, _load_checkpoints
+from specpilot_build.lockfile import REVISION, CheckpointPin, PinnedFile, load_checkpoint_pins
 
 HEADER = ("# Checkpoint pins: repo -> exact 40-hex revision; per-file size and sha256 once locked "
           "(`make lock SETTING=...`).\n"
@@ -34,7 +34,7 @@ def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapp
     `refs[repo]` (default "main") is resolved to a commit. llama2c repos (`source_formats`) also get
     their conversion's hashes. Other repos in the file are kept as they are. Returns the new pins."""
     refs, source_formats = refs or {}, source_formats or {}
-    existing = _load_checkpoints(lockfile)
+    existing = load_checkpoint_pins(lockfile)
     locked = {}
     for repo in sorted(repos):
         old = existing.get(repo)

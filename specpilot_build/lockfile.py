@@ -74,6 +74,11 @@ def _read_toml(path: Path) -> dict:
         raise SpecPilotError(f"{path}: not valid TOML: {exc}") from None
 
 
+def load_checkpoint_pins(path: Path) -> dict[str, CheckpointPin]:
+    """The checkpoint pins of one lockfile (checkpoints.toml format)."""
+    return _load_checkpoints(path)
+
+
 def _load_checkpoints(path: Path) -> dict[str, CheckpointPin]:
     pins = {}
     for repo, table in _read_toml(path).items():

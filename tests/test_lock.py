@@ -11,7 +11,7 @@ from fake_hub import FakeHub
 from specpilot_build.checkpoints import materialize, snapshot_dir
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.lock import lock_repos, write_lockfile
-from specpilot_build.lockfile import CheckpointPin, PinnedFile, _load_checkpoints
+from specpilot_build.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
 from specpilot_build.locations import REPO_ROOT
 
 MIRROR = REPO_ROOT.parent / "shared" / "models" / "stories260K" / "llama2c"
@@ -56,10 +56,10 @@ def lockfile(tmp_path) -> Path:
 
 def test_lock_resolves_main_and_records_every_file(hub, lockfile, files):
     lock_repos({"tester/tiny": []}, lockfile)
-    pin = _load_checkpoints(lockfile)["tester/tiny"]
+    pin = load_checkpoint_pins(lockfile)["tester/tiny"]
     assert pin.revision == C1
     assert pin.files == tuple(PinnedFile(path=p, size=len(d), sha256=sha256(d)) for p, d in sorted(files.items()))
-    assert _load_checkpoints(lockfile)["other/model"].revision == "f" * 40
+    assert load_checkpoint_pins(lockfile)["other/model"].revision == "f" * 40
     text = lockfile.read_text()
     assert text.index('["other/model"]') < text.index('["tester/tiny"]')
     assert f'  {{ path = "README.md", size = {len(README)}, sha256 = "{sha256(README)}" }},' in text
@@ -69,9 +69,9 @@ def test_lock_keeps_a_pinned_revision_until_update(hub, lockfile, files):
     lock_repos({"tester/tiny": [TOK]}, lockfile)
     hub.add("tester/tiny", C2, {**files, TOK: files[TOK] + b"!"}, lfs={BIN, TOK})  # main moves on
     lock_repos({"tester/tiny": [TOK]}, lockfile)
-    assert _load_checkpoints(lockfile)["tester/tiny"].revision == C1
+    assert load_checkpoint_pins(lockfile)["tester/tiny"].revision == C1
     lock_repos({"tester/tiny": [TOK]}, lockfile, update=True)
-    pin = _load_checkpoints(lockfile)["tester/tiny"]
+    pin = load_checkpoint_pins(lockfile)["tester/tiny"]
     assert pin.revision == C2 and pin.files[0].sha256 == sha256(files[TOK] + b"!")
 
 
@@ -112,8 +112,8 @@ def test_lock_offline_or_unreachable_is_one_line_and_writes_nothing(hub, lockfil
 
 def test_lock_records_the_llama2c_conversion(hub, lockfile):
     lock_repos({"tester/tiny": [BIN, TOK]}, lockfile, source_formats={"tester/tiny": "llama2c"})
-    pin = _load_checkpoints(lockfile)["tester/tiny"]
-    real = _load_checkpoints(REPO_ROOT / "lockfiles" / "checkpoints.toml")["karpathy/tinyllamas"]
+    pin = load_checkpoint_pins(lockfile)["tester/tiny"]
+    real = load_checkpoint_pins(REPO_ROOT / "lockfiles" / "checkpoints.toml")["karpathy/tinyllamas"]
     assert pin.converted == real.converted  # same input bytes, same converter: same output bytes
 
 
