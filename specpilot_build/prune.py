@@ -118,8 +118,9 @@ _EXTENSION = re.compile(r"^(.*/)?([A-Za-z_]\w*)(\.[\w-]+)?\.(so|pyd)$")
 
 def import_graph(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> dict:
     """{"modules": {module: member path}, "edges": {module: [modules it may import]}}, cached per wheel."""
-    sha256 = _file_sha256(Path(zf.filename))
-    cache = data_dir() / "cache" / "import-graph" / f"{sha256}.json"
+    cache_dir = data_dir() / "cache" / "import-graph"
+    sha256 = _wheel_sha256(Path(zf.filename), cache_dir)
+    cache = cache_dir / f"{sha256}.json"
     try:
         graph = json.loads(cache.read_bytes())
         if graph.get("format") == GRAPH_FORMAT:
@@ -193,6 +194,25 @@ def _known_prefix(name: str, modules: dict) -> str | None:
             return name
         name = name.rpartition(".")[0]
     return None
+
+
+def _wheel_sha256(path: Path, cache_dir: Path) -> str:
+    """The wheel's sha256, remembered per (path, inode, size, mtime) so a build does not re-read 39 MB."""
+    st = path.stat()
+    stamp = hashlib.sha256(f"{path.resolve()}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    memo = cache_dir / "sha256-by-stat" / stamp
+    try:
+        value = memo.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", value):
+            return value
+    except FileNotFoundError:
+        pass
+    value = _file_sha256(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{stamp}.{os.getpid()}")
+    tmp.write_text(value + "\n")
+    os.replace(tmp, memo)
+    return value
 
 
 def _file_sha256(path: Path) -> str:
