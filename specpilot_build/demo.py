@@ -16,7 +16,7 @@ from specpilot_build.errors import user_errors
 ARMS = ("ar", "stock", "final")
 
 
-def demo(setting: str = "cpu_c1_stories260k_ngram", limit: int = 3, max_new_tokens: int = 256,
+def demo(setting: str = "cpu_c1_stories260k_ngram", limit: int = 3, max_new_tokens: int = 128,
          port: int = 30000, datasets: list[str] | None = None, console: Console | None = None) -> dict:
     from specpilot_build.bench import bench
     from specpilot_build.build import build_engine
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specpilot demo", description=__doc__.split("\n")[0])
     parser.add_argument("--setting", default="cpu_c1_stories260k_ngram")
     parser.add_argument("--limit", type=int, default=3, help="items per dataset")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=30000)
     args = parser.parse_args(argv)
     with user_errors():
