@@ -56,7 +56,7 @@ def launch(engine_dir: Path, engine_id: str, port: int, extra: list[str] = ()) -
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> str:
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 600) -> str:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

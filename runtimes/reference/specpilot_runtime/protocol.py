@@ -52,7 +52,8 @@ def parse_generate(body, tokenizer, limits: ModelLimits) -> tuple[GenerationRequ
     else:
         input_ids = _token_ids(input_ids, "input_ids", limits)
     _require(body.get("token_ids_logprob") is None, "'token_ids_logprob' is not supported")
-    params = body.get("sampling_params") or {}
+    params = body.get("sampling_params")
+    params = {} if params is None else params
     _require(isinstance(params, dict), "'sampling_params' must be a JSON object")
     max_new = _int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "sampling_params.max_new_tokens")
     return_logprob = _bool(body.get("return_logprob", False), "return_logprob")
