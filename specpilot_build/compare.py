@@ -82,8 +82,9 @@ def speed_report(runs: dict) -> dict:
             parts = datasets if dataset == OVERALL else [dataset]
             speedups[key][dataset] = _speedup(runs, aligned, draws, num, den, parts, concurrency)
             identity[key][dataset] = _identity(aligned[num], aligned[den], parts)
-    accept = {arm: {d: _mean([r["accept_length"] for r in aligned[arm][d] if r["accept_length"] is not None])
-                    for d in datasets} for arm in runs}
+    accept = {arm: {d: _mean([r["accept_length"] for part in (datasets if d == OVERALL else [d])
+                              for r in aligned[arm][part] if r["accept_length"] is not None])
+                    for d in datasets + [OVERALL]} for arm in runs}
     return {"schema": "specpilot.compare/1", "concurrency": concurrency, "datasets": datasets,
             "method": __doc__.split("Method (fixed; the seed is part of it):\n")[1].split("\nRuns are")[0],
             "resamples": RESAMPLES, "seed": SEED, "speedups": speedups, "identity": identity,
@@ -160,22 +161,22 @@ def print_table(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"speedups (c{report['concurrency']}, 95% paired bootstrap CI)")
-    table.add_column("dataset")
+    table = Table(title=f"speedup [95% paired bootstrap CI], c{report['concurrency']}")
+    table.add_column("dataset", no_wrap=True)
     for pair in report["speedups"]:
-        table.add_column(pair, justify="right")
-    table.add_column("identical final/ar", justify="right")
-    table.add_column("accept final", justify="right")
+        table.add_column(pair, justify="right", no_wrap=True)
+    table.add_column("identical\nfinal/ar", justify="right")
+    table.add_column("accept\nfinal", justify="right")
     for dataset in report["datasets"] + [OVERALL]:
         row = [dataset]
         for pair, per_dataset in report["speedups"].items():
             s = per_dataset[dataset]
-            row.append(f"{s['speedup']:.2f}× [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]")
+            row.append(f"{s['speedup']:.2f}×\n[{s['ci95'][0]:.2f}–{s['ci95'][1]:.2f}]")
         ident = report["identity"]["final/ar"][dataset]
         row.append(f"{ident['identical']}/{ident['requests']}")
         accept = report["accept_length"]["final"].get(dataset)
         row.append(f"{accept:.2f}" if accept is not None else "-")
-        table.add_row(*row)
+        table.add_row(*row, end_section=True)
     console.print(table)
 
 
