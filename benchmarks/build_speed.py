@@ -4,6 +4,7 @@
 
 Rows (whole processes, wall clock, median and min–max over --repeat alternating runs):
   naive      `pip install --no-deps --target` of the pinned wheel + a sha256 walk of what it installed
+  naive-nc   the same with --no-compile (no .pyc written): the faster baseline, the one ratios are taken to
   cold       `specpilot engine build` into an empty engine store (wheel and its import graph cached)
   cold*      the same with no cached import graph (the first build ever made from this wheel)
   no-op      the same build again (the engine exists)
@@ -77,21 +78,22 @@ def main() -> None:
     wheel = wheel_file(load_lock().runtimes["sglang"])  # fetched (or found in the mirror) once, cached
     build = [sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting", args.setting,
              "--arm", "final"]
-    rows: dict[str, list[float]] = {"naive": [], "cold": [], "cold*": [], "no-op": []}
+    rows: dict[str, list[float]] = {"naive": [], "naive-nc": [], "cold": [], "cold*": [], "no-op": []}
     graph_cache = data / "cache" / "import-graph"
     timed(build, {**env, "SPECPILOT_ENGINES": str(work / "warmup")})  # warms the graph cache and the OS cache
     for i in range(args.repeat):
         target = work / f"pip-{i}"
-        rows["naive"].append(timed([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                                    "--no-compile", "--target", str(target), str(wheel)], env)
+        for row, extra in (("naive", []), ("naive-nc", ["--no-compile"])):
+            rows[row].append(timed([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *extra,
+                                    "--target", str(target), str(wheel)], env)
                              + timed([sys.executable, "-c", HASH_WALK, str(target)], env))
+            shutil.rmtree(target)
         store = {**env, "SPECPILOT_ENGINES": str(work / f"engines-{i}")}
         rows["cold"].append(timed(build, store))
         rows["no-op"].append(timed(build, store))
         shutil.rmtree(graph_cache)
         rows["cold*"].append(timed(build, {**env, "SPECPILOT_ENGINES": str(work / f"engines-star-{i}")}))
-        shutil.rmtree(target)
-    naive = statistics.median(rows["naive"])
+    naive = statistics.median(rows["naive-nc"])
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"python {platform.python_version()}; setting {args.setting} (final); {args.repeat} runs")
     print(f"{'path':<8} {'median s':>9} {'min-max s':>13} {'vs naive':>9}")
