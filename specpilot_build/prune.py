@@ -112,7 +112,7 @@ def _glob_matcher(globs: list[str]):
 
 _FROM = re.compile(rb"^[ \t]*from[ \t]+([.\w]+)[ \t]+import[ \t]+(\([^)]*\)|(?:[^\n\\#]|\\\n)*)", re.M)
 _IMPORT = re.compile(rb"^[ \t]*import[ \t]+((?:[^\n\\#;]|\\\n)*)", re.M)
-_TYPE_CHECKING_BLOCK = re.compile(rb"^([ \t]*)if (?:typing\.)?TYPE_CHECKING:[ \t]*\n(?:(?:\1[ \t]+[^\n]*)?\n)*", re.M)
+_TYPE_CHECKING_IF = re.compile(rb"if (?:typing\.)?TYPE_CHECKING:[ \t]*\n")
 _EXTENSION = re.compile(r"^(.*/)?([A-Za-z_]\w*)(\.[\w-]+)?\.(so|pyd)$")
 
 
@@ -163,10 +163,59 @@ def scan_imports(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> dict:
     return {"format": GRAPH_FORMAT, "modules": modules, "edges": edges}
 
 
+def _statement_starts(src: bytes):
+    """Offsets of lines that begin (after indentation) with `from ` or `import `. Every such statement holds
+    the word `import`, and bytes.find is much faster than an anchored multi-line regex over the file."""
+    last = -1
+    pos = src.find(b"import")
+    while pos >= 0:
+        start = src.rfind(b"\n", 0, pos) + 1
+        if start != last:
+            last = start
+            head = src[start:start + 200].lstrip(b" \t")
+            if head.startswith((b"from ", b"import ", b"from\t", b"import\t")):
+                yield start
+        pos = src.find(b"import", pos + 6)
+
+
+def _without_type_checking_blocks(src: bytes) -> bytes:
+    """`src` with the bodies of `if TYPE_CHECKING:` blocks (lines indented deeper than the `if`) removed."""
+    cuts = []
+    for m in _TYPE_CHECKING_IF.finditer(src):
+        start = src.rfind(b"\n", 0, m.start()) + 1
+        indent = src[start:m.start()]
+        if indent.strip(b" \t"):
+            continue
+        end = m.end()
+        while end < len(src):
+            nl = src.find(b"\n", end)
+            line = src[end:nl if nl >= 0 else len(src)]
+            if line.strip() and not (line.startswith(indent) and line[len(indent):len(indent) + 1] in (b" ", b"\t")):
+                break
+            end = nl + 1 if nl >= 0 else len(src)
+        cuts.append((m.end(), end))
+    if not cuts:
+        return src
+    parts, pos = [], 0
+    for a, b in cuts:
+        parts.append(src[pos:a])
+        pos = b
+    parts.append(src[pos:])
+    return b"".join(parts)
+
+
 def _imported_names(src: bytes, package: str) -> set[str]:
     names: set[str] = set()
-    src = _TYPE_CHECKING_BLOCK.sub(b"", src)
-    for m in _FROM.finditer(src):
+    if b"TYPE_CHECKING:" in src:
+        src = _without_type_checking_blocks(src)
+    froms, imports = [], []
+    for start in _statement_starts(src):
+        m = _FROM.match(src, start)
+        if m:
+            froms.append(m)
+        elif m := _IMPORT.match(src, start):
+            imports.append(m)
+    for m in froms:
         base = m.group(1).decode()
         if base.startswith("."):
             level = len(base) - len(base.lstrip("."))
@@ -175,12 +224,15 @@ def _imported_names(src: bytes, package: str) -> set[str]:
             rest = base.lstrip(".")
             base = ".".join(parts + ([rest] if rest else []))
         names.add(base)
-        listed = re.sub(rb"#[^\n]*", b"", m.group(2)).replace(b"\\\n", b" ").strip(b"() \t\n")
+        listed = m.group(2)
+        if b"#" in listed:
+            listed = re.sub(rb"#[^\n]*", b"", listed)
+        listed = listed.replace(b"\\\n", b" ").strip(b"() \t\n")
         for item in listed.split(b","):
             word = item.split()[0].decode() if item.split() else ""
             if word.isidentifier():
                 names.add(f"{base}.{word}")
-    for m in _IMPORT.finditer(src):
+    for m in imports:
         for item in m.group(1).replace(b"\\\n", b" ").split(b","):
             words = item.split()
             if words:
