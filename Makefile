@@ -49,7 +49,7 @@ sweep: $(STAMP)
 	$(SP) sweep --settings $(SETTINGS) --arms $(ARMS) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 
 lock: $(STAMP)
-	$(SP) lock --setting $(SETTING)
+	$(SP) lock --setting $(SETTING) $(if $(UPDATE),--update)
 
 models: $(STAMP)
 	$(SP) models --setting $(SETTING) $(if $(MIRROR),--mirror $(MIRROR))
@@ -61,16 +61,16 @@ stop: $(STAMP)
 	$(SP) stop --port $(PORT)
 
 bench: $(STAMP)
-	$(SP) bench --engine $(ENGINE) --name $(NAME) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT))
+	$(SP) bench --engine $(ENGINE) --name $(NAME) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS))
 
 compare: $(STAMP)
 	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL)
 
 score: $(STAMP)
-	$(SP) score $(RUN)
+	$(SP) score $(RUN) $(if $(WORKERS),--workers $(WORKERS))
 
 verify: $(STAMP)
-	$(SP) verify $(RUN) $(if $(ORACLE),--oracle $(ORACLE))
+	$(SP) verify $(RUN) $(if $(ORACLE),--oracle $(ORACLE)) $(if $(VERIFY_PORT),--port $(VERIFY_PORT))
 
 diff: $(STAMP)
 	$(SP) diff $(A) $(B) $(DIFF_FLAGS)
