@@ -1,6 +1,9 @@
 """GPU benchmark: cuBLAS bf16 vs the fused W12 GEMM, and a 64-layer decode stack under a CUDA graph.
 
-    PYTHONPATH=kernels python -m w12.bench --tune --table --stack --out results.json
+    PYTHONPATH=kernels python -m w12.bench --pick --table --stack --out results.json
+
+--tune sweeps many configs (timed per launch, so Python launch overhead adds noise); --pick re-times
+a few finalists under CUDA graphs. The table and the stack are timed under CUDA graphs.
 
 Prints markdown tables (the source of BENCH.md). Needs a CUDA GPU with torch + triton.
 """
@@ -19,7 +22,7 @@ import triton
 import triton.testing
 
 from .format import W12Tensor, decode, encode
-from .gemm import Config, TUNED, fused_gemm
+from .gemm import Config, TUNED, default_config, fused_gemm
 
 SHAPES = {  # name: (N, K) for y[M, N] = x[M, K] @ W[N, K].T
     "qkv": (10240, 5120),
@@ -53,6 +56,48 @@ def time_us(fn, rep_ms: int = 200) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
+def graph_time_us(launch, items, launches: int = 6) -> float:
+    """Median time of one launch, from a CUDA graph of `launches` back-to-back launches over rotated
+    buffers (no Python launch overhead in the timing; do_bench flushes L2 before every replay)."""
+    for item in items:
+        launch(item)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            launch(items[i % len(items)])
+    t = time_us(graph.replay, rep_ms=150) / launches
+    del graph
+    return t
+
+
+# Finalists from the --tune sweeps (BENCH.md), re-timed under CUDA graphs by --pick.
+FINALISTS = {
+    (10240, 5120, 16): [Config(32, 128, 4, 4), Config(64, 128, 4, 4)],
+    (10240, 5120, 32): [Config(64, 128, 4, 3, split_k=3), Config(64, 128, 4, 3)],
+    (5120, 8192, 16): [Config(64, 256, 8, 3), Config(128, 128, 8, 3, split_k=6)],
+    (5120, 8192, 32): [Config(64, 128, 4, 3, split_k=3), Config(32, 128, 2, 3, split_k=3)],
+    (34816, 5120, 16): [Config(32, 128, 4, 4), Config(32, 256, 4, 3)],
+    (34816, 5120, 32): [Config(64, 128, 4, 3), Config(64, 128, 8, 3)],
+    (5120, 17408, 16): [Config(32, 256, 4, 2, split_k=3), Config(32, 128, 4, 3, split_k=3)],
+    (5120, 17408, 32): [Config(64, 128, 4, 3, split_k=3), Config(64, 128, 4, 3, split_k=2)],
+}
+
+
+def pick(weights: dict) -> dict:
+    best = {}
+    for name, (n, k) in SHAPES.items():
+        packs = weights[name]["w12"]
+        for block_m, m in ((16, 1), (32, 32)):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            timed = []
+            for cfg in FINALISTS[(n, k, block_m)]:
+                timed.append((graph_time_us(lambda p: fused_gemm(x, p, cfg), packs), cfg))
+                print(f"pick {name:8s} M={m:2d} {timed[-1][0]:7.1f} us  {cfg}")
+            best[(n, k, block_m)] = min(timed, key=lambda r: r[0])[1]
+    return best
+
+
 def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config) -> dict:
     assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: decode not bit-exact"
     worst = 0.0
@@ -67,38 +112,65 @@ def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config
     return {"escapes": packed.escapes, "bits_per_weight": packed.bits_per_weight(), "max_rel_err": worst}
 
 
-def candidate_configs() -> list[Config]:
-    out = [Config(bn, bk, w, s, swap) for bn, bk, w, s, swap in itertools.product(
-        (16, 32, 64), (128, 256), (4,), (3, 4), (False, True))]
-    out += [Config(bn, 512, 4, 3, swap) for bn in (16, 32) for swap in (False, True)]
-    out += [Config(bn, 256, 8, 3, swap) for bn in (32, 64) for swap in (False, True)]
+TILES = {  # BLOCK_M: (block_n, block_k, num_warps, num_stages, swap)
+    16: [(32, 128, 4, 4, False), (32, 128, 4, 5, False), (32, 256, 4, 3, False), (32, 256, 4, 2, False),
+         (64, 128, 4, 4, False), (64, 128, 8, 4, False), (64, 256, 8, 3, False), (128, 128, 8, 3, False),
+         (128, 128, 8, 4, False)],
+    32: [(64, 128, 4, 3, False), (64, 128, 4, 4, False), (64, 128, 8, 3, False), (32, 128, 2, 3, False),
+         (32, 128, 2, 4, False), (128, 128, 8, 3, False)],
+}
+
+
+def candidate_configs(n: int, block_m: int) -> list[Config]:
+    out = []
+    for bn, bk, warps, stages, swap in TILES[block_m]:
+        blocks = -(-n // bn)
+        splits = [s for s in (1, 2, 3, 4, 6) if s == 1 or 132 <= blocks * s <= 6 * 132]
+        out += [Config(bn, bk, warps, stages, swap, split_k=s) for s in splits]
     return out
 
 
 def tune(weights: dict, budget_s: float) -> dict:
-    """Best config per (shape, BLOCK_M), timed at M = 1 (BLOCK_M 16) and M = 32."""
+    """Best config per (shape, BLOCK_M): BLOCK_M 16 scored by time at M=1 plus M=16, 32 at M=32."""
     start = time.time()
     best = {}
     for name, (n, k) in SHAPES.items():
         packs = weights[name]["w12"]
-        for m in (1, 32):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        for block_m, ms in ((16, (1, 16)), (32, (32,))):
+            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for m in ms]
             results = []
-            for cfg in candidate_configs():
+            for cfg in candidate_configs(n, block_m):
                 if time.time() - start > budget_s:
                     break
                 try:
-                    t = time_us(rotating(lambda p: fused_gemm(x, p, cfg), packs), rep_ms=60)
+                    t = sum(time_us(rotating(lambda p: fused_gemm(x, p, cfg), packs), rep_ms=40) for x in xs)
                 except Exception as err:  # a config the compiler rejects (resources)
-                    print(f"  {name} M={m} {cfg}: {type(err).__name__}: {str(err)[:120]}")
+                    print(f"  {name} BM={block_m} {cfg}: {type(err).__name__}: {str(err)[:160]}")
                     continue
-                results.append((t, cfg))
+                results.append((t / len(xs), cfg))
             results.sort(key=lambda r: r[0])
-            for t, cfg in results[:3]:
-                print(f"tune {name:8s} M={m:2d} {t:7.1f} us  {cfg}")
+            for t, cfg in results[:4]:
+                print(f"tune {name:8s} BM={block_m:2d} {t:7.1f} us  {cfg}")
             if results:
-                best[(n, k, 16 if m <= 16 else 32)] = results[0][1]
+                best[(n, k, block_m)] = results[0][1]
     return best
+
+
+def probes(weights: dict) -> list[dict]:
+    """Ablations with the tuned configs (wrong results, timing only): where the time goes."""
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        packs = weights[name]["w12"]
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            cfg = TUNED.get((n, k, 16), Config())
+            t = {}
+            for label, probe in (("full", 0), ("no_escapes", 1), ("no_decode", 2), ("neither", 3)):
+                variant = Config(**{**vars(cfg), "probe": probe})
+                t[label] = time_us(rotating(lambda p: fused_gemm(x, p, variant), packs), rep_ms=100)
+            rows.append(dict(shape=name, M=m, **t))
+            print(f"probe {name:8s} M={m:2d} " + "  ".join(f"{a} {b:6.1f} us" for a, b in t.items()))
+    return rows
 
 
 def table(weights: dict) -> list[dict]:
@@ -108,9 +180,9 @@ def table(weights: dict) -> list[dict]:
         w12_bytes = packs[0].nbytes()
         for m in MS:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            t_ref = time_us(rotating(lambda w: torch.nn.functional.linear(x, w), bf16s))
-            t_w12 = time_us(rotating(lambda p: fused_gemm(x, p), packs))
-            t_ref2 = time_us(rotating(lambda w: torch.nn.functional.linear(x, w), bf16s))
+            t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
+            t_w12 = graph_time_us(lambda p: fused_gemm(x, p), packs)
+            t_ref2 = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s) if m == 1 else float("nan")
             diff = (fused_gemm(x, packs[0]).float() - torch.nn.functional.linear(x, bf16s[0]).float()).abs().max()
             act = 2 * m * (n + k)
             rows.append(dict(
@@ -120,7 +192,7 @@ def table(weights: dict) -> list[dict]:
                 roofline_w12_us=(w12_bytes + act) / COPY_TBPS / 1e6,
                 roofline_bf16_us=(2 * n * k + act) / COPY_TBPS / 1e6,
                 max_abs_diff=diff.item(),
-                config=vars(TUNED.get((n, k, 16 if m <= 16 else 32), Config()))))
+                config=vars(TUNED.get((n, k, 16 if m <= 16 else 32)) or default_config(n, k, 16 if m <= 16 else 32))))
             r = rows[-1]
             print(f"{name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us ({r['cublas_tbps']:.2f} TB/s, repeat {t_ref2:.1f})"
                   f"  W12 {t_w12:7.1f} us ({r['w12_tbps']:.2f} TB/s)  x{r['speedup']:.3f}  "
@@ -200,16 +272,47 @@ def summary(rows: list[dict], stack_rows: list[dict]) -> None:
         print(f"stack M={r['M']}: x{r['speedup']:.3f} (target 1.25 at M=1, 8)")
 
 
+def render(result: dict) -> str:
+    """Markdown tables from a results JSON written by this script."""
+    gm = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
+    out = ["| shape (N x K) | M | cuBLAS us | cuBLAS TB/s | W12 us | W12 TB/s | speedup | W12 roofline us "
+           "| W12 % of roofline | bf16 MB | W12 MB | max abs diff |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result.get("table", []):
+        out.append(f"| {r['shape']} ({r['N']} x {r['K']}) | {r['M']} | {r['cublas_us']:.1f} | {r['cublas_tbps']:.2f} "
+                   f"| {r['w12_us']:.1f} | {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** | {r['roofline_w12_us']:.1f} "
+                   f"| {100 * r['roofline_w12_us'] / r['w12_us']:.0f}% | {r['bf16_bytes'] / 1e6:.1f} "
+                   f"| {r['w12_bytes'] / 1e6:.1f} | {r['max_abs_diff']:.3g} |")
+    rows = result.get("table", [])
+    small = [r["speedup"] for r in rows if r["M"] <= 16]
+    m32 = [r["speedup"] for r in rows if r["M"] == 32]
+    out += ["", f"Geometric-mean speedup, 4 shapes x M in {{1,2,4,8,16}}: **{gm(small):.3f}** (target 1.30); "
+                f"M = 32: **{gm(m32):.3f}** (target 1.15).", ""]
+    out += ["| decode stack, 64 layers | M | bf16 ms | bf16 TB/s | W12 ms | W12 TB/s | speedup | W12 roofline ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result.get("stack", []):
+        out.append(f"| qkv+o+gate_up+down, bf16 {r['bf16_bytes'] / 1e9:.2f} GB / W12 {r['w12_bytes'] / 1e9:.2f} GB "
+                   f"| {r['M']} | {r['bf16_us'] / 1e3:.2f} | {r['bf16_tbps']:.2f} | {r['w12_us'] / 1e3:.2f} "
+                   f"| {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** | {r['w12_bytes'] / COPY_TBPS / 1e9:.2f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-budget", type=float, default=240)
+    ap.add_argument("--pick", action="store_true", help="time the FINALISTS under CUDA graphs, keep the best")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--probes", action="store_true", help="ablation timings (escapes off, decode off)")
     ap.add_argument("--stack", action="store_true")
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--configs", help="JSON of tuned configs from an earlier --tune")
     ap.add_argument("--out", default="w12_bench.json")
+    ap.add_argument("--render", help="print the markdown tables of an earlier --out JSON and exit")
     args = ap.parse_args()
+    if args.render:
+        print(render(json.load(open(args.render))))
+        return
 
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -230,6 +333,14 @@ def main() -> None:
     save = lambda: json.dump(result, open(args.out, "w"), indent=1, default=str)  # noqa: E731
     rows, stack_rows = [], []
     try:
+        if args.pick:
+            best = pick(weights)
+            TUNED.update(best)
+            result["tuned"] = {",".join(map(str, k)): vars(v) for k, v in best.items()}
+            save()
+            for name, (n, k) in SHAPES.items():
+                for bm in (16, 32):
+                    check_correctness(name, weights[name]["bf16"][0], weights[name]["w12"][0], TUNED[(n, k, bm)])
         if args.tune:
             best = tune(weights, args.tune_budget)
             TUNED.update(best)
@@ -239,6 +350,9 @@ def main() -> None:
                 for bm in (16, 32):
                     check_correctness(name, weights[name]["bf16"][0], weights[name]["w12"][0],
                                       TUNED.get((n, k, bm), Config()))
+        if args.probes:
+            result["probes"] = probes(weights)
+            save()
         if args.table:
             rows = table(weights)
             result["table"] = rows

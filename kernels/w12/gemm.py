@@ -9,7 +9,9 @@ with the original weights; accumulation is fp32. Larger M decodes W to bf16 once
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -29,11 +31,28 @@ class Config:
     swap: bool = False        # accumulate y.T = W @ x.T (weights as the dot's A operand)
     split_k: int = 1          # programs per row block, each over a K range; the last one sums
     block_m: int = 0          # 0: 16 for M <= 16, else 32 (8 is allowed with swap)
+    probe: int = 0            # benchmark-only ablations, WRONG results: 1 no escapes, 2 no decode, 3 both
     ptx: bool = True          # byte-parallel decode in inline PTX (False: plain Triton integer ops)
 
 
-# Chosen on the H200 by bench.py --tune (see BENCH.md); a plain default elsewhere.
-TUNED: dict[tuple[int, int, int], Config] = {}
+def _load_tuned() -> dict[tuple[int, int, int], Config]:
+    """Configs picked on the H200 (tuned_h200.json), keyed by (N, K, BLOCK_M)."""
+    path = Path(__file__).with_name("tuned_h200.json")
+    entries = json.loads(path.read_text()) if path.exists() else {}
+    return {tuple(int(v) for v in key.split(",")): Config(**cfg)
+            for key, cfg in entries.items() if not key.startswith("_")}
+
+
+TUNED: dict[tuple[int, int, int], Config] = _load_tuned()
+
+
+def default_config(n: int, k: int, block_m: int) -> Config:
+    """For shapes not in TUNED: the tile the H200 sweeps favoured, split K when rows are few."""
+    if block_m <= 16:
+        blocks = -(-n // 32)
+        return Config(32, 128, 4, 4, split_k=1 if blocks >= 300 or k < 2048 else 3)
+    blocks = -(-n // 64)
+    return Config(64, 128, 4, 3, split_k=1 if blocks >= 300 or k < 2048 else 3)
 
 
 def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
@@ -60,7 +79,8 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         raise TypeError(f"W12 GEMM takes bf16 activations, got {x.dtype}")
     x = x.contiguous()
     n = packed.rows
-    cfg = config or TUNED.get((n, k, 16 if m <= 16 else 32)) or Config()
+    key = (n, k, 16 if m <= 16 else 32)
+    cfg = config or TUNED.get(key) or default_config(*key)
     block_m = cfg.block_m if cfg.block_m >= m else (16 if m <= 16 else 32)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     half = packed.cols_padded // 2
@@ -74,9 +94,9 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         packed.esc_bits, y, partials, counters,
         m, n, k, half, x.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
-        SPLIT_K=cfg.split_k,
+        SPLIT=cfg.split_k > 1,
         SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
-        PTX=not _interpreting() and cfg.ptx, DOT_F32=_interpreting(),
+        PTX=not _interpreting() and cfg.ptx, DOT_F32=_interpreting(), PROBE=cfg.probe,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
@@ -97,8 +117,9 @@ def _split_workspace(device, split_k: int, n: int, row_blocks: int):
         parts = torch.empty(size_p, dtype=torch.float32, device=device)
         counts = torch.zeros(size_c, dtype=torch.int32, device=device)
         _WORKSPACES[device] = (parts, counts)
-    if parts is None:
+    if parts is None:       # no split yet: any valid pointer will do, allocated once
         parts = counts = torch.zeros(1, dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (parts, counts)
     return parts, counts
 
 
@@ -187,11 +208,12 @@ def _w12_gemm_kernel(
     x_ptr, sm_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, HALF, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ESC_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    DOT_F32: tl.constexpr, PROBE: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)               # clamped: weight loads need no row mask
     offs_m = tl.arange(0, BLOCK_M)
@@ -220,7 +242,7 @@ def _w12_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), SPLIT_K)
+    steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), splits)
     k_first = pid_k * steps * BLOCK_K
     k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
     for k0 in range(k_first, k_last, BLOCK_K):
@@ -239,8 +261,14 @@ def _w12_gemm_kernel(
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None] & kmask[None, :], other=0.0)
             hmask = (HALF + offs_k) < K
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None] & hmask[None, :], other=0.0)
-        w_lo = _decode(sm_lo, nib, base, False, PTX)
-        w_hi = _decode(sm_hi, nib, base, True, PTX)
+        if PROBE >= 2:   # ablation: bytes straight to bf16, one permute per two weights
+            w_lo = tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
+                                             "=r,=r,r,r", [sm_lo, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
+            w_hi = tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
+                                             "=r,=r,r,r", [sm_hi, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            w_lo = _decode(sm_lo, nib, base, False, PTX)
+            w_hi = _decode(sm_hi, nib, base, True, PTX)
         if SWAP:
             acc = _dot(w_lo, tl.trans(x_lo), acc, DOT_F32)
             acc = _dot(w_hi, tl.trans(x_hi), acc, DOT_F32)
@@ -248,8 +276,9 @@ def _w12_gemm_kernel(
             acc = _dot(x_lo, tl.trans(w_lo), acc, DOT_F32)
             acc = _dot(x_hi, tl.trans(w_hi), acc, DOT_F32)
 
-    acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
-                       neg_planes, SWAP, DOT_F32)
+    if PROBE % 2 == 0:
+        acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
+                           neg_planes, SWAP, DOT_F32)
     for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):   # rarely taken: many escapes
         offs_e = e0 + tl.arange(0, ESC_BLOCK)
         emask = offs_e < esc_end
@@ -262,7 +291,7 @@ def _w12_gemm_kernel(
         acc = tl.trans(acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     ymask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(y_ptrs, acc.to(tl.bfloat16), mask=ymask)
     else:
         # Each range stores its fp32 partial; the last to arrive sums them in a fixed order.
@@ -270,9 +299,9 @@ def _w12_gemm_kernel(
         tl.store(part + pid_k * (32 * N), acc, mask=ymask)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if arrived == splits - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
+            for s in range(0, splits):
                 total += tl.load(part + s * (32 * N), mask=ymask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(tl.bfloat16), mask=ymask)
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
