@@ -1,0 +1,159 @@
+"""Benchmark: the reference runtime's arms against transformers' own generate, on CPU, in one run.
+
+    python benchmarks/reference_runtime.py [--rounds 3] [--max-new-tokens 300] [--threads 1] [--sweep]
+
+For each round, every arm decodes the same story openings one request after another (the c1 setting):
+`ar` (no drafter), `stock` (per-request prompt lookup, the setting's default n/k), `final` (the n-gram cache
+shared across requests, tuned n/k; a fresh cache every round, so no round sees an earlier round's outputs),
+transformers `generate` plain and with `prompt_lookup_num_tokens`. Arms run interleaved within a round so
+machine noise hits all of them alike; the table gives the median over rounds and the spread. Every arm's
+tokens are checked against transformers' plain greedy output. `--sweep` also tries final's n and k.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "runtimes" / "reference"))
+
+from specpilot_runtime.config import DrafterConfig  # noqa: E402
+from specpilot_runtime.drafters import make_drafter  # noqa: E402
+from specpilot_runtime.engine import Engine, GenerationRequest  # noqa: E402
+from specpilot_runtime.model import LeanLlama, load_hf_model  # noqa: E402
+
+MODEL_DIR = REPO.parent / "shared" / "models" / "stories260K"
+
+PROMPTS = [
+    "Once upon a time, there was a little girl named Mia.", "One day, a boy named Sam went to the beach.",
+    "The little dog wanted to play with the ball.", "Anna and her mom baked a cake.",
+    "There was a big tree in the garden.", "Tom liked to run fast.", "A small cat lived in a red house.",
+    "Lucy found a shiny stone in the park.", "The bunny was very hungry.", "Ben had a toy car that he loved.",
+    "It was a sunny day and the birds were singing.", "Sara wanted to see the moon.",
+    "Once upon a time, there was a big bear.", "Max and Lily went to the zoo.", "The old man had a magic hat.",
+    "A little fish swam in the blue sea.", "Jack wanted to build a tower.", "The princess lost her crown.",
+    "Tim was sad because it was raining.", "One morning, Sue saw a butterfly.", "The duck and the frog were friends.",
+    "Amy had a new pair of shoes.", "The boy climbed up the hill.", "Mom gave Lily a big hug.",
+]
+
+# The embedded default's arms (conf/setting/cpu_c1_stories260k_ngram.yaml: stock = conf/drafter/ngram.yaml).
+STOCK = DrafterConfig("ngram", num_draft_tokens=4, ngram_max_n=3, ngram_min_n=1)
+FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=12, ngram_min_n=1)
+
+
+def engine_arm(hf, tokenizer, drafter_config: DrafterConfig, options: dict) -> Engine:
+    k = drafter_config.num_draft_tokens
+    model = LeanLlama(hf, num_slots=1, max_tokens_per_step=k + 1, device="cpu")
+    engine = Engine(model, tokenizer, make_drafter(drafter_config, options), k, max_running_requests=1)
+    engine.start()
+    return engine
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+    outputs = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        done = threading.Event()
+        box = {}
+
+        def emit(kind, payload, box=box, done=done):
+            if kind in ("done", "error"):
+                box[kind] = payload
+                done.set()
+
+        engine.submit(GenerationRequest(prompt, max_new, emit=emit))
+        done.wait()
+        outputs.append(box["done"]["output_ids"])
+    return time.perf_counter() - start, outputs
+
+
+def run_hf(hf, prompts: list[list[int]], max_new: int, lookup: int | None) -> tuple[float, list[list[int]]]:
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    outputs = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=2,
+                              eos_token_id=2, **extra)
+            outputs.append(out[0, len(prompt):].tolist())
+    return time.perf_counter() - start, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sweep", action="store_true", help="also try final's n (max_n) and k")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    hf = load_hf_model(MODEL_DIR, "float32", "cpu")
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    max_new = args.max_new_tokens
+
+    arms = {
+        "ar": lambda: engine_arm(hf, tokenizer, DrafterConfig(), {}),
+        "stock": lambda: engine_arm(hf, tokenizer, STOCK, {}),
+        "final": lambda: engine_arm(hf, tokenizer, FINAL, {"shared_ngram_cache": True}),
+    }
+    if args.sweep:
+        for k in (6, 8, 10, 12, 16):
+            for n in (4, 8, 12, 16):
+                cfg = DrafterConfig("ngram", num_draft_tokens=k, ngram_max_n=n, ngram_min_n=1)
+                arms[f"final k={k} n={n}"] = lambda cfg=cfg: engine_arm(hf, tokenizer, cfg, {"shared_ngram_cache": True})
+    hf_arms = {"hf generate": None, f"hf generate prompt_lookup={STOCK.num_draft_tokens}": STOCK.num_draft_tokens,
+               "hf generate prompt_lookup=10": 10}
+
+    seconds: dict[str, list[float]] = {name: [] for name in [*arms, *hf_arms]}
+    accept: dict[str, float] = {}
+    reference = None
+    mismatches: dict[str, int] = {name: 0 for name in seconds}
+    for round_no in range(args.rounds):
+        for name, lookup in hf_arms.items():
+            dt, outs = run_hf(hf, prompts, max_new, lookup)
+            reference = reference or outs
+            seconds[name].append(dt)
+            mismatches[name] += sum(a != b for a, b in zip(outs, reference))
+        for name, make in arms.items():
+            engine = make()
+            run_engine(engine, prompts[:1], 8)  # warm-up; then count only the timed requests
+            engine.verify_steps = engine.decode_tokens = 0
+            dt, outs = run_engine(engine, prompts, max_new)
+            seconds[name].append(dt)
+            accept[name] = engine.avg_accept_length
+            mismatches[name] += sum(a != b for a, b in zip(outs, reference))
+        print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
+
+    tokens = sum(len(o) for o in reference)
+    base_hf = statistics.median(seconds["hf generate"])
+    base_ar = statistics.median(seconds["ar"])
+    print(f"# reference runtime benchmark — {platform.node()}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
+          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"{len(prompts)} prompts x {max_new} new tokens ({tokens} tokens per round), {args.rounds} rounds, "
+          f"greedy, CPU, stories260K float32\n")
+    print("| arm | tokens/s (median) | spread (min–max) | vs hf generate | vs ar | mean accept length | "
+          "identical to hf greedy |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, secs in seconds.items():
+        med = statistics.median(secs)
+        acc = f"{accept[name]:.2f}" if name in accept else "–"
+        print(f"| {name} | {tokens / med:.0f} | {tokens / max(secs):.0f}–{tokens / min(secs):.0f} | "
+              f"{base_hf / med:.2f}× | {base_ar / med:.2f}× | {acc} | "
+              f"{'yes' if mismatches[name] == 0 else f'NO ({mismatches[name]} outputs differ)'} |")
+
+
+if __name__ == "__main__":
+    main()
