@@ -173,9 +173,11 @@ def _file_changes(fa: list[dict], fb: list[dict]) -> dict:
     order = sorted(set(ea) | set(eb), key=lambda p: p.encode())
     added = [{"path": p, "size": eb[p]["size"]} for p in order if p not in ea]
     removed = [{"path": p, "size": ea[p]["size"]} for p in order if p not in eb]
+    changed = [p for p in order if p in ea and p in eb
+               and (ea[p]["blake3"], ea[p]["exec"]) != (eb[p]["blake3"], eb[p]["exec"])]
     modified = [{"path": p, "old_size": ea[p]["size"], "new_size": eb[p]["size"],
                  "exec": [ea[p]["exec"], eb[p]["exec"]] if ea[p]["exec"] != eb[p]["exec"] else None}
-                for p in order if p in ea and p in eb and (ea[p]["blake3"], ea[p]["exec"]) != (eb[p]["blake3"], eb[p]["exec"])]
+                for p in changed]
     return {"added": added, "removed": removed, "modified": modified}
 
 
@@ -256,8 +258,8 @@ def _why(report: dict) -> list[str]:
     lines = [f"pin {c['key']}: {c['old']} → {c['new']}" for c in report["pins"]]
     config = [c for c in report["config"] if not c["key"].startswith("config.runtime.launch_args.")]
     if config:
-        lines.append("config: " + ", ".join(f"{c['key']} {_short(c['old'])} → {_short(c['new'])}"
-                                            for c in config[:6]) + (f" (+{len(config) - 6} more)" if len(config) > 6 else ""))
+        shown = ", ".join(f"{c['key']} {_short(c['old'])} → {_short(c['new'])}" for c in config[:6])
+        lines.append("config: " + shown + (f" (+{len(config) - 6} more)" if len(config) > 6 else ""))
     args = [c for c in report["launch"] if c["key"] != "command"]
     if args:
         lines.append("launch args: " + ", ".join(f"{c['key']} {_short(c['old'])} → {_short(c['new'])}" for c in args))

@@ -1,9 +1,10 @@
 """Prune the SGLang wheel to what a setting can execute.
 
-Kept: the static import closure of the launcher (imports inside functions too, relative imports, `from x import
-y` where y is a submodule; not those under `if TYPE_CHECKING:`), started from the launcher plus the modules the setting's rules name, and the files the rules keep by glob
-(what is loaded by path or by a computed name: licences, metadata, JIT sources, tuning JSON). The rules are data
-in conf/runtime/sglang.yaml (`prune`); each rule applies when all its `when` keys equal the setting's config.
+Kept: the static import closure (imports inside functions too, relative imports, `from x import y` where y is
+a submodule; not those under `if TYPE_CHECKING:`) of the launcher plus the modules the setting's rules name,
+and the files the rules keep by glob (what is loaded by path or by a computed name: licences, metadata, JIT
+sources, tuning JSON). The rules are data in conf/runtime/sglang.yaml (`prune`); a rule applies when all its
+`when` keys equal the setting's config.
 
 The wheel's import graph is derived data: it is computed once per wheel sha256 and cached under
 <data>/cache/import-graph/, so a build only walks a graph and matches globs."""
