@@ -1,12 +1,15 @@
 """W12: lossless 12-bit bf16 weights, decoded inside the GEMM. See FORMAT.md."""
-from .format import W12Tensor, decode, encode
+from .format import W12Tensor, cat, decode, encode
 
-__all__ = ["W12Tensor", "decode", "encode", "linear", "W12Linear"]
+__all__ = ["W12Tensor", "cat", "decode", "encode", "linear", "fused_gemm", "W12Linear", "apply_w12"]
 
 
 def __getattr__(name):
-    # The GEMM needs Triton; the format does not.
-    if name in ("linear", "fused_gemm", "W12Linear"):
-        from . import gemm, module
-        return getattr(module if name == "W12Linear" else gemm, name)
+    # The GEMM needs Triton; the format does not, so it is imported on first use.
+    if name in ("linear", "fused_gemm"):
+        from . import gemm
+        return getattr(gemm, name)
+    if name in ("W12Linear", "apply_w12"):
+        from . import module
+        return getattr(module, name)
     raise AttributeError(name)

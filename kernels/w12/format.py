@@ -117,6 +117,30 @@ def decode(packed: W12Tensor) -> torch.Tensor:
     return _as_int16(bits).contiguous().view(torch.bfloat16).reshape(packed.shape)
 
 
+def cat(parts: list[W12Tensor]) -> W12Tensor:
+    """Stack W12 matrices along rows (e.g. q, k, v into one qkv), as encode(torch.cat(weights)) would."""
+    if not parts:
+        raise ValueError("w12.cat needs at least one tensor")
+    cols = parts[0].cols
+    if any(p.cols != cols or len(p.shape) != 2 for p in parts):
+        raise ValueError(f"w12.cat needs 2-D tensors of equal width, got {[p.shape for p in parts]}")
+    offsets, ptrs = 0, []
+    for p in parts:
+        ptrs.append(p.esc_ptr[:-1] + offsets)
+        offsets += p.escapes
+    ptrs.append(torch.tensor([offsets], dtype=torch.int32, device=parts[0].device))
+    rows = sum(p.rows for p in parts)
+    return W12Tensor(
+        shape=(rows, cols), rows=rows, cols=cols,
+        signman=torch.cat([p.signman for p in parts]),
+        codes=torch.cat([p.codes for p in parts]),
+        base=torch.cat([p.base for p in parts]),
+        esc_ptr=torch.cat(ptrs).to(torch.int32),
+        esc_col=torch.cat([p.esc_col for p in parts]),
+        esc_bits=torch.cat([p.esc_bits for p in parts]),
+    )
+
+
 def decode_planes(packed: W12Tensor) -> torch.Tensor:
     """int32 bit patterns [rows, cols_padded] as the GEMM kernel sees them (escapes: base << 7)."""
     sm = packed.signman.to(torch.int32)

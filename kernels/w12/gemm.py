@@ -67,8 +67,24 @@ def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
         if bias is not None:
             y = y + bias
     else:
-        y = torch.nn.functional.linear(x2, decode(packed), bias)
+        weight = decode_on_device(packed) if x2.is_cuda else decode(packed)
+        y = torch.nn.functional.linear(x2, weight, bias)
     return y.reshape(*lead, packed.rows)
+
+
+def decode_on_device(packed: W12Tensor) -> torch.Tensor:
+    """decode(packed) in one Triton pass over the planes plus an escape scatter (the M > 32 path)."""
+    out = torch.empty((packed.rows, packed.cols), dtype=torch.bfloat16, device=packed.device)
+    half = packed.cols_padded // 2
+    grid = (triton.cdiv(packed.rows, 16), triton.cdiv(half, 256))
+    _w12_decode_kernel[grid](packed.signman, packed.codes, packed.base, out, packed.rows, half, packed.cols,
+                             BLOCK_R=16, BLOCK_K=256, PTX=not _interpreting(), num_warps=4)
+    if packed.escapes:
+        counts = (packed.esc_ptr[1:] - packed.esc_ptr[:-1]).long()
+        rows = torch.repeat_interleave(torch.arange(packed.rows, device=packed.device), counts,
+                                       output_size=packed.escapes)
+        out.view(torch.int16)[rows, packed.esc_col.long()] = packed.esc_bits
+    return out.reshape(packed.shape)
 
 
 def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None) -> torch.Tensor:
@@ -172,6 +188,24 @@ def _decode(sm, nib, base, HIGH: tl.constexpr, PTX: tl.constexpr):
         exponent = code + base.to(tl.int32)[:, None]
         bits = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _w12_decode_kernel(sm_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < ROWS
+    mask = rmask[:, None] & (offs_k < HALF)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    nib = tl.load(nib_ptr + r64 * HALF + offs_k[None, :], mask=mask, other=0)
+    sm_lo = tl.load(sm_ptr + r64 * (2 * HALF) + offs_k[None, :], mask=mask, other=0)
+    sm_hi = tl.load(sm_ptr + r64 * (2 * HALF) + HALF + offs_k[None, :], mask=mask, other=0)
+    base = tl.load(base_ptr + rows, mask=rmask, other=0)
+    w_lo = _decode(sm_lo, nib, base, False, PTX)
+    w_hi = _decode(sm_hi, nib, base, True, PTX)
+    tl.store(out_ptr + r64 * COLS + offs_k[None, :], w_lo, mask=mask)
+    tl.store(out_ptr + r64 * COLS + HALF + offs_k[None, :], w_hi, mask=mask & ((HALF + offs_k) < COLS)[None, :])
 
 
 @triton.jit

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import W12Tensor, encode
+from .format import W12Tensor, decode, encode
 from .gemm import linear
 
 
@@ -23,6 +23,11 @@ class W12Linear(torch.nn.Module):
         bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16)
         return cls(encode(weight), bias)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The exact bf16 weight, decoded on each access (for code that reads .weight at load time)."""
+        return decode(self.packed)
+
     def _apply(self, fn, recurse=True):
         # .to(device)/.cuda() move the packed planes along with the bias.
         super()._apply(fn, recurse)
@@ -37,3 +42,21 @@ class W12Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits_per_weight={self.packed.bits_per_weight():.3f}, escapes={self.packed.escapes}")
+
+
+def apply_w12(model: torch.nn.Module) -> int:
+    """Replace every nn.Linear of a bf16 model by a W12Linear in place; returns how many were replaced.
+
+    Lossless: each replaced layer computes with exactly its original weights (its `.weight` still
+    reads them back bit for bit). On CUDA with <= 32 rows the fused kernel runs; otherwise the
+    weight is decoded and F.linear runs.
+    """
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    for name, layer in targets:
+        if layer.weight.dtype != torch.bfloat16:
+            raise TypeError(f"W12 stores bf16 weights; {name}.weight is {layer.weight.dtype} "
+                            "(load the model in bfloat16)")
+    for name, layer in targets:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, W12Linear.from_linear(layer))
+    return len(targets)

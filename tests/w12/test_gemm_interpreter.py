@@ -51,6 +51,10 @@ def results(tmp_path_factory):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         cases.append(dict(x=x, w=weights(n, k, i), config=dict(block_n=bn, block_k=bk, swap=swap,
                                                                 split_k=split, block_m=bm)))
+    all_patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    cases.append(dict(w=all_patterns[torch.randperm(65536, generator=g)].reshape(128, 512)))
+    cases.append(dict(w=weights(40, 1031, 99)))
     path = tmp_path_factory.mktemp("w12") / "cases.pt"
     torch.save(cases, path)
     env = dict(os.environ, TRITON_INTERPRET="1",
@@ -71,6 +75,12 @@ def test_fused_gemm_matches_float64_reference_with_decoded_weights(results, inde
     # fp32 accumulation, then one rounding to bf16: within one bf16 ulp of the exact sum.
     bound = BF16_ULP * ref.abs() + 1e-6 * (case["x"].double().abs() @ w_decoded.double().abs().T)
     assert torch.all((y - ref).abs() <= bound), (y - ref).abs().max()
+
+
+@pytest.mark.parametrize("index", [-2, -1], ids=["all-patterns", "odd-width"])
+def test_decode_kernel_is_bit_exact(results, index):
+    case = results[index]
+    assert torch.equal(case["decoded"].view(torch.int16), case["w"].view(torch.int16))
 
 
 def test_escapes_matter_in_these_cases(results):
