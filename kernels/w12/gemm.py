@@ -47,12 +47,18 @@ TUNED: dict[tuple[int, int, int], Config] = _load_tuned()
 
 
 def default_config(n: int, k: int, block_m: int) -> Config:
-    """For shapes not in TUNED: the tile the H200 sweeps favoured, split K when rows are few."""
+    """For shapes not in TUNED: the tiles the H200 sweeps favoured, and split K so that about
+    at least ~300 programs (2-3 per SM) stream weights when the row blocks alone are fewer.
+    A heuristic from the sweeps' pattern, not itself measured on shapes outside BENCH.md."""
+    block_n = 32 if block_m <= 16 else 64
+    blocks = -(-n // block_n)
+    split = 1
+    if k >= 4096:
+        while blocks * split < 300 and split < 4:
+            split += 1
     if block_m <= 16:
-        blocks = -(-n // 32)
-        return Config(32, 128, 4, 4, split_k=1 if blocks >= 300 or k < 2048 else 3)
-    blocks = -(-n // 64)
-    return Config(64, 128, 4, 3, split_k=1 if blocks >= 300 or k < 2048 else 3)
+        return Config(block_n, 128, 4, 4 if split == 1 else 3, split_k=split)
+    return Config(block_n, 128, 4, 3, split_k=split)
 
 
 def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
