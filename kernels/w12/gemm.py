@@ -47,7 +47,7 @@ TUNED: dict[tuple[int, int, int], Config] = _load_tuned()
 
 
 def default_config(n: int, k: int, block_m: int) -> Config:
-    """For shapes not in TUNED: the tiles the H200 sweeps favoured, and split K so that about
+    """For shapes not in TUNED: the tiles the H200 sweeps favoured, and split K so that
     at least ~300 programs (2-3 per SM) stream weights when the row blocks alone are fewer.
     A heuristic from the sweeps' pattern, not itself measured on shapes outside BENCH.md."""
     block_n = 32 if block_m <= 16 else 64
