@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import triton
@@ -300,6 +301,15 @@ def render(result: dict) -> str:
     return "\n".join(out)
 
 
+def save_tuned(result: dict) -> None:
+    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
+    entries = {key: {f: cfg[f] for f in keep} for key, cfg in result["tuned"].items()}
+    path = Path(__file__).with_name("tuned_h200.json")
+    comment = "Picked on an H200 by `python -m w12.bench --pick` (see BENCH.md); key: N,K,BLOCK_M"
+    path.write_text(json.dumps({"_comment": comment, **entries}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true")
@@ -312,9 +322,13 @@ def main() -> None:
     ap.add_argument("--configs", help="JSON of tuned configs from an earlier --tune")
     ap.add_argument("--out", default="w12_bench.json")
     ap.add_argument("--render", help="print the markdown tables of an earlier --out JSON and exit")
+    ap.add_argument("--save-tuned", help="write the picked configs of an earlier --out JSON to tuned_h200.json")
     args = ap.parse_args()
     if args.render:
         print(render(json.load(open(args.render))))
+        return
+    if args.save_tuned:
+        save_tuned(json.load(open(args.save_tuned)))
         return
 
     props = torch.cuda.get_device_properties(0)
