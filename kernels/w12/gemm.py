@@ -125,6 +125,7 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
 
 
 _WORKSPACES: dict = {}
+_RETIRED: list = []
 
 
 def _split_workspace(device, split_k: int, n: int, row_blocks: int):
@@ -136,6 +137,7 @@ def _split_workspace(device, split_k: int, n: int, row_blocks: int):
     if split_k > 1 and (parts is None or parts.numel() < need_parts or counts.numel() < need_counts):
         size_p = max(need_parts, 0 if parts is None else parts.numel())
         size_c = max(need_counts, 0 if counts is None else counts.numel())
+        _RETIRED.append(_WORKSPACES.get(device))   # a captured CUDA graph may still point at them
         parts = torch.empty(size_p, dtype=torch.float32, device=device)
         counts = torch.zeros(size_c, dtype=torch.int32, device=device)
         _WORKSPACES[device] = (parts, counts)
