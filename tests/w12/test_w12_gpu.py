@@ -1,0 +1,76 @@
+"""The compiled kernels on a CUDA GPU (skipped without one; CI has none). Run on the device with
+`python3 -m pytest -q tests/w12/test_w12_gpu.py`."""
+import pytest
+import torch
+
+import w12
+from w12.gemm import Config, decode_on_device, default_config, fused_gemm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def llm_like(n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sigma = 0.02 * torch.exp(0.5 * torch.randn(n, 1, device="cuda", generator=g))
+    w = torch.randn(n, k, device="cuda", generator=g) * sigma
+    flat = w.view(-1)
+    idx = torch.randint(0, n * k, (max(4, n * k // 500),), device="cuda", generator=g)
+    flat[idx[0::3]] *= 2.0 ** 20
+    flat[idx[1::3]] *= 2.0 ** -30
+    flat[idx[2::3]] = 0.0
+    return w.to(torch.bfloat16)
+
+
+def assert_close_to_exact(x, w, y):
+    ref = x.double() @ w.double().T
+    bound = 2.0 ** -7 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert torch.all((y.double() - ref).abs() <= bound)
+
+
+def test_decode_kernel_is_bit_exact_on_every_pattern():
+    w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    w = w[torch.randperm(65536)].reshape(256, 256).cuda()
+    w[:8] = llm_like(8, 256, 0)
+    assert torch.equal(decode_on_device(w12.encode(w)).view(torch.int16), w.view(torch.int16))
+
+
+@pytest.mark.parametrize("cfg", [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(64, 256, 8, 3),
+                                 Config(64, 128, 4, 3, split_k=2), Config(32, 128, 4, 3, swap=True),
+                                 Config(32, 128, 4, 3, swap=True, block_m=8)], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 32])
+def test_fused_gemm_matches_exact_weights(cfg, m):
+    if cfg.block_m and m > cfg.block_m:
+        pytest.skip("block_m 8 serves M <= 8")
+    n, k = 1000, 4096 + 64
+    w = llm_like(n, k, m)
+    packed = w12.encode(w)
+    assert packed.escapes > 0
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = fused_gemm(x, packed, cfg)
+    assert_close_to_exact(x, w, y)
+    assert torch.equal(fused_gemm(x, packed, cfg), y)       # deterministic, counters reset
+
+
+def test_default_config_and_large_m_path():
+    w = llm_like(384, 2000, 7)
+    packed = w12.encode(w)
+    for m in (2, 24, 100):
+        x = torch.randn(m, 2000, device="cuda").to(torch.bfloat16)
+        y = w12.linear(x, packed)
+        assert_close_to_exact(x, w, y)
+    assert default_config(384, 2000, 16).split_k == 1
+
+
+def test_graph_replay_matches_eager():
+    w = llm_like(2048, 4096, 9)
+    packed = w12.encode(w)
+    x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
+    cfg = Config(32, 128, 4, 3, split_k=3)
+    eager = fused_gemm(x, packed, cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_gemm(x, packed, cfg)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
