@@ -25,7 +25,11 @@ def runtime_pin(cfg: dict, lock: Lock) -> WheelPin | LocalRuntimePin:
 
 
 def kernels_of(cfg: dict) -> list[str]:
-    return ["w12"] if cfg["model"].get("quantization") == "w12" else []
+    """Kernels the engine ships: those its mechanisms name, and W12 when the model runs quantized with it."""
+    names = list(cfg.get("kernels", []))
+    if cfg["model"].get("quantization") == "w12" and "w12" not in names:
+        names.append("w12")
+    return names
 
 
 def base_inputs(cfg: dict, lock: Lock) -> dict:

@@ -18,12 +18,16 @@ def effective_config(config: dict) -> dict:
         cfg["drafter"] = dict(NO_DRAFTER)
     runtime_options: dict = {}
     launch_args: dict = dict(cfg["runtime"].get("launch_args", {}))
+    kernels: list[str] = []
     for mech in mechanisms:
+        cfg["model"].update(mech.get("model", {}))
         cfg["drafter"].update(mech.get("drafter", {}))
+        kernels += [k for k in mech.get("kernels", []) if k not in kernels]
         runtime_options.update(mech.get("runtime_options", {}))
         launch_args.update(mech.get("launch_args", {}))
     cfg["mechanisms"] = [{"name": m["name"], "overlay": m.get("overlay")} for m in mechanisms]
     cfg["runtime_options"] = runtime_options
+    cfg["kernels"] = kernels
     cfg["runtime"]["launch_args"] = launch_args
     return cfg
 

@@ -53,5 +53,5 @@ def sglang_args(cfg: dict) -> list[str]:
 def _sglang(cfg: dict) -> dict:
     argv = ["{python}", "-m", "sglang.launch_server", "--model-path", "{model}", "--host", "{host}",
             "--port", "{port}", *sglang_args(cfg)]
-    env = {"PYTHONPATH": "{engine}/python", "PYTHONDONTWRITEBYTECODE": "1", "SPECPILOT_ENGINE_ID": "{engine_id}"}
+    env = {"PYTHONPATH": "{engine}/python:{engine}/kernels", "PYTHONDONTWRITEBYTECODE": "1", "SPECPILOT_ENGINE_ID": "{engine_id}"}
     return {"runtime": "sglang", "argv": argv, "env": env}

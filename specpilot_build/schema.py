@@ -76,7 +76,9 @@ class Mechanism:
     name: str = MISSING
     overlay: Optional[str] = None
     launch_args: Dict[str, Any] = field(default_factory=dict)  # SGLang server arguments
+    model: Dict[str, Any] = field(default_factory=dict)  # overrides of model fields (e.g. quantization)
     drafter: Dict[str, Any] = field(default_factory=dict)  # overrides of drafter fields
+    kernels: List[str] = field(default_factory=list)  # kernels/<name>/ copied into the engine tree
     runtime_options: Dict[str, Any] = field(default_factory=dict)  # reference runtime options
 
 
