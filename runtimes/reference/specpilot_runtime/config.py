@@ -105,11 +105,14 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
     quantization = get("model", "quantization", default=None)
     if quantization not in (None, "w12"):
         raise RuntimeConfigError(f"{where}: model.quantization {quantization!r} is not supported (null or w12)")
+    dtype = choice(get("model", "dtype", default="float32"), DTYPES, "model.dtype")
+    if quantization == "w12" and dtype != "bfloat16":
+        raise RuntimeConfigError(f"{where}: model.quantization w12 stores bf16 weights; model.dtype is {dtype!r}")
     return EngineConfig(
         setting=str(get("setting")),
         arm=arm,
         model_name=str(get("model", "name")),
-        dtype=choice(get("model", "dtype", default="float32"), DTYPES, "model.dtype"),
+        dtype=dtype,
         quantization=quantization,
         device=choice(get("hardware", "device", default="cpu"), ("cpu", "cuda"), "hardware.device"),
         drafter=drafter,

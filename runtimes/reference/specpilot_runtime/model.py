@@ -8,6 +8,8 @@ module tree dominates the arithmetic, so this is what makes plain greedy decodin
 - q/k/v and gate/up projections are fused; RMSNorm weights are folded into the projection that follows,
   the attention scale into the q rows (both are linear, so the maths is unchanged up to float rounding);
 - K is cached pre-transposed ([kv_heads, head_dim, position]) so attention is two batched matmuls.
+With `w12=True` (model.quantization w12, bf16 only) the projections are held in W12 form instead (kernels/w12,
+lossless 12-bit, [out, in] as encoded) and `self.mm` runs W12's GEMM (see _w12_projection).
 Logits match transformers' within float tolerance (tested); greedy tokens match llama2.c's (tested).
 
 The cache holds `num_slots` sequences. A forward scores a batch of B sequences, each with T new tokens
@@ -58,11 +60,15 @@ def llama_shape(cfg) -> LlamaShape:
 class LeanLlama:
     """Greedy-decoding forward of a Llama checkpoint over a slotted KV cache."""
 
-    def __init__(self, hf_model, num_slots: int, max_tokens_per_step: int, device: torch.device | str):
+    def __init__(self, hf_model, num_slots: int, max_tokens_per_step: int, device: torch.device | str,
+                 w12: bool = False):
         self.shape = s = llama_shape(hf_model.config)
         self.device = torch.device(device)
         self.dtype = next(hf_model.parameters()).dtype
+        self.mm = torch.mm
         self._take_weights(hf_model)
+        if w12:
+            self._encode_w12()
         # Room past the context for padded query rows of a verify step.
         self.cache_length = s.context_length + max_tokens_per_step + 1
         self.k_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, self.cache_length,
@@ -110,6 +116,17 @@ class LeanLlama:
             ))
             self.norms.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()))
 
+    def _encode_w12(self) -> None:
+        """Replace every projection by its W12 encoding (of the [out, in] weight); the bf16 copies are freed."""
+        import w12  # kernels/w12, on PYTHONPATH from <engine>/kernels
+
+        if self.dtype != torch.bfloat16:
+            raise TypeError(f"W12 stores bf16 weights; this model runs in {self.dtype}")
+        encode = lambda w: w12.encode(w.t().contiguous())  # noqa: E731  (stored [in, out] for torch.mm)
+        self.lm_head = encode(self.lm_head)
+        self.layers = [tuple(encode(w) for w in weights) for weights in self.layers]
+        self.mm = _w12_projection(w12)
+
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [position, 1, head_dim], for x*cos + swap_halves(x)*sin."""
         s = self.shape
@@ -147,7 +164,7 @@ class LeanLlama:
         if logit_rows is not None:
             x = x[:, logit_rows]
         flat = self._normalise(x.reshape(-1, x.shape[-1]), self.final_norm)
-        return torch.mm(flat, self.lm_head).view(*x.shape[:-1], -1).float()
+        return self.mm(flat, self.lm_head).view(*x.shape[:-1], -1).float()
 
     def _layers_one(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         s = self.shape
@@ -165,7 +182,7 @@ class LeanLlama:
         x = F.embedding(tokens, self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
-            qkv = torch.mm(self._normalise(x, attn_norm), wqkv).view(steps, nh + 2 * nkv, hd)
+            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(steps, nh + 2 * nkv, hd)
             qk = qkv[:, : nh + nkv]
             qk = qk * cos + _swap_halves(qk) * sin
             kc, vc = caches[i]
@@ -179,9 +196,9 @@ class LeanLlama:
                 scores += mask
             o = torch.bmm(self._softmax(scores), vc[:, :end])
             o = o.view(nkv, steps, group * hd).transpose(0, 1).reshape(steps, nh * hd)
-            x = x + torch.mm(o, wo)
-            gate, up = torch.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
-            x = x + torch.mm(F.silu(gate) * up, w_down)
+            x = x + self.mm(o, wo)
+            gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
+            x = x + self.mm(F.silu(gate) * up, w_down)
         return x
 
     def _layers_batch(self, tokens: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:
@@ -199,7 +216,7 @@ class LeanLlama:
         x = F.embedding(tokens.reshape(-1), self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
-            qkv = torch.mm(self._normalise(x, attn_norm), wqkv).view(batch * steps, nh + 2 * nkv, hd)
+            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(batch * steps, nh + 2 * nkv, hd)
             qk = qkv[:, : nh + nkv]
             qk = qk * cos + _swap_halves(qk) * sin
             k = qk[:, nh:].reshape(batch, steps, nkv, hd)
@@ -215,10 +232,24 @@ class LeanLlama:
             scores = scores.masked_fill(~visible, float("-inf"))
             o = torch.matmul(self._softmax(scores), vc[slot_t, :, :key_len])  # [B, kv, T*group, hd]
             o = o.view(batch, nkv, steps, group * hd).transpose(1, 2).reshape(batch * steps, nh * hd)
-            x = x + torch.mm(o, wo)
-            gate, up = torch.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
-            x = x + torch.mm(F.silu(gate) * up, w_down)
+            x = x + self.mm(o, wo)
+            gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
+            x = x + self.mm(F.silu(gate) * up, w_down)
         return x.view(batch, steps, -1)
+
+
+def _w12_projection(w12):
+    """x @ W.T for W in W12 form. On CUDA: W12's GEMM (fused decode-in-GEMM for <= 32 rows). On CPU: decode,
+    then the very torch.mm the bf16 path runs on the [in, out] weight, so results equal it bit for bit."""
+    decode = w12.decode
+    linear = w12.linear if torch.cuda.is_available() else None  # w12.linear needs Triton
+
+    def mm(x: torch.Tensor, packed) -> torch.Tensor:
+        if x.is_cuda:
+            return linear(x, packed)
+        return torch.mm(x, decode(packed).t().contiguous())
+
+    return mm
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:

@@ -86,11 +86,12 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
     num_threads = _set_threads(config, model, device)
     hf_model = _load_checked(model, config.dtype, device, "--model")
     if config.quantization == "w12":
-        _apply_w12(hf_model)
+        _check_w12()
     tokenizer = _load_tokenizer(model)
     k = config.drafter.num_draft_tokens
     slots = config.max_running_requests
-    target = LeanLlama(hf_model, num_slots=slots, max_tokens_per_step=k + 1, device=device)
+    target = LeanLlama(hf_model, num_slots=slots, max_tokens_per_step=k + 1, device=device,
+                       w12=config.quantization == "w12")
     draft = None
     if config.drafter.algorithm == "draft_model":
         if not draft_model:
@@ -142,15 +143,13 @@ def _load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _apply_w12(hf_model) -> None:
-    """W12 weights come from an optional `w12` package; it must expose apply_w12(hf_model)."""
+def _check_w12() -> None:
+    """W12 weights need the `w12` package (kernels/w12, shipped as <engine>/kernels/w12 on PYTHONPATH)."""
     try:
-        import w12  # noqa: PLC0415
+        import w12  # noqa: PLC0415, F401
     except ImportError:
-        raise RuntimeConfigError("model.quantization is w12 but no `w12` package is on sys.path") from None
-    if not hasattr(w12, "apply_w12"):
-        raise RuntimeConfigError("model.quantization is w12 but the `w12` package has no apply_w12(model)")
-    w12.apply_w12(hf_model)
+        raise RuntimeConfigError("model.quantization is w12 but no `w12` package is on sys.path "
+                                 "(the engine's kernels/ directory must be on PYTHONPATH)") from None
 
 
 def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
