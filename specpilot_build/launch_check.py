@@ -3,8 +3,8 @@ engine's launch argv (`prepare_server_args`), and every .py file in the tree com
 
 This catches a prune rule that dropped a module the launcher imports, an overlay that broke a module, and a
 tuned argument SGLang does not know. One subprocess checks many engines: torch and transformers are imported
-once, and between engines every `sglang` module is dropped from sys.modules and sys.path points at the next
-engine's python/ directory (the check asserts SGLang was imported from inside that engine)."""
+once, and between engines every `sglang` module is dropped from sys.modules and sys.path becomes the next
+engine's PYTHONPATH from its launch spec (the check asserts SGLang was imported from inside that engine)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +26,7 @@ import torch, transformers  # imported once, before any engine's SGLang
 for job in jobs:
     for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
         del sys.modules[name]
-    sys.path[:] = [job["python"]] + [p for p in sys.path if p not in job["others"]]
+    sys.path[:] = job["path"] + [p for p in sys.path if p not in job["others"]]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -47,22 +47,35 @@ print("RESULTS " + json.dumps(results))
 
 def server_argv(engine: Engine, model_dir: Path, draft_dir: Path | None = None) -> list[str]:
     """The engine's launch argv after `-m sglang.launch_server`, placeholders filled for a check."""
-    spec = json.loads((engine.path / "launch.json").read_bytes())
-    values = {**PLACEHOLDER_DEFAULTS, "engine": str(engine.path), "engine_id": engine.id,
-              "python": sys.executable, "model": str(model_dir), "draft_model": str(draft_dir or model_dir)}
-    argv = [arg.format(**values) for arg in spec["argv"]]
+    argv = [arg.format(**_values(engine, model_dir, draft_dir)) for arg in _spec(engine)["argv"]]
     module = argv.index("sglang.launch_server")
     return argv[module + 1:]
+
+
+def python_path(engine: Engine) -> list[str]:
+    """The PYTHONPATH entries the launch spec gives the server (the engine's python/ first)."""
+    value = _spec(engine).get("env", {}).get("PYTHONPATH", "{engine}/python")
+    return [entry.format(engine=str(engine.path)) for entry in value.split(os.pathsep) if entry]
+
+
+def _spec(engine: Engine) -> dict:
+    return json.loads((engine.path / "launch.json").read_bytes())
+
+
+def _values(engine: Engine, model_dir: Path, draft_dir: Path | None) -> dict:
+    return {**PLACEHOLDER_DEFAULTS, "engine": str(engine.path), "engine_id": engine.id, "python": sys.executable,
+            "model": str(model_dir), "draft_model": str(draft_dir or model_dir)}
 
 
 def check_launch_args(engines: list[Engine], model_dir: Path, timeout: float = 900) -> dict[str, str | None]:
     """{engine id: None when its SGLang accepts its argv, else the error line}. One subprocess for all."""
     if not engines:
         return {}
-    pythons = [str(e.path / "python") for e in engines]
-    jobs = [{"id": e.id, "python": p, "others": pythons, "argv": server_argv(e, model_dir)}
-            for e, p in zip(engines, pythons)]
-    env = {**os.environ, "PYTHONPATH": pythons[0], "PYTHONDONTWRITEBYTECODE": "1"}
+    paths = [python_path(e) for e in engines]
+    everyone = sorted({entry for path in paths for entry in path})
+    jobs = [{"id": e.id, "python": str(e.path / "python"), "path": path, "others": everyone,
+             "argv": server_argv(e, model_dir)} for e, path in zip(engines, paths)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths[0]), "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(jobs), capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=str(model_dir))
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULTS ")), None)

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from sglang_builds import all_builds
 from specpilot_build.diff import main
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -26,28 +30,46 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
-def test_stock_vs_final_names_exactly_the_overlays_and_arguments_that_differ(store, capsys):
-    stock = store.engines["h100_c16_qwen38-27b-fp8_dflash2", "stock"]
-    final = store.engines["h100_c16_qwen38-27b-fp8_dflash2", "final"]
+def mechanisms_of(setting: str) -> list[dict]:
+    """The setting's `final` mechanisms as its YAML declares them (the diff's expected answer)."""
+    return yaml.safe_load((REPO / "conf" / "setting" / f"{setting}.yaml").read_text())["final"]["mechanisms"]
+
+
+@pytest.mark.parametrize("setting", ["h100_c16_qwen38-27b-fp8_dflash2", "h100_c1_qwen3-8b_eagle3"])
+def test_stock_vs_final_names_exactly_the_overlays_and_arguments_that_differ(store, capsys, setting):
+    stock, final = store.engines[setting, "stock"], store.engines[setting, "final"]
     code, out, _ = run(capsys, stock.id, final.id, "--json")
     report = json.loads(out)
     assert code == 1 and not report["identical"]
-    assert report["pins"] == []
-    assert [(o["name"], o["change"]) for o in report["overlays"]] == [("engine-id", "added")]
-    assert any("@@ -839,6 +839,8 @@" in hunk for hunk in report["overlays"][0]["hunks"])
-    args = {c["key"]: (c["old"], c["new"]) for c in report["launch"]}
-    assert args == {"--speculative-dflash-block-size": ("(absent)", "8"),
-                    "--cuda-graph-max-bs-decode": ("(absent)", "16"),
-                    "--max-running-requests": ("(absent)", "16")}
-    modified = [f["path"] for f in report["files"]["modified"]]
-    assert modified == ["config.json", "launch.json", "python/sglang/srt/entrypoints/http_server.py"]
-    assert report["files"]["added"] == report["files"]["removed"] == []
+    mechanisms = mechanisms_of(setting)
+    kernels = sorted({f"kernel.{k}" for m in mechanisms for k in m.get("kernels", [])})
+    assert [(p["key"], p["old"]) for p in report["pins"]] == [(k, "(absent)") for k in kernels]
+    overlays = sorted(m["overlay"] for m in mechanisms if m.get("overlay"))
+    assert sorted(o["name"] for o in report["overlays"]) == overlays
+    assert {o["change"] for o in report["overlays"]} == {"added"}
+    engine_id = next(o for o in report["overlays"] if o["name"] == "engine-id")
+    assert any("@@ -839,6 +839,8 @@" in hunk for hunk in engine_id["hunks"])
+    stock_args = json.loads((stock.path / "launch.json").read_bytes())["argv"]
+    tuned = {f"--{k}": str(v) for m in mechanisms for k, v in m.get("launch_args", {}).items()}
+    tuned.update({"--quantization": m["model"]["quantization"] for m in mechanisms
+                  if m.get("model", {}).get("quantization")})
+    expected = {flag: (stock_args[stock_args.index(flag) + 1] if flag in stock_args else "(absent)", value)
+                for flag, value in tuned.items()}
+    args = {c["key"]: (c["old"], c["new"]) for c in report["launch"] if c["key"].startswith("--")}
+    assert args == {flag: change for flag, change in expected.items() if change[0] != change[1]} and args
+    modified = {f["path"] for f in report["files"]["modified"]}
+    touched = {f for o in report["overlays"] for f in o["files"]}
+    assert {"config.json", "launch.json", "python/sglang/srt/entrypoints/http_server.py"} <= modified
+    changed_python = {f["path"] for k in ("added", "modified", "removed") for f in report["files"][k]
+                      if f["path"].startswith("python/")}
+    assert changed_python == touched
 
     code, text, _ = run(capsys, stock.id[:10], final.id[:10])
     lines = text.splitlines()
     assert code == 1 and lines[2] == "why the id differs:"
-    why = "\n".join(lines[3:8])
-    assert "overlay added: engine-id" in why and "--speculative-dflash-block-size (absent) → 8" in why
+    why = "\n".join(lines[3:lines.index("")])
+    assert "overlay added: engine-id" in why
+    assert all(f"{flag} {old} → {new}" in why for flag, (old, new) in args.items())
 
 
 def test_two_settings_show_pin_and_config_differences_first(store, capsys):
