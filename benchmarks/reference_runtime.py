@@ -48,7 +48,7 @@ PROMPTS = [
 
 # The embedded default's arms (conf/setting/cpu_c1_stories260k_ngram.yaml: stock = conf/drafter/ngram.yaml).
 STOCK = DrafterConfig("ngram", num_draft_tokens=4, ngram_max_n=3, ngram_min_n=1)
-FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=12, ngram_min_n=1)
+FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=8, ngram_min_n=1)  # tuned with --sweep
 
 
 def engine_arm(hf, tokenizer, drafter_config: DrafterConfig, options: dict) -> Engine:
@@ -113,7 +113,8 @@ def main() -> None:
         for k in (6, 8, 10, 12, 16):
             for n in (4, 8, 16):
                 cfg = DrafterConfig("ngram", num_draft_tokens=k, ngram_max_n=n, ngram_min_n=1)
-                arms[f"final k={k} n={n}"] = lambda cfg=cfg: engine_arm(hf, tokenizer, cfg, {"shared_ngram_cache": True})
+                shared = {"shared_ngram_cache": True}
+                arms[f"final k={k} n={n}"] = lambda cfg=cfg: engine_arm(hf, tokenizer, cfg, shared)
     hf_arms = {"hf generate": None, f"hf generate prompt_lookup={STOCK.num_draft_tokens}": STOCK.num_draft_tokens,
                "hf generate prompt_lookup=10": 10}
 

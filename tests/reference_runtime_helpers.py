@@ -84,9 +84,8 @@ def stop(proc: subprocess.Popen) -> None:
 def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by transformers' own generate (an independent reference)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = _hf_model()
+    model = hf_model()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=2, pad_token_id=2)
@@ -96,7 +95,7 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 _HF = {}
 
 
-def _hf_model():
+def hf_model():
     if "model" not in _HF:
         from transformers import AutoModelForCausalLM
 

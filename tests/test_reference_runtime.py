@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reference_runtime_helpers import (GOLDEN, MODEL_DIR, RUNTIME_DIR, STORY_PROMPTS, engine_config,
-                                       hf_greedy, write_engine, _hf_model)
+                                       hf_greedy, hf_model, write_engine)
 
 sys.path.insert(0, str(RUNTIME_DIR))
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config  # noqa: E402
@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def hf():
-    return _hf_model()
+    return hf_model()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def _run(engine: Engine, prompt: list[int], max_new: int, **kw) -> dict:
     return box["done"]
 
 
-def _engine(hf, tokenizer, drafter, k: int, max_running: int = 1, draft=None) -> Engine:
+def _engine(hf, tokenizer, drafter, k: int, max_running: int = 1) -> Engine:
     lean = LeanLlama(hf, num_slots=max_running, max_tokens_per_step=k + 1, device="cpu")
     engine = Engine(lean, tokenizer, drafter, k, max_running)
     engine.start()
@@ -188,3 +188,34 @@ def test_server_refuses_bad_config_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "runtime_options.warp_drive" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_eos_ends_generation_unless_ignore_eos(tokenizer):
+    from specpilot_runtime.protocol import ModelLimits, parse_generate
+
+    limits = ModelLimits(vocab_size=512, context_length=512, eos_token_ids=frozenset({2}))
+    request, _ = parse_generate({"text": "Hi", "sampling_params": {"stop_token_ids": [13]}}, tokenizer, limits)
+    assert request.stop_token_ids == {2, 13}
+    request, _ = parse_generate({"text": "Hi", "sampling_params": {"ignore_eos": True}}, tokenizer, limits)
+    assert request.stop_token_ids == set()
+
+
+def test_runtime_starts_a_draft_model_engine_from_an_engine_dir(tmp_path):
+    from specpilot_runtime.runtime import load_runtime
+
+    engine_dir = write_engine(tmp_path / "eng", engine_config("stock", algorithm="draft_model", k=3))
+    runtime = load_runtime(str(engine_dir), "id-draft", str(MODEL_DIR), str(MODEL_DIR), None)
+    assert runtime.limits.eos_token_ids == {2}
+    result = _run(runtime.engine, GOLDEN["prompt_ids"], 41)
+    assert GOLDEN["prompt_ids"] + result["output_ids"] == GOLDEN["sequence_ids"][:46]
+    info = runtime.server_info()
+    assert (info["engine_id"], info["speculative_algorithm"], info["avg_spec_accept_length"]) == \
+        ("id-draft", "draft_model", 4.0)  # its own draft: every step accepts all 3 proposals + 1
+
+
+def test_runtime_refuses_draft_model_without_its_checkpoint(tmp_path):
+    from specpilot_runtime.runtime import load_runtime
+
+    engine_dir = write_engine(tmp_path / "eng", engine_config("stock", algorithm="draft_model", k=3))
+    with pytest.raises(RuntimeConfigError, match="--draft-model"):
+        load_runtime(str(engine_dir), "x", str(MODEL_DIR), None, None)

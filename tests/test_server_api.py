@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from reference_runtime_helpers import (GOLDEN, RUNTIME_DIR, STORY_PROMPTS, engine_config, free_port, launch,
-                                       stop, wait_healthy, write_engine)
+from reference_runtime_helpers import (GOLDEN, STORY_PROMPTS, engine_config, free_port, launch, stop, wait_healthy,
+                                       write_engine)
 
 SERVERS = {
     "ar": engine_config("ar"),
