@@ -1,0 +1,216 @@
+"""W12 wired into engines: `quantization: w12` in the reference runtime (a served W12 engine gives the bf16 `ar`
+engine's greedy tokens) and the SGLang overlay (shipped with the kernel, accepted by the engine's own SGLang,
+and run on a real layer from the engine tree)."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from reference_runtime_helpers import GOLDEN, MODEL_DIR, RUNTIME_DIR, STORY_PROMPTS, engine_config
+from sglang_builds import all_builds, sglang_settings
+from specpilot_build.build import build_engine
+from specpilot_build.launch_check import check_launch_args
+from specpilot_build.serve import serve, stop
+from specpilot_build.store import Engine
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL = REPO / "kernels" / "w12"
+OVERLAY_MODULE = "python/sglang/srt/layers/quantization/w12.py"
+W12_SGLANG_SETTINGS = {"h100_c1_qwen38-27b_dflash2", "h100_c1_qwen38-27b_dspark",
+                       "rtx-pro-6000_c1_muse-glimmer-30b_dflash2", "h100_c1_qwen3-8b_dflash",
+                       "h100_c1_qwen3-8b_eagle3", "h200_c1_qwen3-8b_dflash"}
+CPU_SETTING = "cpu_c1_stories260k-bf16_ngram"
+
+for path in (RUNTIME_DIR, REPO / "kernels"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+from specpilot_runtime.config import RuntimeConfigError, parse_engine_config  # noqa: E402
+from specpilot_runtime.model import LeanLlama, load_hf_model  # noqa: E402
+
+
+# --- reference runtime ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_bf16():
+    return load_hf_model(MODEL_DIR, "bfloat16", "cpu")
+
+
+def test_the_w12_lean_forward_equals_the_bf16_forward_bit_for_bit_on_cpu(hf_bf16):
+    import w12
+
+    ids = GOLDEN["sequence_ids"]
+    plain = LeanLlama(hf_bf16, num_slots=3, max_tokens_per_step=4, device="cpu")
+    packed = LeanLlama(hf_bf16, num_slots=3, max_tokens_per_step=4, device="cpu", w12=True)
+    assert all(isinstance(w, w12.W12Tensor) for weights in packed.layers for w in weights)
+    assert isinstance(packed.lm_head, w12.W12Tensor)
+    for model in (plain, packed):
+        model.runs = [model.forward(torch.tensor([ids[:length]]), [slot], [0])
+                      for slot, length in enumerate((40, 7, 90))]
+        model.runs.append(model.forward(torch.tensor([ids[40:44], ids[7:11], ids[90:94]]), [0, 1, 2], [40, 7, 90]))
+        model.runs += [model.forward(torch.tensor([ids[p:p + 1]]), [1], [p]) for p in range(11, 20)]
+    for want, got in zip(plain.runs, packed.runs, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_w12_needs_a_bf16_model():
+    config = engine_config("final")
+    config["model"]["quantization"] = "w12"
+    with pytest.raises(RuntimeConfigError, match="model.quantization w12 stores bf16 weights; model.dtype is 'float32'"):
+        parse_engine_config(config)
+    config["model"]["dtype"] = "bfloat16"
+    assert parse_engine_config(config).quantization == "w12"
+
+
+def test_a_served_w12_engine_gives_the_bf16_ar_engines_greedy_tokens(session_data):
+    ar, final = build_engine(CPU_SETTING, "ar").engine, build_engine(CPU_SETTING, "final").engine
+    assert (final.path / "kernels" / "w12" / "format.py").read_bytes() == (KERNEL / "format.py").read_bytes()
+    assert not (ar.path / "kernels").exists()
+    assert final.config["model"]["quantization"] == "w12" and ar.config["model"]["quantization"] is None
+    prompts = [GOLDEN["prompt_ids"]] + [_encode(p) for p in STORY_PROMPTS[1:4]]
+    outputs, infos = {}, {}
+    for engine in (ar, final):
+        port = _free_port()
+        serve(engine, port=port, quiet=True, timeout=120)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            outputs[engine.id] = [httpx.post(url + "/generate", timeout=120, json={
+                "input_ids": prompt, "sampling_params": {"max_new_tokens": 100, "temperature": 0}}).json()["output_ids"]
+                for prompt in prompts]
+            infos[engine.id] = httpx.get(url + "/server_info", timeout=10).json()
+        finally:
+            stop(port)
+    assert (infos[ar.id]["quantization"], infos[final.id]["quantization"]) == (None, "w12")
+    assert infos[final.id]["dtype"] == infos[ar.id]["dtype"] == "bfloat16"
+    assert infos[final.id]["spec_accept_token_num"] > 0
+    assert all(len(out) > 0 for out in outputs[ar.id])
+    assert outputs[final.id] == outputs[ar.id]
+
+
+def _encode(text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))(text)["input_ids"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- SGLang ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory):
+    return all_builds(tmp_path_factory.getbasetemp() / "sglang-builds")
+
+
+def test_w12_is_in_the_final_arm_of_the_bf16_c1_sglang_settings_only(builds):
+    with_w12 = {s for s in sglang_settings() if (builds.engines[s, "final"].path / "kernels" / "w12").is_dir()}
+    assert with_w12 == W12_SGLANG_SETTINGS
+    assert not any((builds.engines[s, "stock"].path / "kernels").exists() for s in sglang_settings())
+
+
+@pytest.mark.parametrize("setting", sorted(W12_SGLANG_SETTINGS))
+def test_a_w12_sglang_engine_ships_the_kernel_the_overlay_and_its_arguments(builds, setting):
+    engine = builds.engines[setting, "final"]
+    for name in ("__init__.py", "format.py", "gemm.py", "tuned_h200.json"):
+        assert (engine.path / "kernels" / "w12" / name).read_bytes() == (KERNEL / name).read_bytes()
+    [record] = [r for r in engine.manifest["base"]["overlays"] if r["name"] == "w12"]
+    assert [(f["path"], f["before"] is None) for f in record["files"]] == [
+        ("python/sglang/srt/arg_groups/choices.py", False),
+        ("python/sglang/srt/layers/quantization/__init__.py", False),
+        (OVERLAY_MODULE, True)]
+    spec = json.loads((engine.path / "launch.json").read_bytes())
+    argv = spec["argv"]
+    assert argv[argv.index("--quantization") + 1] == "w12"
+    assert argv[argv.index("--speculative-draft-model-quantization") + 1] == "unquant"
+    assert "{engine}/kernels" in spec["env"]["PYTHONPATH"].split(":")
+    registry = (engine.path / "python/sglang/srt/layers/quantization/__init__.py").read_text()
+    assert '"w12": W12Config' in registry
+    missing = [m for m in _sglang_imports(engine.path / OVERLAY_MODULE) if not _module_in_tree(engine.path, m)]
+    assert missing == [], f"pruned away but imported by the w12 overlay: {missing}"
+
+
+def test_sglang_accepts_quantization_w12_only_with_the_overlay(builds, tmp_path):
+    final = builds.engines["h100_c1_qwen38-27b_dflash2", "final"]
+    stock = builds.engines["h100_c1_qwen38-27b_dflash2", "stock"]
+    unpatched = tmp_path / "unpatched"
+    unpatched.mkdir()
+    os.symlink(stock.path / "python", unpatched / "python")
+    (unpatched / "launch.json").write_bytes((final.path / "launch.json").read_bytes())
+    results = check_launch_args([final, Engine("0" * 64, unpatched)], tmp_path)
+    assert results[final.id] is None
+    assert "w12" in results["0" * 64] and "invalid choice" in results["0" * 64]
+
+
+_RUN_OVERLAY_METHOD = r"""
+import importlib, json, sys, types
+import torch, torch.nn.functional as F
+from safetensors.torch import load_file
+import sglang.srt.layers as layers
+# The quantization package's __init__ imports every method, some of them GPU-only (tvm_ffi); register the package
+# without running it, so SGLang's base_config and the overlay's module load from the engine tree as they are.
+package = types.ModuleType("sglang.srt.layers.quantization")
+package.__path__ = [layers.__path__[0] + "/quantization"]
+sys.modules[package.__name__] = package
+overlay = importlib.import_module("sglang.srt.layers.quantization.w12")
+from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+overlay.ENCODE_ROWS = 50  # several encode chunks joined by w12.cat
+weights = load_file(sys.argv[1])
+out = {"config": [type(overlay.W12Config.from_config(c)).__name__ for c in ({}, None)],
+       "bases": [issubclass(overlay.W12Config, QuantizationConfig), issubclass(overlay.W12LinearMethod, LinearMethodBase)],
+       "exact": []}
+cfg = overlay.W12Config.from_config({})
+out["name"], out["files"], out["capability"] = cfg.get_name(), cfg.get_config_filenames(), cfg.get_min_capability()
+for name, with_bias in (("model.layers.0.mlp.gate_proj.weight", False), ("model.layers.3.mlp.down_proj.weight", True)):
+    w = weights[name].to(torch.bfloat16)
+    layer, method = torch.nn.Module(), overlay.W12LinearMethod()
+    method.create_weights(layer, w.shape[1], [w.shape[0]], w.shape[1], w.shape[0], torch.bfloat16,
+                          weight_loader=lambda p, t: p.data.copy_(t))
+    layer.weight.weight_loader(layer.weight, w)
+    method.process_weights_after_loading(layer)
+    bias = torch.randn(w.shape[0]).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(7, w.shape[1]).to(torch.bfloat16)
+    out["exact"].append(torch.equal(method.apply(layer, x, bias), F.linear(x, w, bias)))
+    out["weight_freed"] = "weight" not in dict(layer.named_parameters())
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_overlay_method_encodes_a_real_layer_at_load_and_computes_it_exactly(builds):
+    engine = builds.engines["h100_c1_qwen38-27b_dflash2", "final"]
+    env = {**os.environ, "PYTHONPATH": f"{engine.path}/python:{engine.path}/kernels", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RUN_OVERLAY_METHOD, str(MODEL_DIR / "model.safetensors")],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=engine.path)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, proc.stderr[-2000:]
+    result = json.loads(line[len("RESULT "):])
+    assert result == {"config": ["W12Config", "W12Config"], "bases": [True, True], "exact": [True, True],
+                      "name": "w12", "files": [], "capability": 80, "weight_freed": True}
+
+
+def _sglang_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.split(".")[0] == "sglang"}
+
+
+def _module_in_tree(root: Path, module: str) -> bool:
+    base = root / "python" / Path(*module.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
