@@ -96,10 +96,12 @@ def main() -> None:
     naive = statistics.median(rows["naive-nc"])
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"python {platform.python_version()}; setting {args.setting} (final); {args.repeat} runs")
-    print(f"{'path':<8} {'median s':>9} {'min-max s':>13} {'vs naive':>9}")
+    print(f"{'path':<8} {'median s':>9} {'min-max s':>13} {'vs naive':>9} {'paired':>7}")
     for name, values in rows.items():
         med = statistics.median(values)
-        print(f"{name:<8} {med:9.2f} {min(values):6.2f}-{max(values):<6.2f} {naive / med:8.1f}x")
+        # paired: the median over runs of naive-nc / this row in the same run (load drifts between runs)
+        paired = statistics.median(n / v for n, v in zip(rows["naive-nc"], values))
+        print(f"{name:<8} {med:9.2f} {min(values):6.2f}-{max(values):<6.2f} {naive / med:8.1f}x {paired:6.1f}x")
 
     store = work / "all"
     all_env = {**env, "SPECPILOT_ENGINES": str(store)}
