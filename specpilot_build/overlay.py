@@ -58,6 +58,8 @@ def apply_overlays(tree: Path, names: list[str], cfg: dict) -> list[dict]:
             target = confined(tree, rel, f"overlay {name}: files/{rel}")
             _note_before(touched, tree, rel)
             target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                target.unlink()  # never write through a hardlink shared with another tree or the store
             target.write_bytes(src.read_bytes())
             os.chmod(target, 0o755 if os.access(src, os.X_OK) else 0o644)
         for patch_path in sorted((directory / "patches").glob("*.patch")):

@@ -150,3 +150,14 @@ def test_the_engine_id_patch_applies_to_the_pinned_sglang_http_server():
     descriptor = overlay.read_descriptor(overlay.OVERLAYS_DIR / "engine-id")
     assert overlay.version_in_range("0.5.23", descriptor["versions"])
     assert not overlay.version_in_range("0.5.24", descriptor["versions"])
+
+
+def test_overlays_replace_files_and_never_write_through_a_hardlink(workspace):
+    shared = workspace / "outside" / "object"
+    os.link(workspace / "tree/python/pkg/mod.py", shared)  # as the store shares an engine's files
+    make_overlay(workspace, "swap", files={"python/pkg/mod.py": "replaced\n"})
+    patch = "--- a/python/pkg/mod.py\n+++ b/python/pkg/mod.py\n@@ -1 +1 @@\n-replaced\n+patched\n"
+    make_overlay(workspace, "patch", {"0001.patch": patch})
+    overlay.apply_overlays(workspace / "tree", ["swap", "patch"], CFG)
+    assert (workspace / "tree/python/pkg/mod.py").read_text() == "patched\n"
+    assert shared.read_text() == ORIGINAL
