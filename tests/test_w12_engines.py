@@ -138,6 +138,7 @@ def test_a_w12_sglang_engine_ships_the_kernel_the_overlay_and_its_arguments(buil
     assert "{engine}/kernels" in spec["env"]["PYTHONPATH"].split(":")
     registry = (engine.path / "python/sglang/srt/layers/quantization/__init__.py").read_text()
     assert '"w12": W12Config' in registry
+    assert any(rule.startswith("W12 ") for rule in engine.manifest["base"]["rules"])
     missing = [m for m in _sglang_imports(engine.path / OVERLAY_MODULE) if not _module_in_tree(engine.path, m)]
     assert missing == [], f"pruned away but imported by the w12 overlay: {missing}"
 
