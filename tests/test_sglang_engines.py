@@ -2,10 +2,13 @@
 overlays; the tree's own SGLang accepts the engine's launch arguments; every .py file compiles."""
 from __future__ import annotations
 
+import ast
+import asyncio
 import json
 import os
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,3 +144,40 @@ def test_all_sglang_engines_together_take_at_most_1_3_times_one_engine_on_disk(b
     paths = [e.path for e in builds.engines.values()]
     one = max(disk([p]) for p in paths)
     assert disk(paths) <= 1.3 * one
+
+
+def _endpoint(engine: Engine, name: str):
+    """The engine's own `async def <name>()` from its http_server.py, run against stand-ins for SGLang's
+    global state (the module itself cannot be imported without a GPU stack)."""
+    path = engine.path / HTTP_SERVER
+    fn = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.AsyncFunctionDef) and n.name == name)
+    fn.decorator_list = []
+
+    class TokenizerManager:
+        server_args, startup_time, model_path, served_model_name, is_generation = "args", 0.0, "/m", "m", True
+        model_config = SimpleNamespace(is_image_understandable_model=False, is_audio_understandable_model=False,
+                                       hf_config=SimpleNamespace(model_type="qwen3", architectures=["Qwen3"]),
+                                       embedding_model_spec=None)
+
+        async def get_internal_state(self):
+            return [{}]
+
+        def config_value(self, key):
+            return None
+
+    namespace = {"os": os, "List": list, "Dict": dict, "Any": object, "__version__": "0.5.23",
+                 "_global_state": SimpleNamespace(tokenizer_manager=TokenizerManager(), scheduler_info={}),
+                 "build_server_info": lambda args, info: {"model_path": "/m"},
+                 "msgspec_to_builtins": lambda x: x, "redact_watermark_secrets": lambda x: x,
+                 "get_serving": lambda: SimpleNamespace(tokenizer_path=None, preferred_sampling_params=None)}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+@pytest.mark.parametrize("endpoint", ["server_info", "model_info"])
+def test_the_final_engine_reports_the_engine_id_it_was_served_as(builds, monkeypatch, endpoint):
+    stock = builds.engines["h100_c1_qwen3-8b_dflash", "stock"]
+    final = builds.engines["h100_c1_qwen3-8b_dflash", "final"]
+    monkeypatch.setenv("SPECPILOT_ENGINE_ID", final.id)
+    assert asyncio.run(_endpoint(final, endpoint)())["engine_id"] == final.id
+    assert "engine_id" not in asyncio.run(_endpoint(stock, endpoint)())
