@@ -60,6 +60,30 @@ def test_the_w12_lean_forward_equals_the_bf16_forward_bit_for_bit_on_cpu(hf_bf16
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+def test_on_cuda_the_w12_forward_runs_the_fused_gemm_and_is_as_close_to_float32_as_bf16(monkeypatch):
+    import w12.gemm
+
+    fused_rows = []
+    real_fused = w12.gemm.fused_gemm
+    monkeypatch.setattr(w12.gemm, "fused_gemm", lambda x, p, c=None: fused_rows.append(x.shape[0]) or real_fused(x, p, c))
+    ids = GOLDEN["sequence_ids"][:201]
+    exact = LeanLlama(load_hf_model(MODEL_DIR, "float32", "cpu"), 1, 4, "cpu")
+    hf_cuda = load_hf_model(MODEL_DIR, "bfloat16", "cuda")
+    plain = LeanLlama(hf_cuda, 1, 4, "cuda")
+    packed = LeanLlama(hf_cuda, 1, 4, "cuda", w12=True)
+    logits = {}
+    for name, model in (("exact", exact), ("plain", plain), ("packed", packed)):
+        runs = [model.forward(torch.tensor([ids[:150]], device=model.device), [0], [0])]
+        runs += [model.forward(torch.tensor([ids[p:p + 3]], device=model.device), [0], [p]) for p in range(150, 198, 3)]
+        logits[name] = torch.cat(runs, dim=1).cpu()
+    assert fused_rows and max(fused_rows) <= 32   # the 3-token steps ran the fused kernel (prefill: decode + mm)
+    err = {name: (logits[name] - logits["exact"]).abs().max() for name in ("plain", "packed")}
+    assert err["packed"] <= 1.25 * err["plain"], err
+    agree = (logits["packed"].argmax(-1) == logits["exact"].argmax(-1)).float().mean()
+    assert agree >= 0.98
+
+
 def test_w12_needs_a_bf16_model():
     config = engine_config("final")
     config["model"]["quantization"] = "w12"
