@@ -1,14 +1,15 @@
 """Compose a named setting and arm into a validated config with Hydra's compose API."""
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from .errors import SpecPilotError
-from .locations import conf_dir
+from .locations import conf_dir, data_dir
 
 ARMS = ("ar", "stock", "final")
 GROUPS = ("hardware", "model", "drafter", "batching", "runtime", "arm")
@@ -33,20 +34,57 @@ def compose_setting(setting: str, arm: str = "final", overrides: list[str] = ())
                              f"known: {', '.join(list_settings())}")
     if arm not in ARMS:
         raise SpecPilotError(f"unknown arm '{arm}'; choose one of {', '.join(ARMS)}")
-    cfg, choices = _compose([f"setting@_global_={setting}", f"arm={arm}", *overrides])
-    return Composed(setting=setting, arm=arm, config=OmegaConf.to_container(cfg, resolve=True), choices=choices)
+    args = [f"setting@_global_={setting}", f"arm={arm}", *overrides]
+    cache = data_dir() / "cache" / "compose" / f"{_compose_key(args)}.json"
+    try:
+        known = json.loads(cache.read_text())
+        return Composed(setting=setting, arm=arm, config=known["config"], choices=known["choices"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        pass
+    from omegaconf import OmegaConf
+
+    cfg, choices = _compose(args)
+    composed = Composed(setting=setting, arm=arm, config=OmegaConf.to_container(cfg, resolve=True), choices=choices)
+    _store(cache, {"config": composed.config, "choices": composed.choices})
+    return composed
 
 
-def from_hydra_config(cfg: DictConfig, choices: dict[str, str]) -> Composed:
+def _compose_key(args: list[str]) -> str:
+    """Composition is a pure function of the config tree, the schema and the overrides: digest those."""
+    import blake3
+
+    hasher = blake3.blake3(json.dumps(args).encode())
+    root = conf_dir()
+    for path in sorted(root.rglob("*.yaml")):
+        hasher.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for module in ("schema.py", "compose.py"):
+        hasher.update((Path(__file__).parent / module).read_bytes())
+    return hasher.hexdigest()
+
+
+def _store(path: Path, record: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only data dir only costs the next compose its speed
+
+
+def from_hydra_config(cfg, choices: dict[str, str]) -> Composed:
     """Wrap a config Hydra already composed (inside @hydra.main, e.g. a multirun job)."""
+    from omegaconf import OmegaConf
+
     picked = {k.split("@")[0]: v for k, v in choices.items() if k.split("@")[0] in ("setting", *GROUPS)}
     return Composed(setting=cfg.setting, arm=cfg.arm.name,
                     config=OmegaConf.to_container(cfg, resolve=True), choices=picked)
 
 
-def _compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
+def _compose(overrides: list[str]):
     import yaml
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
