@@ -5,8 +5,9 @@ the handful of tensor ops the maths needs. On a model as small as stories260K th
 module tree dominates the arithmetic, so this is what makes plain greedy decoding fast:
 - activations are 2-D [tokens, hidden] and weights are stored transposed ([in, out]), so every projection
   is one plain `mm` (measurably faster than F.linear for a few rows);
-- q/k/v and gate/up projections are fused; RMSNorm weights are folded into the projection that follows,
-  the attention scale into the q rows (both are linear, so the maths is unchanged up to float rounding);
+- q/k/v (plus rotate_half of q and k, for RoPE: an exact permutation of rows) and gate/up projections are
+  fused; in float32, RMSNorm weights are folded into the projection that follows and the attention scale
+  into the q rows (both linear, so the maths is unchanged up to float rounding);
 - K is cached pre-transposed ([kv_heads, head_dim, position]) so attention is two batched matmuls.
 With `w12=True` (model.quantization w12, bf16 only) the projections are held in W12 form instead (kernels/w12,
 lossless 12-bit, [out, in] as encoded) and `self.mm` runs W12's GEMM (see _w12_projection).
@@ -93,12 +94,15 @@ class LeanLlama:
         self.folded = self.dtype == torch.float32
         self.q_scale = 1.0 / math.sqrt(s.head_dim)
 
-        def fold(weight, norm, scale_rows: int = 0):  # W @ (norm * x) == (W * norm) @ x
+        def fold(weight, norm):  # W @ (norm * x) == (W * norm) @ x
             w = weight.detach().float()
             if self.folded:
                 w = w * norm.detach().float()[None, :]
-                w[:scale_rows] *= self.q_scale
             return w.to(self.dtype).t().contiguous()
+
+        def rotated(weight, heads):  # rows giving rotate_half(W @ x) per head: exact (a permutation and signs)
+            w = weight.view(heads, 2, s.head_dim // 2, -1)
+            return torch.cat([-w[:, 1], w[:, 0]], dim=1).reshape(heads * s.head_dim, -1)
 
         self.embed = m.embed_tokens.weight.detach()
         self.final_norm = m.norm.weight.detach()
@@ -107,9 +111,12 @@ class LeanLlama:
         self.norms = []
         for layer in m.layers:
             att, mlp = layer.self_attn, layer.mlp
-            wqkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+            wq = att.q_proj.weight.detach().float() * (self.q_scale if self.folded else 1.0)
+            wk, wv = att.k_proj.weight.detach().float(), att.v_proj.weight.detach().float()
+            # One projection gives q, k, v and the rotate_half of q and k that RoPE needs.
+            wqkv = torch.cat([wq, wk, wv, rotated(wq, s.num_heads), rotated(wk, s.num_kv_heads)])
             self.layers.append((
-                fold(wqkv, layer.input_layernorm.weight, scale_rows=att.q_proj.weight.shape[0]),
+                fold(wqkv, layer.input_layernorm.weight),
                 att.o_proj.weight.detach().t().contiguous(),
                 fold(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), layer.post_attention_layernorm.weight),
                 mlp.down_proj.weight.detach().t().contiguous(),
@@ -128,15 +135,13 @@ class LeanLlama:
         self.mm = _w12_projection(w12)
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin, [position, 1, head_dim], for x*cos + swap_halves(x)*sin."""
+        """cos and sin, [position, 1, head_dim], for x*cos + rotate_half(x)*sin."""
         s = self.shape
         inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
         freqs = torch.outer(torch.arange(self.cache_length, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        sin = emb.sin()
-        sin[:, : s.head_dim // 2] *= -1  # rotate_half(x) == swap_halves(x) * [-1.., +1..]
         as_table = lambda t: t.to(self.dtype).to(self.device)[:, None, :]  # noqa: E731
-        return as_table(emb.cos()), as_table(sin)
+        return as_table(emb.cos()), as_table(emb.sin())
 
     def _normalise(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm computed in float32 like HF; its weight is folded into the next projection in float32."""
@@ -182,12 +187,11 @@ class LeanLlama:
         x = F.embedding(tokens, self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
-            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(steps, nh + 2 * nkv, hd)
-            qk = qkv[:, : nh + nkv]
-            qk = qk * cos + _swap_halves(qk) * sin
+            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(steps, 2 * nh + 3 * nkv, hd)
+            qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv:] * sin
             kc, vc = caches[i]
             kc[:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
-            vc[:, start:end] = qkv[:, nh + nkv:].transpose(0, 1)
+            vc[:, start:end] = qkv[:, nh + nkv: nh + 2 * nkv].transpose(0, 1)
             q = qk[:, :nh].reshape(steps, nkv, group, hd).transpose(0, 1).reshape(nkv, steps * group, hd)
             scores = torch.bmm(q, kc[:, :, :end])
             if not self.folded:
@@ -216,11 +220,10 @@ class LeanLlama:
         x = F.embedding(tokens.reshape(-1), self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
-            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(batch * steps, nh + 2 * nkv, hd)
-            qk = qkv[:, : nh + nkv]
-            qk = qk * cos + _swap_halves(qk) * sin
+            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(batch * steps, 2 * nh + 3 * nkv, hd)
+            qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv:] * sin
             k = qk[:, nh:].reshape(batch, steps, nkv, hd)
-            v = qkv[:, nh + nkv:].reshape(batch, steps, nkv, hd)
+            v = qkv[:, nh + nkv: nh + 2 * nkv].reshape(batch, steps, nkv, hd)
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc.permute(0, 3, 1, 2)[slot_t[:, None], positions] = k  # kc: [slot, kv, hd, pos]
             vc.permute(0, 2, 1, 3)[slot_t[:, None], positions] = v  # vc: [slot, kv, pos, hd]
@@ -252,9 +255,6 @@ def _w12_projection(w12):
     return mm
 
 
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 def load_hf_model(model_dir: str | Path, dtype: str, device: str):
