@@ -31,6 +31,7 @@ def main() -> None:
     prompt, expected = golden["prompt_ids"], golden["sequence_ids"]
     rows = []
     for setting in args.settings.split(","):
+        first_arm_output = None
         for arm in args.arms.split(","):
             engine = build_engine(setting, arm).engine
             serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, quiet=True)
@@ -49,15 +50,21 @@ def main() -> None:
                 info = httpx.get(f"{url}/server_info").json()
             finally:
                 stop(args.port)
-            rows.append((setting, arm, engine.id[:12], info.get("device"), golden_ok, len(out["output_ids"]),
-                         timed["meta_info"]["completion_tokens"] / seconds, info.get("avg_spec_accept_length")))
+            first_arm_output = first_arm_output or out["output_ids"]
+            golden = ("exact" if golden_ok else "DIFFERS") if engine.config["model"]["dtype"] == "float32" else \
+                "n/a (not the fp32 model)"
+            rows.append((setting, arm, engine.id[:12], info.get("device"), golden,
+                         out["output_ids"] == first_arm_output, len(out["output_ids"]),
+                         timed["meta_info"]["completion_tokens"] / seconds, info.get("avg_spec_accept_length"),
+                         info.get("quantization")))
     print(f"\n{platform.node()}, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC\n")
-    print("| setting | arm | engine | device | golden | tokens | tok/s (256, one request) | accept length |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| setting | arm | engine | device | quantization | golden (llama2.c run.c) | same tokens as first arm "
+          "| tokens | tok/s (256, one request) | accept length |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        accept = f"{r[7]:.2f}" if isinstance(r[7], (int, float)) else "-"
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {'exact' if r[4] else 'DIFFERS'} | {r[5]} | {r[6]:.0f} | "
-              f"{accept} |")
+        accept = f"{r[8]:.2f}" if isinstance(r[8], (int, float)) else "-"
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[9] or '-'} | {r[4]} | {'yes' if r[5] else 'NO'} | {r[6]} | "
+              f"{r[7]:.0f} | {accept} |")
 
 
 if __name__ == "__main__":
