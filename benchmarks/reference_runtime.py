@@ -1,6 +1,6 @@
 """Benchmark: the reference runtime's arms against transformers' own generate, on CPU, in one run.
 
-    python benchmarks/reference_runtime.py [--rounds 3] [--max-new-tokens 300] [--threads 1] [--sweep]
+    python benchmarks/reference_runtime.py [--rounds 3] [--max-new-tokens 300] [--threads 1] [--sweep] [--c16]
 
 For each round, every arm decodes the same story openings one request after another (the c1 setting):
 `ar` (no drafter), `stock` (per-request prompt lookup, the setting's default n/k), `final` (the n-gram cache
@@ -8,7 +8,8 @@ shared across requests, tuned n/k; a fresh cache every round, so no round sees a
 transformers `generate` plain and with `prompt_lookup_num_tokens`. Arms take turns prompt by prompt, so
 machine noise hits all of them alike; besides wall-clock tokens/s the table gives tokens per CPU-second of
 the process (all threads), which a machine shared with other work distorts far less. Medians over rounds.
-Every arm's tokens are checked against transformers' plain greedy output. `--sweep` also tries final's n, k.
+Every arm's tokens are checked against transformers' plain greedy output. `--sweep` also tries final's n, k;
+`--c16` adds the batching setting (16 requests at once, one batched step for all).
 """
 from __future__ import annotations
 
@@ -51,12 +52,35 @@ STOCK = DrafterConfig("ngram", num_draft_tokens=4, ngram_max_n=3, ngram_min_n=1)
 FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=8, ngram_min_n=1)  # tuned with --sweep
 
 
-def engine_arm(hf, tokenizer, drafter_config: DrafterConfig, options: dict) -> Engine:
+# The c16 setting batches 16 requests per step; each padded verify row costs real work there, so its
+# final arm wants fewer draft tokens (measured with --c16).
+FINAL_C16 = DrafterConfig("ngram", num_draft_tokens=3, ngram_max_n=8, ngram_min_n=1)
+
+
+def engine_arm(hf, tokenizer, drafter_config: DrafterConfig, options: dict, running: int = 1) -> Engine:
     k = drafter_config.num_draft_tokens
-    model = LeanLlama(hf, num_slots=1, max_tokens_per_step=k + 1, device="cpu")
-    engine = Engine(model, tokenizer, make_drafter(drafter_config, options), k, max_running_requests=1)
+    model = LeanLlama(hf, num_slots=running, max_tokens_per_step=k + 1, device="cpu")
+    engine = Engine(model, tokenizer, make_drafter(drafter_config, options), k, max_running_requests=running)
     engine.start()
     return engine
+
+
+def run_burst(engine: Engine, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """All prompts submitted at once (the c16 setting's load); returns outputs in prompt order."""
+    events, outputs = [], {}
+    for i, prompt in enumerate(prompts):
+        done = threading.Event()
+        events.append(done)
+
+        def emit(kind, payload, i=i, done=done):
+            if kind in ("done", "error"):
+                outputs[i] = payload["output_ids"] if kind == "done" else None
+                done.set()
+
+        engine.submit(GenerationRequest(prompt, max_new, emit=emit))
+    for done in events:
+        done.wait()
+    return [outputs[i] for i in range(len(prompts))]
 
 
 def run_engine(engine: Engine, prompt: list[int], max_new: int) -> list[int]:
@@ -94,6 +118,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sweep", action="store_true", help="also try final's n (max_n) and k")
+    parser.add_argument("--c16", action="store_true", help="also the c16 setting: 16 requests at once, batched")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -173,6 +198,42 @@ def main() -> None:
         print(f"| {name} | {tokens / med_wall:.0f} | {tokens / max(wall[name]):.0f}–{tokens / min(wall[name]):.0f} | "
               f"{tokens / med_cpu:.0f} | {base_hf / med_cpu:.2f}× | {base_ar / med_cpu:.2f}× | "
               f"{base_ar_wall / med_wall:.2f}× | {acc} | {same} |")
+    if args.c16:
+        c16_table(hf, tokenizer, prompts[:16], max_new, args.rounds)
+
+
+def c16_table(hf, tokenizer, prompts, max_new: int, rounds: int) -> None:
+    shared = {"shared_ngram_cache": True}
+    arms = {"ar": (DrafterConfig(), {}), "stock": (STOCK, {}), "final": (FINAL_C16, shared)}
+    for k in (2, 4, 6, 10):
+        arms[f"final k={k}"] = (DrafterConfig("ngram", k, FINAL_C16.ngram_max_n, 1), shared)
+    wall = {name: [] for name in arms}
+    cpu = {name: [] for name in arms}
+    accept = {name: [] for name in arms}
+    mismatches = {name: 0 for name in arms}
+    reference = [run_engine(engine_arm(hf, tokenizer, DrafterConfig(), {}), p, max_new) for p in prompts]
+    tokens = sum(len(o) for o in reference)
+    for _ in range(rounds):
+        for name, (cfg, options) in arms.items():
+            engine = engine_arm(hf, tokenizer, cfg, options, running=16)
+            run_burst(engine, [p[:3] for p in prompts], 4)  # warm-up
+            engine.verify_steps = engine.decode_tokens = 0
+            dt, ct, outs = timed(run_burst, engine, prompts, max_new)
+            wall[name].append(dt)
+            cpu[name].append(ct)
+            accept[name].append(engine.avg_accept_length)
+            mismatches[name] += sum(a != b for a, b in zip(outs, reference))
+    print(f"\n## c16: {len(prompts)} requests at once, max_running_requests 16, {max_new} new tokens each, "
+          f"{rounds} round(s)\n")
+    print("| arm | tok/s wall (median) | tok/s per CPU-second | vs ar (CPU) | mean accept length | "
+          "identical to one-at-a-time ar |")
+    print("|---|---:|---:|---:|---:|---|")
+    base = statistics.median(cpu["ar"])
+    for name in arms:
+        med = statistics.median(cpu[name])
+        same = "yes" if mismatches[name] == 0 else f"NO ({mismatches[name]} outputs differ)"
+        print(f"| {name} | {tokens / statistics.median(wall[name]):.0f} | {tokens / med:.0f} | {base / med:.2f}× | "
+              f"{statistics.median(accept[name]):.2f} | {same} |")
 
 
 if __name__ == "__main__":
