@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from .errors import SpecPilotError
-from .locations import REPO_ROOT
 from .store import Engine, resolve_engine
 
 ABSENT = "(absent)"
