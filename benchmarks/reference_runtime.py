@@ -54,7 +54,7 @@ FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=8, ngram_min_n=1
 
 # The c16 setting batches 16 requests per step; each padded verify row costs real work there, so its
 # final arm wants fewer draft tokens (measured with --c16).
-FINAL_C16 = DrafterConfig("ngram", num_draft_tokens=3, ngram_max_n=8, ngram_min_n=1)
+FINAL_C16 = DrafterConfig("ngram", num_draft_tokens=2, ngram_max_n=8, ngram_min_n=1)
 
 
 def engine_arm(hf, tokenizer, drafter_config: DrafterConfig, options: dict, running: int = 1) -> Engine:
@@ -205,7 +205,7 @@ def main() -> None:
 def c16_table(hf, tokenizer, prompts, max_new: int, rounds: int) -> None:
     shared = {"shared_ngram_cache": True}
     arms = {"ar": (DrafterConfig(), {}), "stock": (STOCK, {}), "final": (FINAL_C16, shared)}
-    for k in (2, 4, 6, 10):
+    for k in (4, 6, 10):
         arms[f"final k={k}"] = (DrafterConfig("ngram", k, FINAL_C16.ngram_max_n, 1), shared)
     wall = {name: [] for name in arms}
     cpu = {name: [] for name in arms}
