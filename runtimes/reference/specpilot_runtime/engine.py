@@ -8,6 +8,7 @@ greedy decoding by construction, whatever the drafter proposes.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -63,7 +64,8 @@ class Engine:
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.num_draft_tokens = num_draft_tokens
         self.max_running = max_running_requests
-        self.free_slots = list(range(model.num_slots))
+        self.free_slots = list(range(model.num_slots))  # a heap: the lowest free slot is taken first, so
+        # running sequences tend to hold slots 0..n-1, which the batched forward reads without a gather
         self.waiting: queue.Queue[GenerationRequest] = queue.Queue()
         self.running: list[Sequence] = []
         # Totals over decode steps (prefill excluded): tokens produced per target forward of a sequence.
@@ -101,7 +103,7 @@ class Engine:
             block = False
             if request.cancelled:
                 continue
-            seq = Sequence(request, self.free_slots.pop(), list(request.input_ids), len(request.input_ids))
+            seq = Sequence(request, heapq.heappop(self.free_slots), list(request.input_ids), len(request.input_ids))
             self.running.append(seq)
             self._guarded([seq], lambda seqs: self._prefill(seqs[0]))
 
@@ -149,7 +151,7 @@ class Engine:
     def _step(self, running: list[Sequence]) -> None:
         for seq in [s for s in running if s.request.cancelled]:
             self._finish(seq, {"type": "abort", "message": "request cancelled"})
-        running = list(self.running)
+        running = sorted(self.running, key=lambda s: s.slot)
         if not running:
             return
         proposals = []
@@ -240,7 +242,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         self.drafter.finish(seq)
         self.running.remove(seq)
-        self.free_slots.append(seq.slot)
+        heapq.heappush(self.free_slots, seq.slot)
 
     def _result(self, seq: Sequence) -> dict:
         req = seq.request

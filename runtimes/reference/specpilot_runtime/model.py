@@ -223,6 +223,11 @@ class LeanLlama:
         key_len = max(starts) + steps
         keys = torch.arange(key_len, device=self.device)
         visible = (keys[None, None, :] <= positions[:, :, None]).repeat_interleave(group, dim=1)[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        # Slots lo..lo+B-1 in batch order (the engine keeps them so when it can): the caches are plain views;
+        # otherwise the rows are gathered, a copy of every sequence's whole cache per layer.
+        lo = min(slots)
+        contiguous = slots == list(range(lo, lo + batch))
         x = F.embedding(tokens.reshape(-1), self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
@@ -235,11 +240,15 @@ class LeanLlama:
             vc.permute(0, 2, 1, 3)[slot_t[:, None], positions] = v  # vc: [slot, kv, pos, hd]
             q = qk[:, :nh].reshape(batch, steps, nkv, group, hd).transpose(1, 2).reshape(
                 batch, nkv, steps * group, hd)
-            scores = torch.matmul(q, kc[slot_t, :, :, :key_len])
+            if contiguous:
+                keys_i, values_i = kc[lo:lo + batch, :, :, :key_len], vc[lo:lo + batch, :, :key_len]
+            else:
+                keys_i, values_i = kc[slot_t, :, :, :key_len], vc[slot_t, :, :key_len]
+            scores = torch.matmul(q, keys_i)
             if not self.folded:
                 scores = scores * self.q_scale
-            scores = scores.masked_fill(~visible, float("-inf"))
-            o = torch.matmul(self._softmax(scores), vc[slot_t, :, :key_len])  # [B, kv, T*group, hd]
+            scores += mask
+            o = torch.matmul(self._softmax(scores), values_i)  # [B, kv, T*group, hd]
             o = o.view(batch, nkv, steps, group * hd).transpose(1, 2).reshape(batch * steps, nh * hd)
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
