@@ -13,6 +13,7 @@ from .locations import REPO_ROOT
 from .lockfile import LocalRuntimePin, Lock, WheelPin
 from .manifest import canonical_json
 from .runtime_base import copy_source_dir, local_runtime_dir, source_dir_digest, wheel_file
+from .store import put_object
 
 KERNELS_DIR = REPO_ROOT / "kernels"
 
@@ -47,11 +48,12 @@ def base_inputs(cfg: dict, lock: Lock) -> dict:
             "kernels": [{"name": k, "digest": source_dir_digest(KERNELS_DIR / k)} for k in kernels_of(cfg)]}
 
 
-def assemble_tree(tree: Path, cfg: dict, lock: Lock) -> dict:
-    """Write the engine's files into `tree`; return the base record for the manifest."""
+def assemble_tree(tree: Path, cfg: dict, lock: Lock, store: Path) -> dict:
+    """Write the engine's files into `tree` (wheel members as hardlinks of `store`'s objects); return the base
+    record for the manifest."""
     pin = runtime_pin(cfg, lock)
     if isinstance(pin, WheelPin):
-        record = _unpack_wheel(wheel_file(pin), tree / "python", cfg)
+        record = _unpack_wheel(wheel_file(pin), tree / "python", cfg, store)
     else:
         copy_source_dir(local_runtime_dir(pin), tree / "runtime")
         record = {"kind": "directory", "dir": pin.dir}
@@ -66,20 +68,22 @@ def assemble_tree(tree: Path, cfg: dict, lock: Lock) -> dict:
     return record
 
 
-def _unpack_wheel(wheel: Path, dest: Path, cfg: dict) -> dict:
+def _unpack_wheel(wheel: Path, dest: Path, cfg: dict, store: Path) -> dict:
     from .prune import select_members
     with zipfile.ZipFile(wheel) as zf:
         members = [info for info in zf.infolist() if not info.is_dir()]
         for info in members:
             _check_member(wheel, info)
         kept, prune_record = select_members(zf, members, cfg)
-        for info in kept:
-            target = dest / info.filename
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(target, "wb") as out:
-                out.write(src.read())
-            executable = (info.external_attr >> 16) & 0o111
-            os.chmod(target, 0o755 if executable else 0o644)
+        made: set[str] = set()
+        for info in kept:  # straight into the object store, then a hardlink into the tree
+            obj = put_object(store, zf.read(info), bool((info.external_attr >> 16) & 0o111))
+            target = os.path.join(dest, info.filename)
+            parent = os.path.dirname(target)
+            if parent not in made:
+                os.makedirs(parent, exist_ok=True)
+                made.add(parent)
+            os.link(obj, target)
     return {"kind": "wheel", "wheel": wheel.name, **prune_record}
 
 

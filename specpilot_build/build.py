@@ -57,7 +57,7 @@ def build_composed(composed: Composed, lock: Lock | None = None) -> BuildResult:
         return BuildResult(known, created=False, seconds=time.perf_counter() - started)
     tree = new_build_dir(root)
     try:
-        base_record = assemble_tree(tree, cfg, lock)
+        base_record = assemble_tree(tree, cfg, lock, root)
         head = dict(head, base=base_record)
         engine, created = commit(tree, head, root)
     except BaseException:

@@ -33,5 +33,6 @@ def effective_config(config: dict) -> dict:
 
 
 def overlays_of(cfg: dict) -> list[str]:
-    """Overlay names in application order (the mechanisms' order in the setting)."""
-    return [m["overlay"] for m in cfg["mechanisms"] if m.get("overlay")]
+    """Overlay names in application order (the order rule lives in overlay.py)."""
+    from .overlay import overlays_in_order
+    return overlays_in_order(cfg)

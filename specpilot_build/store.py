@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .errors import SpecPilotError
 from .locations import engines_dir
-from .manifest import MANIFEST_NAME, canonical_json, digest_file, engine_id, file_entry, walk_files
+from .manifest import MANIFEST_NAME, canonical_json, digest_bytes, digest_file, engine_id, file_entry, walk_files
 
 OBJECTS = ".objects"
 TMP = ".tmp"
@@ -81,20 +81,51 @@ def commit(tree: Path, manifest_without_files: dict, root: Path | None = None) -
 
 
 def _intern(root: Path, path: Path, entry: dict) -> None:
-    """Replace `path` by a hardlink to the object holding its content, creating the object if needed."""
-    digest = entry["blake3"].split(":", 1)[1]
-    obj = root / OBJECTS / digest[:2] / (digest + (".x" if entry["exec"] else ""))
-    mode = 0o555 if entry["exec"] else 0o444
-    if obj.exists() and obj.stat().st_size == entry["size"] and digest_file(obj) == entry["blake3"]:
+    """Make `path` a hardlink of the object holding its content, creating the object if needed.
+
+    An existing object is never replaced unless its content no longer matches its name: replacing an inode
+    that a concurrent build is linking would make that link fail."""
+    obj = object_path(root, entry["blake3"], entry["exec"])
+    if obj.exists() and os.path.samestat(obj.stat(), path.lstat()):
+        return  # assembled as a hardlink of this very object
+    os.chmod(path, 0o555 if entry["exec"] else 0o444)
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(path, obj)  # the first copy of this content becomes the object
+        return
+    except FileExistsError:
+        pass
+    if obj.stat().st_size == entry["size"] and digest_file(obj) == entry["blake3"]:
         tmp_link = path.with_name(path.name + ".link-" + uuid.uuid4().hex[:8])
         os.link(obj, tmp_link)
         os.replace(tmp_link, path)
         return
-    obj.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, mode)
     staged = obj.with_name(obj.name + ".tmp-" + uuid.uuid4().hex[:8])
     os.link(path, staged)
-    os.replace(staged, obj)  # also repairs an object whose content no longer matches its name
+    os.replace(staged, obj)  # repairs an object whose content no longer matches its name
+
+
+def object_path(root: Path, digest: str, executable: bool) -> Path:
+    hexdigest = digest.split(":", 1)[-1]
+    return root / OBJECTS / hexdigest[:2] / (hexdigest + (".x" if executable else ""))
+
+
+def put_object(root: Path, data: bytes, executable: bool) -> Path:
+    """The read-only object holding `data`, written once; a build hardlinks it into its tree."""
+    obj = object_path(root, digest_bytes(data), executable)
+    if not obj.exists():
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        staged = obj.with_name(obj.name + ".tmp-" + uuid.uuid4().hex[:8])
+        with open(staged, "wb") as out:
+            out.write(data)
+        os.chmod(staged, 0o555 if executable else 0o444)
+        try:
+            os.link(staged, obj)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(staged)
+    return obj
 
 
 def _sweep_abandoned(tmp: Path) -> None:
