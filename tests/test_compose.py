@@ -52,7 +52,7 @@ def test_final_mechanisms_are_named_and_change_only_the_final_arm():
     assert [m["name"] for m in final["mechanisms"]] == ["shared-ngram-cache", "tuned-ngram"]
     assert final["runtime_options"] == {"shared_ngram_cache": True}
     assert stock["runtime_options"] == {} and stock["drafter"]["num_draft_tokens"] == 4
-    assert final["drafter"]["num_draft_tokens"] == 6
+    assert final["drafter"]["num_draft_tokens"] == 10
 
 
 @pytest.mark.parametrize("overrides, words", [
