@@ -173,10 +173,10 @@ def test_a_corrupt_cached_wheel_is_refused(store, tmp_path):
 
 
 def test_a_wheel_whose_hash_differs_from_the_lock_is_refused(store, tmp_path, session_data):
-    wheel = next((session_data / "wheels").glob("sglang-*.whl"), None)
-    if wheel is None:  # fetch it once for the session through the builder itself
-        build_engine("h100_c1_qwen3-8b_dflash", "ar")
-        wheel = next((session_data / "wheels").glob("sglang-*.whl"))
+    from specpilot_build.lockfile import load_lock
+    from specpilot_build.runtime_base import wheel_file
+
+    wheel = wheel_file(load_lock().runtimes["sglang"])  # the genuine pinned wheel, cached for the session
     lock = _wheel_lock(tmp_path, sha256="0" * 64)
     out = cli("engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar",
               env={"SPECPILOT_LOCKFILES": str(lock)})
