@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 from sglang_builds import ARMS, sglang_settings, write_test_lock  # noqa: E402
 from specpilot_build.lockfile import load_lock  # noqa: E402
 from specpilot_build.runtime_base import wheel_file  # noqa: E402
+from specpilot_build.store import disk_usage  # noqa: E402
 
 HASH_WALK = """
 import hashlib, os, sys
@@ -50,16 +51,6 @@ def timed(cmd: list[str], env: dict) -> float:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
     return elapsed
-
-
-def disk(paths: list[Path]) -> int:
-    inodes = {}
-    for root in paths:
-        for dirpath, _, files in os.walk(root):
-            for name in files:
-                st = os.lstat(os.path.join(dirpath, name))
-                inodes[st.st_dev, st.st_ino] = st.st_size
-    return sum(inodes.values())
 
 
 def main() -> None:
@@ -117,8 +108,8 @@ def main() -> None:
         print(f"{setting:<42} {arm:<6} {base['kept_files']:>6}/{base['total_files']:<7} "
               f"{base['kept_bytes'] / 1e6:6.1f}/{base['total_bytes'] / 1e6:5.1f} "
               f"({100 * base['kept_bytes'] / base['total_bytes']:2.0f}%) {base['dropped_files']:>8}")
-    one = max(disk([p]) for p in engines)
-    together = disk(engines)
+    one = max(disk_usage([p]) for p in engines)
+    together = disk_usage(engines)
     print(f"disk: {len(engines)} SGLang engines together {together / 1e6:.1f} MB, one engine {one / 1e6:.1f} MB "
           f"({together / one:.2f}x); the wheel unpacked: {wheel_members_bytes(wheel) / 1e6:.1f} MB")
     shutil.rmtree(work, ignore_errors=True)

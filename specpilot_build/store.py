@@ -169,6 +169,17 @@ def resolve_engine(ref: str, root: Path | None = None) -> Engine:
     return matches[0]
 
 
+def disk_usage(paths: list[Path]) -> int:
+    """Bytes the trees under `paths` take on disk, each hardlinked object counted once."""
+    inodes = {}
+    for root in paths:
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                st = os.lstat(os.path.join(dirpath, name))
+                inodes[st.st_dev, st.st_ino] = st.st_size
+    return sum(inodes.values())
+
+
 # --- integrity ----------------------------------------------------------------------------------------------
 
 def check_engine(engine: Engine) -> list[str]:

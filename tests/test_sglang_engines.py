@@ -15,6 +15,7 @@ import pytest
 from sglang_builds import ARMS, all_builds, sglang_settings
 from specpilot_build.launch_check import check_launch_args, compile_engines
 from specpilot_build.locations import data_dir
+from specpilot_build.store import disk_usage
 from specpilot_build.manifest import digest_file
 from specpilot_build.store import Engine
 
@@ -131,19 +132,10 @@ def test_engines_keep_what_their_setting_loads_dynamically_and_not_other_setting
     assert not any("gfx9" in p for p in dflash if p.startswith("python/sglang/kernels/jit/"))
 
 
-def test_all_sglang_engines_together_take_at_most_1_3_times_one_engine_on_disk(builds):
-    def disk(paths: list[Path]) -> int:
-        inodes = {}
-        for root in paths:
-            for dirpath, _, files in os.walk(root):
-                for name in files:
-                    st = os.lstat(os.path.join(dirpath, name))
-                    inodes[st.st_dev, st.st_ino] = st.st_size
-        return sum(inodes.values())
-
+def test_all_sglang_engines_together_take_at_most_1_3_times_one_engine_on_disk_usage(builds):
     paths = [e.path for e in builds.engines.values()]
-    one = max(disk([p]) for p in paths)
-    assert disk(paths) <= 1.3 * one
+    one = max(disk_usage([p]) for p in paths)
+    assert disk_usage(paths) <= 1.3 * one
 
 
 def _endpoint(engine: Engine, name: str):
