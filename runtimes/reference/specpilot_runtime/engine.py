@@ -137,15 +137,21 @@ class Engine:
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, first_row: int) -> None:
         """SGLang's input logprobs: position i scores token i given tokens[:i]; position 0 has none."""
         req, prompt = seq.request, seq.tokens
-        logprobs = torch.log_softmax(logits, dim=-1)
         start = req.logprob_start_len
         if start == 0:
             seq.input_logprobs.append((None, prompt[0], None))
             seq.input_top_logprobs.append(None)
-        for pos in range(max(start, 1), len(prompt)):
-            row = logprobs[pos - 1 - first_row]
-            seq.input_logprobs.append((float(row[prompt[pos]]), prompt[pos], None))
-            seq.input_top_logprobs.append(_top(row, req.top_logprobs_num))
+        first = max(start, 1)
+        if first >= len(prompt):
+            return
+        # One batched pass over all scored rows: rows first-1-first_row .. len(prompt)-2 score tokens first..end.
+        logprobs = torch.log_softmax(logits[first - 1 - first_row:], dim=-1)
+        targets = torch.tensor(prompt[first:], device=logprobs.device).unsqueeze(1)
+        chosen = logprobs.gather(1, targets).squeeze(1).tolist()
+        tops = _top_rows(logprobs, req.top_logprobs_num)
+        for k, pos in enumerate(range(first, len(prompt))):
+            seq.input_logprobs.append((chosen[k], prompt[pos], None))
+            seq.input_top_logprobs.append(tops[k] if tops is not None else None)
 
     # ---------------------------------------------------------------- decode / verify
     def _step(self, running: list[Sequence]) -> None:
@@ -262,6 +268,14 @@ class Engine:
                 input_token_logprobs=seq.input_logprobs, input_top_logprobs=seq.input_top_logprobs,
                 output_token_logprobs=seq.output_logprobs, output_top_logprobs=seq.output_top_logprobs)
         return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
+
+
+def _top_rows(logprobs: torch.Tensor, n: int) -> list | None:
+    """Per row the n best (logprob, id, None) triples, computed in one topk."""
+    if n <= 0:
+        return None
+    values, ids = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)
+    return [[(v, i, None) for v, i in zip(vs, is_)] for vs, is_ in zip(values.tolist(), ids.tolist())]
 
 
 def _top(logprobs: torch.Tensor, n: int) -> list | None:
