@@ -84,17 +84,7 @@ def run_burst(engine: Engine, prompts: list[list[int]], max_new: int) -> list[li
 
 
 def run_engine(engine: Engine, prompt: list[int], max_new: int) -> list[int]:
-    done = threading.Event()
-    box = {}
-
-    def emit(kind, payload):
-        if kind in ("done", "error"):
-            box[kind] = payload
-            done.set()
-
-    engine.submit(GenerationRequest(prompt, max_new, emit=emit))
-    done.wait()
-    return box["done"]["output_ids"]
+    return engine.generate(prompt, max_new)["output_ids"]
 
 
 def run_hf(hf, prompt: list[int], max_new: int, lookup: int | None) -> list[int]:

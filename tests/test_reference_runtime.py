@@ -15,7 +15,7 @@ sys.path.insert(0, str(RUNTIME_DIR))
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config  # noqa: E402
 from specpilot_runtime.drafters import (DraftModelDrafter, NgramIndex, NoDrafter, PromptLookup,  # noqa: E402
                                         SharedNgramCache)
-from specpilot_runtime.engine import Engine, GenerationRequest  # noqa: E402
+from specpilot_runtime.engine import Engine  # noqa: E402
 from specpilot_runtime.model import LeanLlama, load_hf_model  # noqa: E402
 
 torch.set_num_threads(1)
@@ -57,18 +57,7 @@ def test_batched_forward_equals_one_sequence_at_a_time(hf):
 
 
 def _run(engine: Engine, prompt: list[int], max_new: int, **kw) -> dict:
-    done = threading.Event()
-    box = {}
-
-    def emit(kind, payload):
-        if kind in ("done", "error"):
-            box[kind] = payload
-            done.set()
-
-    engine.submit(GenerationRequest(prompt, max_new, emit=emit, **kw))
-    assert done.wait(60)
-    assert "error" not in box, box
-    return box["done"]
+    return engine.generate(prompt, max_new, timeout=60, **kw)
 
 
 def _engine(hf, tokenizer, drafter, k: int, max_running: int = 1) -> Engine:

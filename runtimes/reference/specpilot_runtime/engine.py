@@ -82,6 +82,23 @@ class Engine:
     def submit(self, request: GenerationRequest) -> None:
         self.waiting.put(request)
 
+    def generate(self, input_ids: list[int], max_new_tokens: int, timeout: float | None = None, **options) -> dict:
+        """Submit one request and wait for its result dict (for in-process callers; the server streams)."""
+        done = threading.Event()
+        box: dict = {}
+
+        def emit(kind, payload):
+            if kind in ("done", "error"):
+                box[kind] = payload
+                done.set()
+
+        self.submit(GenerationRequest(input_ids, max_new_tokens, emit=emit, **options))
+        if not done.wait(timeout):
+            raise TimeoutError(f"no result within {timeout} s")
+        if "error" in box:
+            raise RuntimeError(box["error"])
+        return box["done"]
+
     @property
     def avg_accept_length(self) -> float:
         return self.decode_tokens / self.verify_steps if self.verify_steps else 0.0
