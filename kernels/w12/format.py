@@ -1,9 +1,10 @@
 """W12: a lossless 12-bit container for bf16 weights (see FORMAT.md).
 
-Each bf16 weight keeps its sign and 7-bit mantissa in a byte plane and its exponent as a 4-bit code
-relative to its row's base exponent in a nibble plane (a 16-exponent window). A weight whose exponent
-lies outside its row's window is stored as code 0 with sign|mantissa 0 (it reads as 2^(base-127))
-and recorded exactly in a row-sorted side table.
+Each bf16 weight keeps its low byte (the exponent's last bit and the 7-bit mantissa) in a byte plane,
+and its sign plus a 3-bit code for the high byte's 7 exponent bits, relative to its row's base, in a
+nibble plane (a window of 16 exponents starting at an even one). A weight whose exponent lies outside
+its row's window is stored as code 0 with sign and low byte 0 (it reads as 2^(2*base-127)) and recorded
+exactly in a row-sorted side table.
 
 Works on CPU and GPU tensors alike (plain PyTorch integer ops).
 """
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-WINDOW = 16          # exponents base .. base+15 are coded 0..15
-MIN_BASE, MAX_BASE = 0, 240   # base + 15 <= 255: a byte-wise add of base and code never carries
+WINDOW = 8           # exponent >> 1 in base .. base+7 is coded 0..7 (16 exponents)
+MIN_BASE, MAX_BASE = 0, 120   # base + 7 <= 127: a byte-wise add of base and code never reaches the sign bit
 
 
 @dataclass
@@ -24,16 +25,17 @@ class W12Tensor:
     shape: tuple[int, ...]
     rows: int
     cols: int
-    signman: torch.Tensor    # uint8 [rows, cols_padded]: sign << 7 | mantissa
-    codes: torch.Tensor      # uint8 [rows, cols_padded // 2]: byte j = code[j] | code[j + half] << 4
-    base: torch.Tensor       # uint8 [rows]: the exponent field that code 0 stands for
+    low: torch.Tensor        # uint8 [rows, cols_padded]: the bf16 low byte, exponent & 1 << 7 | mantissa
+    codes: torch.Tensor      # uint8 [rows, cols_padded // 2]: byte j = nib[j] | nib[j + half] << 4,
+                             # nib = sign << 3 | code
+    base: torch.Tensor       # uint8 [rows]: the value of exponent >> 1 that code 0 stands for
     esc_ptr: torch.Tensor    # int32 [rows + 1]: escapes of row r are esc_ptr[r] .. esc_ptr[r+1]-1
     esc_col: torch.Tensor    # int32 [escapes]: column, ascending within a row
     esc_bits: torch.Tensor   # int16 [escapes]: the weight's exact bf16 bit pattern
 
     @property
     def cols_padded(self) -> int:
-        return self.signman.shape[1]
+        return self.low.shape[1]
 
     @property
     def escapes(self) -> int:
@@ -41,11 +43,11 @@ class W12Tensor:
 
     @property
     def device(self) -> torch.device:
-        return self.signman.device
+        return self.low.device
 
     def nbytes(self) -> int:
         """Bytes stored, metadata and escapes included (the shape tuple aside)."""
-        parts = (self.signman, self.codes, self.base, self.esc_ptr, self.esc_col, self.esc_bits)
+        parts = (self.low, self.codes, self.base, self.esc_ptr, self.esc_col, self.esc_bits)
         return sum(t.numel() * t.element_size() for t in parts)
 
     def bits_per_weight(self) -> float:
@@ -56,7 +58,7 @@ class W12Tensor:
         return W12Tensor(self.shape, self.rows, self.cols, **moved)
 
 
-_TENSOR_FIELDS = ("signman", "codes", "base", "esc_ptr", "esc_col", "esc_bits")
+_TENSOR_FIELDS = ("low", "codes", "base", "esc_ptr", "esc_col", "esc_bits")
 
 
 def encode(weight: torch.Tensor) -> W12Tensor:
@@ -73,17 +75,18 @@ def encode(weight: torch.Tensor) -> W12Tensor:
     if cols_padded != cols:     # a padding column, dropped again by decode
         bits = torch.nn.functional.pad(bits, (0, 1))
 
-    sign_man = ((bits >> 8) & 0x80) | (bits & 0x7F)
-    exponent = (bits >> 7) & 0xFF
-    base = _best_base(exponent[:, :cols])
-    code = exponent - base[:, None]
+    low = bits & 0xFF
+    high = (bits >> 8) & 0x7F           # exponent >> 1
+    base = _best_base(high[:, :cols])
+    code = high - base[:, None]
     escaped = (code < 0) | (code >= WINDOW)
     escaped[:, cols:] = True            # the padding column: stored like an escape, but not listed
-    code = torch.where(escaped, torch.zeros_like(code), code)
-    sign_man = torch.where(escaped, torch.zeros_like(sign_man), sign_man)
+    nib = ((bits >> 12) & 0x8) | code
+    nib = torch.where(escaped, torch.zeros_like(nib), nib)
+    low = torch.where(escaped, torch.zeros_like(low), low)
 
     half = cols_padded // 2
-    packed_codes = code[:, :half] | (code[:, half:] << 4)
+    packed_codes = nib[:, :half] | (nib[:, half:] << 4)
 
     escaped[:, cols:] = False
     esc_row, esc_col = escaped.nonzero(as_tuple=True)   # row-major order: sorted by row, then column
@@ -95,7 +98,7 @@ def encode(weight: torch.Tensor) -> W12Tensor:
         shape=shape,
         rows=rows,
         cols=cols,
-        signman=sign_man.to(torch.uint8),
+        low=low.to(torch.uint8),
         codes=packed_codes.to(torch.uint8),
         base=base.to(torch.uint8),
         esc_ptr=esc_ptr,
@@ -132,7 +135,7 @@ def cat(parts: list[W12Tensor]) -> W12Tensor:
     rows = sum(p.rows for p in parts)
     return W12Tensor(
         shape=(rows, cols), rows=rows, cols=cols,
-        signman=torch.cat([p.signman for p in parts]),
+        low=torch.cat([p.low for p in parts]),
         codes=torch.cat([p.codes for p in parts]),
         base=torch.cat([p.base for p in parts]),
         esc_ptr=torch.cat(ptrs).to(torch.int32),
@@ -142,21 +145,20 @@ def cat(parts: list[W12Tensor]) -> W12Tensor:
 
 
 def decode_planes(packed: W12Tensor) -> torch.Tensor:
-    """int32 bit patterns [rows, cols_padded] as the GEMM kernel sees them (escapes: base << 7)."""
-    sm = packed.signman.to(torch.int32)
-    nib = packed.codes.to(torch.int32)
-    code = torch.cat([nib & 0xF, nib >> 4], dim=1)
-    exponent = code + packed.base.to(torch.int32)[:, None]
-    return ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
+    """int32 bit patterns [rows, cols_padded] as the GEMM kernel sees them (escapes: base << 8)."""
+    codes = packed.codes.to(torch.int32)
+    nib = torch.cat([codes & 0xF, codes >> 4], dim=1)
+    high = (nib & 0x7) + packed.base.to(torch.int32)[:, None]
+    return ((nib & 0x8) << 12) | (high << 8) | packed.low.to(torch.int32)
 
 
-def _best_base(exponent: torch.Tensor) -> torch.Tensor:
-    """Per row, the base whose 16-exponent window holds the most weights."""
-    rows = exponent.shape[0]
-    hist = torch.zeros(rows, 256, dtype=torch.int32, device=exponent.device)
-    hist.scatter_add_(1, exponent, torch.ones_like(exponent))
-    csum = torch.nn.functional.pad(torch.cumsum(hist, 1), (1, 0))   # csum[:, e] = count below e
-    starts = torch.arange(MIN_BASE, MAX_BASE + 1, device=exponent.device)
+def _best_base(high: torch.Tensor) -> torch.Tensor:
+    """Per row, the base whose window of WINDOW values of exponent >> 1 holds the most weights."""
+    rows = high.shape[0]
+    hist = torch.zeros(rows, 128, dtype=torch.int32, device=high.device)
+    hist.scatter_add_(1, high, torch.ones_like(high))
+    csum = torch.nn.functional.pad(torch.cumsum(hist, 1), (1, 0))   # csum[:, v] = count below v
+    starts = torch.arange(MIN_BASE, MAX_BASE + 1, device=high.device)
     covered = csum[:, starts + WINDOW] - csum[:, starts]
     return starts[torch.argmax(covered, dim=1)]         # first maximum: deterministic
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from .format import decode, encode
 
-STORIES = "/work/shared/models/stories260K/model.safetensors"
+STORIES = str(Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K" / "model.safetensors")
 
 
 def normal_rows(rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -68,18 +68,21 @@ def test_kernel_view_reads_escapes_as_the_window_floor():
     planes = decode_planes(packed)
     expected = w.view(torch.int16).to(torch.int32) & 0xFFFF
     for r, c in ((1, 3), (2, 60), (3, 7)):
-        expected[r, c] = int(packed.base[r]) << 7      # sign 0, mantissa 0, exponent = base
+        expected[r, c] = int(packed.base[r]) << 8      # sign 0, low byte 0, exponent >> 1 = base
     assert torch.equal(planes, expected)
     assert packed.escapes == 3 and packed.esc_ptr.tolist() == [0, 0, 1, 2, 3]
 
 
-def test_window_holds_sixteen_exponents():
-    # Row 0: exponents 100..115 all in window; row 1: 100..116 -> exactly one exponent escapes.
+def test_window_holds_sixteen_exponents_from_an_even_one():
+    # Row 0: exponents 100..115 all in window; row 1: 100..116 -> one escapes. Row 2: 101..116 is
+    # sixteen exponents too, but windows start at even exponents (the code counts exponent >> 1), so
+    # one of them escapes.
     e = torch.arange(100, 117, dtype=torch.int32)
-    rows = torch.stack([torch.cat([e[:WINDOW], e[:1]]), e]) << 7
+    rows = torch.stack([torch.cat([e[:16], e[:1]]), e, torch.cat([e[1:], e[1:2]])]) << 7
     w = rows.to(torch.int16).view(torch.bfloat16)
     packed = encode(w)
-    assert packed.esc_ptr.tolist() == [0, 0, 1]
+    assert packed.esc_ptr.tolist() == [0, 0, 1, 2]
+    assert WINDOW == 8
     assert_bit_exact(w)
 
 
