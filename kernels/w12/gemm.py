@@ -1,9 +1,11 @@
 """y = x @ W.T with W in W12 form, decoded tile by tile in registers (Triton).
 
 Small M (decode, M <= 32) runs the fused kernel: each program streams BLOCK_N full rows of the byte
-and nibble planes, rebuilds bf16 bit patterns four at a time with byte-parallel integer ops (inline
-PTX; plain Triton ops under the interpreter) and feeds them to tl.dot. An escaped weight reads as
-w_planes = 2^(base-127) there; the program then adds x[:, col] * (w - w_planes) for its rows'
+and code planes (optionally one K range of them: split K), rebuilds bf16 bit patterns four at a time
+with byte-parallel integer ops (inline PTX; plain Triton ops under the interpreter) and feeds them to
+tl.dot, as the B operand (x as A, m16) or, with `swap`, as the A operand with x.T as an n8/n16 B operand
+(fewer instructions per weight; the H200 picks it for M <= 16). An escaped weight reads as
+w_planes = 2^(2*base-127) there; the program then adds x[:, col] * (w - w_planes) for its rows'
 escapes as two more small bf16 dots (exact products), so in exact arithmetic the sum is the GEMM
 with the original weights; accumulation is fp32. Larger M decodes W to bf16 once and calls cuBLAS.
 """
@@ -28,15 +30,15 @@ class Config:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
-    swap: bool = False        # accumulate y.T = W @ x.T (weights as the dot's A operand)
+    swap: bool = False        # accumulate y.T = W @ x.T (weights as the dot's A operand, x.T as B)
     split_k: int = 1          # programs per row block, each over a K range; the last one sums
-    block_m: int = 0          # 0: 16 for M <= 16, else 32 (8 is allowed with swap)
+    block_m: int = 0          # rows of x per dot: 0 = 16 for M <= 16, else 32 (8 needs swap: MMA n = 8)
     probe: int = 0            # benchmark-only ablations, WRONG results: 1 no escapes, 2 no decode, 3 both
     ptx: bool = True          # byte-parallel decode in inline PTX (False: plain Triton integer ops)
 
 
 def _load_tuned() -> dict[tuple[int, int, int], Config]:
-    """Configs picked on the H200 (tuned_h200.json), keyed by (N, K, BLOCK_M)."""
+    """Configs picked on the H200 (tuned_h200.json), keyed by (N, K, M bucket: 8, 16 or 32)."""
     path = Path(__file__).with_name("tuned_h200.json")
     entries = json.loads(path.read_text()) if path.exists() else {}
     return {tuple(int(v) for v in key.split(",")): Config(**cfg)
@@ -46,18 +48,15 @@ def _load_tuned() -> dict[tuple[int, int, int], Config]:
 TUNED: dict[tuple[int, int, int], Config] = _load_tuned()
 
 
-def default_config(n: int, k: int, block_m: int) -> Config:
-    """For shapes not in TUNED: the tiles the H200 sweeps favoured, and split K so that
-    at least ~300 programs (2-3 per SM) stream weights when the row blocks alone are fewer.
-    A heuristic from the sweeps' pattern, not itself measured on shapes outside BENCH.md."""
-    block_n = 32 if block_m <= 16 else 64
+def default_config(n: int, k: int, bucket: int) -> Config:
+    """For shapes not in TUNED (bucket: M <= 8, 16 or 32): the tiles the H200 runs favoured on the four
+    benchmark shapes, with split K so that ~480 programs stream weights when the row blocks alone are
+    fewer (as for N = 5120 there). A heuristic from those runs, not measured on other shapes."""
+    block_n = 32 if bucket <= 16 else 64
     blocks = -(-n // block_n)
-    split = 1
-    if k >= 4096:
-        while blocks * split < 300 and split < 4:
-            split += 1
-    if block_m <= 16:
-        return Config(block_n, 128, 4, 4 if split == 1 else 3, split_k=split)
+    split = 1 if k < 4096 or blocks >= 300 else max(1, min(4, round(480 / blocks)))
+    if bucket <= 16:
+        return Config(block_n, 128, 2, 3, swap=True, block_m=bucket, split_k=split)
     return Config(block_n, 128, 4, 3, split_k=split)
 
 
@@ -83,7 +82,7 @@ def decode_on_device(packed: W12Tensor) -> torch.Tensor:
     out = torch.empty((packed.rows, packed.cols), dtype=torch.bfloat16, device=packed.device)
     half = packed.cols_padded // 2
     grid = (triton.cdiv(packed.rows, 16), triton.cdiv(half, 256))
-    _w12_decode_kernel[grid](packed.signman, packed.codes, packed.base, out, packed.rows, half, packed.cols,
+    _w12_decode_kernel[grid](packed.low, packed.codes, packed.base, out, packed.rows, half, packed.cols,
                              BLOCK_R=16, BLOCK_K=256, PTX=not _interpreting(), num_warps=4)
     if packed.escapes:
         counts = (packed.esc_ptr[1:] - packed.esc_ptr[:-1]).long()
@@ -101,18 +100,19 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         raise TypeError(f"W12 GEMM takes bf16 activations, got {x.dtype}")
     x = x.contiguous()
     n = packed.rows
-    key = (n, k, 16 if m <= 16 else 32)
-    cfg = config or TUNED.get(key) or default_config(*key)
+    key = (n, k, 8 if m <= 8 else 16 if m <= 16 else 32)
+    cfg = config or TUNED.get(key) or TUNED.get((n, k, max(16, key[2]))) or default_config(*key)
     block_m = cfg.block_m if cfg.block_m >= m else (16 if m <= 16 else 32)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     half = packed.cols_padded // 2
     per_block = packed.escapes * cfg.block_n / max(1, n)
     esc_block = min(128, max(16, triton.next_power_of_2(int(1.5 * per_block) + 1)))
     row_blocks = triton.cdiv(n, cfg.block_n)
-    partials, counters = _split_workspace(x.device, cfg.split_k, n, row_blocks)
+    partials, counters = _split_workspace(x.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0,
+                                          row_blocks)
     grid = (row_blocks, cfg.split_k)
     _w12_gemm_kernel[grid](
-        x, packed.signman, packed.codes, packed.base, packed.esc_ptr, packed.esc_col,
+        x, packed.low, packed.codes, packed.base, packed.esc_ptr, packed.esc_col,
         packed.esc_bits, y, partials, counters,
         m, n, k, half, x.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
@@ -128,15 +128,14 @@ _WORKSPACES: dict = {}
 _RETIRED: list = []
 
 
-def _split_workspace(device, split_k: int, n: int, row_blocks: int):
-    """fp32 partial sums [split_k, 32, n] and per-row-block arrival counters (kept at zero between
+def _split_workspace(device, need_parts: int, row_blocks: int):
+    """fp32 partial sums (need_parts floats) and per-row-block arrival counters (kept at zero between
     launches: the last program of a block resets its counter). Shared by all W12 GEMMs on a device,
     which is safe for launches in one stream; grown outside CUDA-graph capture (warm up first)."""
-    need_parts, need_counts = max(1, split_k) * FUSED_MAX_M * n, row_blocks
     parts, counts = _WORKSPACES.get(device, (None, None))
-    if split_k > 1 and (parts is None or parts.numel() < need_parts or counts.numel() < need_counts):
+    if need_parts and (parts is None or parts.numel() < need_parts or counts.numel() < row_blocks):
         size_p = max(need_parts, 0 if parts is None else parts.numel())
-        size_c = max(need_counts, 0 if counts is None else counts.numel())
+        size_c = max(row_blocks, 0 if counts is None else counts.numel())
         _RETIRED.append(_WORKSPACES.get(device))   # a captured CUDA graph may still point at them
         parts = torch.empty(size_p, dtype=torch.float32, device=device)
         counts = torch.zeros(size_c, dtype=torch.int32, device=device)
@@ -152,54 +151,47 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# Four weights per instance: $2 = 4 sign|mantissa bytes, $3 = 4 code-plane bytes, $4 = base x4.
-# e = base + code byte-wise (no carries: base + 15 <= 255); the bf16 high byte is s | e >> 1, the
-# low byte e << 7 | m; two byte permutes interleave them into two bf16x2 registers.
+# Four weights per instance: $2 = 4 low bytes (stored as is), $3 = 4 code-plane bytes, $4 = base x4.
+# The bf16 high byte is sign << 7 | (base + code): the code's sign bit moves to bit 7 and the 3-bit code
+# adds to the base byte-wise (no carries: base + 7 <= 127); two byte permutes interleave the high and low
+# bytes into two bf16x2 registers. Six integer ops per four weights.
 _DECODE_PTX = """
 {
-.reg .b32 c, e, h, l;
+.reg .b32 t, h;
 %s
-add.u32 e, c, $4;
-shr.b32 h, e, 1;
-and.b32 h, h, 0x7F7F7F7F;
-and.b32 c, $2, 0x80808080;
-or.b32 h, h, c;
-shl.b32 l, e, 7;
-and.b32 l, l, 0x80808080;
-and.b32 c, $2, 0x7F7F7F7F;
-or.b32 l, l, c;
-prmt.b32 $0, l, h, 0x5140;
-prmt.b32 $1, l, h, 0x7362;
+add.u32 t, t, $4;
+or.b32 h, h, t;
+prmt.b32 $0, $2, h, 0x5140;
+prmt.b32 $1, $2, h, 0x7362;
 }
 """
-_PTX_LOW = tl.constexpr(_DECODE_PTX % "and.b32 c, $3, 0x0F0F0F0F;")
-_PTX_HIGH = tl.constexpr(_DECODE_PTX % "shr.b32 c, $3, 4;\nand.b32 c, c, 0x0F0F0F0F;")
+_PTX_LOW = tl.constexpr(_DECODE_PTX % "and.b32 t, $3, 0x07070707;\nshl.b32 h, $3, 4;\nand.b32 h, h, 0x80808080;")
+_PTX_HIGH = tl.constexpr(_DECODE_PTX % "shr.b32 t, $3, 4;\nand.b32 t, t, 0x07070707;\nand.b32 h, $3, 0x80808080;")
 
 
 @triton.jit
-def _decode(sm, nib, base, HIGH: tl.constexpr, PTX: tl.constexpr):
-    """uint8 sign|mantissa [BN, BK], uint8 code-plane bytes [BN, BK], uint8 base [BN] -> bf16."""
+def _decode(low, nib, base, HIGH: tl.constexpr, PTX: tl.constexpr):
+    """uint8 low bytes [BN, BK], uint8 code-plane bytes [BN, BK], uint8 base [BN] -> bf16."""
     if PTX:
-        base_b = tl.broadcast_to(base[:, None], sm.shape)
+        base_b = tl.broadcast_to(base[:, None], low.shape)
         if HIGH:
-            return tl.inline_asm_elementwise(_PTX_HIGH, "=r,=r,r,r,r", [sm, nib, base_b],
+            return tl.inline_asm_elementwise(_PTX_HIGH, "=r,=r,r,r,r", [low, nib, base_b],
                                              dtype=tl.bfloat16, is_pure=True, pack=4)
         else:
-            return tl.inline_asm_elementwise(_PTX_LOW, "=r,=r,r,r,r", [sm, nib, base_b],
+            return tl.inline_asm_elementwise(_PTX_LOW, "=r,=r,r,r,r", [low, nib, base_b],
                                              dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
-        s = sm.to(tl.int32)
         if HIGH:
             code = nib.to(tl.int32) >> 4
         else:
             code = nib.to(tl.int32) & 0xF
-        exponent = code + base.to(tl.int32)[:, None]
-        bits = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)
+        high = (code & 0x7) + base.to(tl.int32)[:, None]
+        bits = ((code & 0x8) << 12) | (high << 8) | low.to(tl.int32)
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _w12_decode_kernel(sm_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS,
+def _w12_decode_kernel(low_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -207,11 +199,11 @@ def _w12_decode_kernel(sm_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS,
     mask = rmask[:, None] & (offs_k < HALF)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     nib = tl.load(nib_ptr + r64 * HALF + offs_k[None, :], mask=mask, other=0)
-    sm_lo = tl.load(sm_ptr + r64 * (2 * HALF) + offs_k[None, :], mask=mask, other=0)
-    sm_hi = tl.load(sm_ptr + r64 * (2 * HALF) + HALF + offs_k[None, :], mask=mask, other=0)
+    low_a = tl.load(low_ptr + r64 * (2 * HALF) + offs_k[None, :], mask=mask, other=0)
+    low_b = tl.load(low_ptr + r64 * (2 * HALF) + HALF + offs_k[None, :], mask=mask, other=0)
     base = tl.load(base_ptr + rows, mask=rmask, other=0)
-    w_lo = _decode(sm_lo, nib, base, False, PTX)
-    w_hi = _decode(sm_hi, nib, base, True, PTX)
+    w_lo = _decode(low_a, nib, base, False, PTX)
+    w_hi = _decode(low_b, nib, base, True, PTX)
     tl.store(out_ptr + r64 * COLS + offs_k[None, :], w_lo, mask=mask)
     tl.store(out_ptr + r64 * COLS + HALF + offs_k[None, :], w_hi, mask=mask & ((HALF + offs_k) < COLS)[None, :])
 
@@ -247,7 +239,7 @@ def _add_escapes(acc, x_ptr, xrows, xmask, stride_xm, col, wbits, emask, offs_e,
 
 @triton.jit
 def _w12_gemm_kernel(
-    x_ptr, sm_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr,
+    x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, HALF, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
@@ -261,8 +253,8 @@ def _w12_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     xmask = offs_m < M                             # masked, not clamped: no traffic for padding rows
     base = tl.load(base_ptr + rows)
-    # An escaped weight reads as bits base << 7; its correction subtracts x * that value.
-    neg_planes = ((base.to(tl.int32) << 7) | 0x8000).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    # An escaped weight reads as bits base << 8; its correction subtracts x * that value.
+    neg_planes = ((base.to(tl.int32) << 8) | 0x8000).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
     # This block's first escapes, loaded before the main loop so their latency hides behind it.
     first_row = pid * BLOCK_N
@@ -276,7 +268,7 @@ def _w12_gemm_kernel(
     col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
     wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
 
-    sm_rows = sm_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
+    low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
     nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
@@ -291,26 +283,26 @@ def _w12_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             nib = tl.load(nib_rows + offs_k[None, :])
-            sm_lo = tl.load(sm_rows + offs_k[None, :])
-            sm_hi = tl.load(sm_rows + HALF + offs_k[None, :])
+            low_a = tl.load(low_rows + offs_k[None, :])
+            low_b = tl.load(low_rows + HALF + offs_k[None, :])
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None], other=0.0)
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None], other=0.0)
         else:
             kmask = offs_k < HALF
             nib = tl.load(nib_rows + offs_k[None, :], mask=kmask[None, :], other=0)
-            sm_lo = tl.load(sm_rows + offs_k[None, :], mask=kmask[None, :], other=0)
-            sm_hi = tl.load(sm_rows + HALF + offs_k[None, :], mask=kmask[None, :], other=0)
+            low_a = tl.load(low_rows + offs_k[None, :], mask=kmask[None, :], other=0)
+            low_b = tl.load(low_rows + HALF + offs_k[None, :], mask=kmask[None, :], other=0)
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None] & kmask[None, :], other=0.0)
             hmask = (HALF + offs_k) < K
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None] & hmask[None, :], other=0.0)
         if PROBE >= 2:   # ablation: bytes straight to bf16, one permute per two weights
             w_lo = tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
-                                             "=r,=r,r,r", [sm_lo, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
+                                             "=r,=r,r,r", [low_a, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
             w_hi = tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
-                                             "=r,=r,r,r", [sm_hi, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
+                                             "=r,=r,r,r", [low_b, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
         else:
-            w_lo = _decode(sm_lo, nib, base, False, PTX)
-            w_hi = _decode(sm_hi, nib, base, True, PTX)
+            w_lo = _decode(low_a, nib, base, False, PTX)
+            w_hi = _decode(low_b, nib, base, True, PTX)
         if SWAP:
             acc = _dot(w_lo, tl.trans(x_lo), acc, DOT_F32)
             acc = _dot(w_hi, tl.trans(x_hi), acc, DOT_F32)
@@ -347,3 +339,5 @@ def _w12_gemm_kernel(
                 total += tl.load(part + s * (32 * N), mask=ymask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(tl.bfloat16), mask=ymask)
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+

@@ -30,7 +30,7 @@ def weights(n, k, seed):
 
 
 # (M, N, K, block_n, block_k, swap, split_k, block_m): tails in every dimension, odd K (a padding
-# column), M = 1..32, split K with uneven ranges, both dot orientations.
+# column), M = 1..32, split K with uneven ranges, both dot orientations, x.T as an n8 / n16 operand.
 SHAPES = [
     (1, 48, 100, 16, 32, False, 1, 0),
     (2, 32, 256, 32, 32, True, 3, 0),
@@ -40,6 +40,8 @@ SHAPES = [
     (17, 24, 96, 16, 16, True, 2, 0),
     (32, 16, 66, 16, 32, False, 1, 0),
     (4, 16, 1024, 16, 64, False, 5, 0),   # 8 K steps over 5 ranges: one is empty
+    (1, 40, 514, 32, 128, True, 3, 8),    # the H200 pick for N = 5120: swap, n8, split K
+    (12, 33, 260, 32, 64, True, 2, 16),   # swap, n16
 ]
 
 

@@ -36,7 +36,10 @@ def test_decode_kernel_is_bit_exact_on_every_pattern():
 
 GEMM_CONFIGS = [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(64, 256, 8, 3),
                 Config(64, 128, 4, 3, split_k=2), Config(32, 128, 4, 3, swap=True),
-                Config(32, 128, 4, 3, swap=True, block_m=8)]
+                Config(32, 128, 4, 3, swap=True, block_m=8),
+                # the picked H200 tiles: two warps, x.T as the n8/n16 operand, split K (BENCH.md)
+                Config(32, 128, 2, 3, swap=True, block_m=8, split_k=3), Config(32, 256, 2, 2, swap=True, block_m=8),
+                Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2), Config(16, 128, 1, 3, swap=True, block_m=8)]
 
 
 @pytest.mark.parametrize("cfg, m", [(cfg, m) for cfg in GEMM_CONFIGS for m in (1, 3, 8, 16, 32)
@@ -62,11 +65,12 @@ def test_default_config_and_large_m_path():
     assert default_config(384, 2000, 16).split_k == 1
 
 
-def test_graph_replay_matches_eager():
+@pytest.mark.parametrize("cfg", [Config(32, 128, 4, 3, split_k=3), Config(32, 128, 2, 3, swap=True, block_m=8,
+                                                                              split_k=3)], ids=str)
+def test_graph_replay_matches_eager(cfg):
     w = llm_like(2048, 4096, 9)
     packed = w12.encode(w)
     x = torch.randn(4, 4096, device="cuda").to(torch.bfloat16)
-    cfg = Config(32, 128, 4, 3, split_k=3)
     eager = fused_gemm(x, packed, cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
