@@ -2,15 +2,14 @@
 
     PYTHONPATH=kernels python -m w12.bench --pick --table --stack --out results.json
 
---tune sweeps many configs (timed per launch, so Python launch overhead adds noise); --pick re-times
-a few finalists under CUDA graphs. The table and the stack are timed under CUDA graphs.
+--pick checks and times a few finalist configs per shape and M bucket under CUDA graphs and keeps the
+best (explore.py holds the wider sweeps they came from). The table and the stack are timed under CUDA graphs.
 
 Prints markdown tables (the source of BENCH.md). Needs a CUDA GPU with torch + triton.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import statistics
@@ -72,92 +71,64 @@ def graph_time_us(launch, items, launches: int = 6) -> float:
     return t
 
 
-# Finalists from the --tune sweeps (BENCH.md), re-timed under CUDA graphs by --pick.
-FINALISTS = {
-    (10240, 5120, 16): [Config(32, 128, 4, 4), Config(64, 128, 4, 4)],
-    (10240, 5120, 32): [Config(64, 128, 4, 3, split_k=3), Config(64, 128, 4, 3),
-                        Config(64, 128, 4, 2, split_k=2)],   # not yet timed
-    (5120, 8192, 16): [Config(64, 256, 8, 3), Config(128, 128, 8, 3, split_k=6),
-                       # not yet timed: 5 programs per SM instead of 1 (BENCH.md, "Occupancy")
-                       Config(32, 128, 4, 3, split_k=3), Config(32, 128, 4, 3, split_k=2)],
-    (5120, 8192, 32): [Config(64, 128, 4, 3, split_k=3), Config(32, 128, 2, 3, split_k=3)],
-    (34816, 5120, 16): [Config(32, 128, 4, 4), Config(32, 256, 4, 3)],
-    (34816, 5120, 32): [Config(64, 128, 4, 3), Config(64, 128, 8, 3), Config(64, 128, 4, 2)],  # last: not yet timed
-    (5120, 17408, 16): [Config(32, 256, 4, 2, split_k=3), Config(32, 128, 4, 3, split_k=3)],
-    (5120, 17408, 32): [Config(64, 128, 4, 3, split_k=3), Config(64, 128, 4, 3, split_k=2)],
-}
+# Finalists re-timed under CUDA graphs by --pick, per M bucket (8, 16, 32): from the earlier tile sweeps and
+# the swap-orientation sweep of explore.py (BENCH.md). Split K for N = 5120, where 160 row blocks of 32 would
+# leave SMs idle.
+def _swap(bucket, *tiles):
+    return [Config(bn, bk, w, s, swap=True, block_m=bucket, split_k=sp) for bn, bk, w, s, sp in tiles]
+
+
+def finalists(n: int, bucket: int) -> list[Config]:
+    narrow = n <= 5120
+    if bucket == 8:
+        return _swap(8, *([(32, 128, 2, 3, 3), (32, 128, 2, 4, 3), (16, 128, 1, 3, 1), (16, 128, 1, 3, 2)] if narrow
+                          else [(32, 128, 2, 3, 1), (32, 128, 2, 4, 1), (16, 128, 1, 3, 1), (16, 128, 1, 4, 1)]))
+    if bucket == 16:
+        return _swap(16, *([(32, 128, 2, 3, 3), (16, 128, 1, 3, 2)] if narrow
+                           else [(32, 128, 2, 3, 1), (32, 128, 2, 4, 1), (16, 128, 1, 3, 1)])) + \
+            ([Config(32, 128, 4, 3, split_k=3)] if narrow else [])
+    return [Config(64, 128, 4, 3, split_k=3)] if narrow else [Config(64, 128, 4, 3)]
+
+
+BUCKETS = ((8, (1, 8)), (16, (16,)), (32, (32,)))     # M bucket, the M values it is timed at
 
 
 def pick(weights: dict) -> dict:
+    """Per shape and M bucket: every finalist checked for correctness, then timed under CUDA graphs at the
+    bucket's M values and ranked by the product of those times."""
     best = {}
     for name, (n, k) in SHAPES.items():
         packs = weights[name]["w12"]
-        for block_m, m in ((16, 1), (32, 32)):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        for bucket, ms in BUCKETS:
+            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for m in ms]
             timed = []
-            for cfg in FINALISTS[(n, k, block_m)]:
-                timed.append((graph_time_us(lambda p: fused_gemm(x, p, cfg), packs), cfg))
-                print(f"pick {name:8s} M={m:2d} {timed[-1][0]:7.1f} us  {cfg}")
-            best[(n, k, block_m)] = min(timed, key=lambda r: r[0])[1]
+            for cfg in finalists(n, bucket):
+                try:
+                    check_correctness(name, weights[name]["bf16"][0], packs[0], cfg,
+                                      ms=tuple(sorted({1, bucket // 2 + 1, bucket})))
+                    times = [graph_time_us(lambda p: fused_gemm(x, p, cfg), packs) for x in xs]
+                except Exception as err:
+                    print(f"pick {name:8s} M<={bucket}: REJECTED {cfg}: {type(err).__name__}: {str(err)[:300]}")
+                    continue
+                timed.append((math.prod(times), times, cfg))
+                print(f"pick {name:8s} M<={bucket:2d} " + " ".join(f"{t:7.1f}" for t in times) + f" us  {cfg}")
+            best[(n, k, bucket)] = min(timed, key=lambda r: r[0])[2]
     return best
 
 
-def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config) -> dict:
+def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config, ms=(1, 5, 16, 32)) -> dict:
     assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: decode not bit-exact"
     worst = 0.0
-    for m in (1, 5, 16, 32):
+    for m in ms:
         x = torch.randn(m, w.shape[1], device="cuda").to(torch.bfloat16)
         y = fused_gemm(x, packed, cfg).double()
+        assert torch.equal(fused_gemm(x, packed, cfg).double(), y), f"{name} M={m}: not deterministic"
         ref = x.double() @ w.double().T
         bound = 2.0 ** -7 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
         bad = ((y - ref).abs() > bound).sum().item()
         assert bad == 0, f"{name} M={m}: {bad} outputs off by more than one bf16 ulp"
         worst = max(worst, ((y - ref).abs() / (ref.abs() + 1e-30)).max().item())
     return {"escapes": packed.escapes, "bits_per_weight": packed.bits_per_weight(), "max_rel_err": worst}
-
-
-TILES = {  # BLOCK_M: (block_n, block_k, num_warps, num_stages, swap)
-    16: [(32, 128, 4, 4, False), (32, 128, 4, 5, False), (32, 256, 4, 3, False), (32, 256, 4, 2, False),
-         (64, 128, 4, 4, False), (64, 128, 8, 4, False), (64, 256, 8, 3, False), (128, 128, 8, 3, False),
-         (128, 128, 8, 4, False)],
-    32: [(64, 128, 4, 3, False), (64, 128, 4, 4, False), (64, 128, 8, 3, False), (32, 128, 2, 3, False),
-         (32, 128, 2, 4, False), (128, 128, 8, 3, False)],
-}
-
-
-def candidate_configs(n: int, block_m: int) -> list[Config]:
-    out = []
-    for bn, bk, warps, stages, swap in TILES[block_m]:
-        blocks = -(-n // bn)
-        splits = [s for s in (1, 2, 3, 4, 6) if s == 1 or 132 <= blocks * s <= 6 * 132]
-        out += [Config(bn, bk, warps, stages, swap, split_k=s) for s in splits]
-    return out
-
-
-def tune(weights: dict, budget_s: float) -> dict:
-    """Best config per (shape, BLOCK_M): BLOCK_M 16 scored by time at M=1 plus M=16, 32 at M=32."""
-    start = time.time()
-    best = {}
-    for name, (n, k) in SHAPES.items():
-        packs = weights[name]["w12"]
-        for block_m, ms in ((16, (1, 16)), (32, (32,))):
-            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for m in ms]
-            results = []
-            for cfg in candidate_configs(n, block_m):
-                if time.time() - start > budget_s:
-                    break
-                try:
-                    t = sum(time_us(rotating(lambda p: fused_gemm(x, p, cfg), packs), rep_ms=40) for x in xs)
-                except Exception as err:  # a config the compiler rejects (resources)
-                    print(f"  {name} BM={block_m} {cfg}: {type(err).__name__}: {str(err)[:160]}")
-                    continue
-                results.append((t / len(xs), cfg))
-            results.sort(key=lambda r: r[0])
-            for t, cfg in results[:4]:
-                print(f"tune {name:8s} BM={block_m:2d} {t:7.1f} us  {cfg}")
-            if results:
-                best[(n, k, block_m)] = results[0][1]
-    return best
 
 
 def probes(weights: dict) -> list[dict]:
@@ -167,7 +138,7 @@ def probes(weights: dict) -> list[dict]:
         packs = weights[name]["w12"]
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            cfg = TUNED.get((n, k, 16), Config())
+            cfg = TUNED.get((n, k, _bucket(m))) or default_config(n, k, _bucket(m))
             t = {}
             for label, probe in (("full", 0), ("no_escapes", 1), ("no_decode", 2), ("neither", 3)):
                 variant = Config(**{**vars(cfg), "probe": probe})
@@ -196,12 +167,16 @@ def table(weights: dict) -> list[dict]:
                 roofline_w12_us=(w12_bytes + act) / COPY_TBPS / 1e6,
                 roofline_bf16_us=(2 * n * k + act) / COPY_TBPS / 1e6,
                 max_abs_diff=diff.item(),
-                config=vars(TUNED.get((n, k, 16 if m <= 16 else 32)) or default_config(n, k, 16 if m <= 16 else 32))))
+                config=vars(TUNED.get((n, k, _bucket(m))) or default_config(n, k, _bucket(m)))))
             r = rows[-1]
             print(f"{name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us ({r['cublas_tbps']:.2f} TB/s, repeat {t_ref2:.1f})"
                   f"  W12 {t_w12:7.1f} us ({r['w12_tbps']:.2f} TB/s)  x{r['speedup']:.3f}  "
                   f"roofline {r['roofline_w12_us']:.1f} us  max|diff| {r['max_abs_diff']:.3g}")
     return rows
+
+
+def _bucket(m: int) -> int:
+    return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
 def stack(layers: int, ms=(1, 8, 32)) -> list[dict]:
@@ -302,24 +277,22 @@ def render(result: dict) -> str:
 
 
 def save_tuned(result: dict) -> None:
-    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k")
+    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "swap", "block_m")
     entries = {key: {f: cfg[f] for f in keep} for key, cfg in result["tuned"].items()}
     path = Path(__file__).with_name("tuned_h200.json")
-    comment = "Picked on an H200 by `python -m w12.bench --pick` (see BENCH.md); key: N,K,BLOCK_M"
+    comment = "Picked on an H200 by `python -m w12.bench --pick` (see BENCH.md); key: N,K,M bucket (8, 16, 32)"
     path.write_text(json.dumps({"_comment": comment, **entries}, indent=1) + "\n")
     print(f"wrote {path}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--tune-budget", type=float, default=240)
     ap.add_argument("--pick", action="store_true", help="time the FINALISTS under CUDA graphs, keep the best")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--probes", action="store_true", help="ablation timings (escapes off, decode off)")
     ap.add_argument("--stack", action="store_true")
     ap.add_argument("--layers", type=int, default=64)
-    ap.add_argument("--configs", help="JSON of tuned configs from an earlier --tune")
+    ap.add_argument("--configs", help="JSON of configs keyed N,K,bucket (the format of tuned_h200.json)")
     ap.add_argument("--out", default="w12_bench.json")
     ap.add_argument("--render", help="print the markdown tables of an earlier --out JSON and exit")
     ap.add_argument("--save-tuned", help="write the picked configs of an earlier --out JSON to tuned_h200.json")
@@ -355,18 +328,6 @@ def main() -> None:
             TUNED.update(best)
             result["tuned"] = {",".join(map(str, k)): vars(v) for k, v in best.items()}
             save()
-            for name, (n, k) in SHAPES.items():
-                for bm in (16, 32):
-                    check_correctness(name, weights[name]["bf16"][0], weights[name]["w12"][0], TUNED[(n, k, bm)])
-        if args.tune:
-            best = tune(weights, args.tune_budget)
-            TUNED.update(best)
-            result["tuned"] = {",".join(map(str, k)): vars(v) for k, v in best.items()}
-            save()
-            for name, (n, k) in SHAPES.items():  # the tuned configs must be correct too
-                for bm in (16, 32):
-                    check_correctness(name, weights[name]["bf16"][0], weights[name]["w12"][0],
-                                      TUNED.get((n, k, bm), Config()))
         if args.probes:
             result["probes"] = probes(weights)
             save()

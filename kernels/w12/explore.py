@@ -1,0 +1,185 @@
+"""Exploration runs on the H200 (not the benchmark of record, which is bench.py): tile shapes, split K
+and decode ablations timed side by side under CUDA graphs, plus a pure-read kernel that streams the
+same planes with the same tiling (the floor for that access pattern).
+
+    cd kernels && python3 -m w12.explore --out explore.json
+    cd kernels && python3 -m w12.explore --ncu qkv      # a few plain launches, for Nsight Compute
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from .bench import SHAPES, BUFFERS, COPY_TBPS, graph_time_us, llm_like_weight
+from .format import encode
+from .gemm import TUNED, Config, default_config, fused_gemm
+
+SMS = 132
+TILES = [  # block_n, block_k, num_warps, num_stages
+    (32, 128, 4, 4), (64, 64, 2, 4), (128, 64, 4, 4), (64, 64, 4, 6), (64, 128, 2, 4),
+    (64, 64, 2, 6),
+]
+
+
+def splits_for(n: int, block_n: int) -> list[int]:
+    blocks = -(-n // block_n)
+    out = {1}
+    for target in (2 * SMS, 4 * SMS):
+        out.add(max(1, min(8, round(target / blocks))))
+    return sorted(out)
+
+
+@triton.jit
+def _read_kernel(low_ptr, nib_ptr, out_ptr, N, HALF, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
+    rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
+    nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), splits)
+    k_first = pid_k * steps * BLOCK_K
+    k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
+    for k0 in range(k_first, k_last, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)[None, :]
+        a = tl.load(nib_rows + offs)
+        b = tl.load(low_rows + offs)
+        c = tl.load(low_rows + HALF + offs)
+        acc ^= a + b + c
+    tl.store(out_ptr + pid_k * N + rows, tl.xor_sum(acc, axis=1))
+
+
+def read_planes(p, block_n, block_k, split, out, warps=4, stages=4):
+    words = p.cols_padded // 8          # 32-bit words per row of the nibble plane (and per half-row of bytes)
+    grid = (triton.cdiv(p.rows, block_n), split)
+    _read_kernel[grid](p.low.view(torch.int32), p.codes.view(torch.int32), out, p.rows, words,
+                       BLOCK_N=block_n, BLOCK_K=block_k // 4,
+                       num_warps=warps, num_stages=stages)
+
+
+def swap_candidates(n: int, bucket: int) -> list[Config]:
+    """W12 tiles as the dot's A operand (x.T as B, n8 per MMA): fewer instructions per weight (compiler
+    report) than x as A. Split K where the row blocks alone would leave SMs idle."""
+    tiles = {8: [(64, 128, 4, 3), (32, 128, 2, 4), (128, 64, 4, 4), (32, 128, 2, 3)],
+             16: [(32, 128, 2, 3), (32, 128, 2, 4), (64, 128, 2, 3)],
+             32: [(32, 128, 2, 3), (32, 64, 2, 4)]}[bucket]
+    out = []
+    for bn, bk, warps, stages in tiles:
+        blocks = -(-n // bn)
+        for split in sorted({1, max(1, min(8, round(4 * SMS / blocks)))}):
+            out.append(Config(bn, bk, warps, stages, swap=True, block_m=bucket, split_k=split))
+    return out
+
+
+def sweep_swap(shapes: list[str]) -> list[dict]:
+    """Swap-orientation tiles vs the tuned configs, per M bucket, under CUDA graphs; every swap config is
+    first checked against a float64 reference."""
+    from .bench import check_correctness
+    rows = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
+        packs = [encode(w) for w in bf16s]
+        nbytes = packs[0].nbytes()
+        for bucket, ms in ((8, (1, 8)), (16, (16,)), (32, (32,))):
+            tuned = TUNED.get((n, k, max(16, bucket))) or default_config(n, k, max(16, bucket))
+            configs = [tuned] + swap_candidates(n, bucket)
+            for cfg in configs:
+                try:
+                    if cfg is not tuned:
+                        check_correctness(name, bf16s[0], packs[0], cfg, ms=ms)
+                except Exception as err:
+                    print(f"{name:8s} {cfg}: REJECTED {type(err).__name__} {str(err)[:200]}", flush=True)
+                    continue
+                for m in ms:
+                    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                    t = graph_time_us(lambda p: fused_gemm(x, p, cfg), packs)
+                    rows.append(dict(shape=name, M=m, cfg=vars(cfg), us=t, tbps=nbytes / t / 1e6))
+                    print(f"{name:8s} M={m:2d} {cfg.block_n:3d}x{cfg.block_k:3d} w{cfg.num_warps} s{cfg.num_stages} "
+                          f"swap={int(cfg.swap)} bm={cfg.block_m} split{cfg.split_k}: {t:6.1f} us "
+                          f"{nbytes / t / 1e6:.2f} TB/s", flush=True)
+        for m in (1, 8, 16, 32):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            t = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
+            rows.append(dict(shape=name, M=m, cfg="cublas", us=t))
+            print(f"{name:8s} M={m:2d} cuBLAS {t:6.1f} us", flush=True)
+        del bf16s, packs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="explore.json")
+    ap.add_argument("--ncu", help="shape name: run a few plain launches for a profiler and exit")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--swap", action="store_true", help="swap-orientation sweep per M bucket")
+    args = ap.parse_args()
+    if args.swap:
+        json.dump(sweep_swap(args.shapes.split(",")), open(args.out, "w"), indent=1)
+        return
+    if args.ncu:
+        n, k = SHAPES[args.ncu]
+        w = llm_like_weight(n, k, seed=1)
+        p = encode(w)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        for bucket in (8, 16, 32):
+            cfg = TUNED.get((n, k, bucket)) or default_config(n, k, bucket)
+            for _ in range(3):
+                fused_gemm(x, p, cfg)
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+        torch.cuda.synchronize()
+        return
+
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
+        packs = [encode(w) for w in bf16s]
+        nbytes = packs[0].nbytes()
+        out = torch.empty(8 * n, dtype=torch.int32, device="cuda")
+        for bn, bk, warps, stages in ((32, 128, 4, 4), (64, 64, 2, 4), (128, 64, 4, 4)):
+            for split in splits_for(n, bn):
+                t = graph_time_us(lambda p: read_planes(p, bn, bk, split, out, warps, stages), packs)
+                rows.append(dict(shape=name, kind="read", cfg=[bn, bk, warps, stages, split], us=t,
+                                 tbps=nbytes / t / 1e6))
+                print(f"{name:8s} read  {bn:3d}x{bk:3d} w{warps} s{stages} split{split}: {t:6.1f} us "
+                      f"{nbytes / t / 1e6:.2f} TB/s (roofline {nbytes / COPY_TBPS / 1e6:.1f} us)", flush=True)
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
+            rows.append(dict(shape=name, M=m, kind="cublas", us=t_ref))
+            print(f"{name:8s} M={m:2d} cuBLAS {t_ref:6.1f} us", flush=True)
+            base_cfg = TUNED.get((n, k, 16)) or default_config(n, k, 16)
+            configs = [base_cfg] + [Config(bn, bk, w_, s_, split_k=sp) for bn, bk, w_, s_ in TILES
+                                    for sp in splits_for(n, bn)]
+            for cfg in configs:
+                for probe in (0,) if cfg is not base_cfg else (0, 1, 2, 3):
+                    variant = Config(**{**vars(cfg), "probe": probe})
+                    try:
+                        t = graph_time_us(lambda p: fused_gemm(x, p, variant), packs)
+                    except Exception as err:
+                        print(f"  {variant}: {type(err).__name__} {str(err)[:120]}", flush=True)
+                        continue
+                    rows.append(dict(shape=name, M=m, kind="w12", cfg=vars(variant), us=t,
+                                     speedup=t_ref / t, tbps=nbytes / t / 1e6))
+                    print(f"{name:8s} M={m:2d} {cfg.block_n:3d}x{cfg.block_k:3d} w{cfg.num_warps} "
+                          f"s{cfg.num_stages} split{cfg.split_k} probe{probe}: {t:6.1f} us  x{t_ref / t:.3f} "
+                          f"{nbytes / t / 1e6:.2f} TB/s", flush=True)
+        del bf16s, packs
+        torch.cuda.empty_cache()
+        json.dump(rows, open(args.out, "w"), indent=1)
+    json.dump(rows, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
