@@ -3,6 +3,8 @@ and decode ablations timed side by side under CUDA graphs, plus a pure-read kern
 same planes with the same tiling (the floor for that access pattern).
 
     cd kernels && python3 -m w12.explore --out explore.json
+    cd kernels && python3 -m w12.explore --swap          # swap-orientation tiles per M bucket
+    cd kernels && python3 -m w12.explore --layout        # read floor: row-strided vs contiguous per program
     cd kernels && python3 -m w12.explore --ncu qkv      # a few plain launches, for Nsight Compute
 """
 from __future__ import annotations
@@ -53,6 +55,48 @@ def _read_kernel(low_ptr, nib_ptr, out_ptr, N, HALF, BLOCK_N: tl.constexpr, BLOC
         c = tl.load(low_rows + HALF + offs)
         acc ^= a + b + c
     tl.store(out_ptr + pid_k * N + rows, tl.xor_sum(acc, axis=1))
+
+
+@triton.jit
+def _read_contiguous_kernel(buf_ptr, out_ptr, STEPS, TILE: tl.constexpr):
+    """Each program streams its own contiguous region, TILE int32 words per step."""
+    pid = tl.program_id(0)
+    start = buf_ptr + pid.to(tl.int64) * STEPS * TILE
+    acc = tl.zeros((TILE,), dtype=tl.int32)
+    for s in range(0, STEPS):
+        acc ^= tl.load(start + s * TILE + tl.arange(0, TILE))
+    tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
+
+
+def layout_floor(shapes: list[str]) -> list[dict]:
+    """The same bytes as the W12 planes, read by the same number of programs: row-strided
+    as the GEMM reads them (12 KB steps: 32 rows x 3 runs of 128 bytes) vs each program's data contiguous
+    (16 KB steps; what a tile-major layout would give), and contiguous with 4x the programs."""
+    rows = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        packs = [encode(llm_like_weight(n, k, seed=7 * b + 1)) for b in range(BUFFERS)]
+        nbytes = packs[0].low.numel() + packs[0].codes.numel()
+        split = 3 if n <= 5120 else 1
+        programs = -(-n // 32) * split
+        out = torch.empty(8 * programs, dtype=torch.int32, device="cuda")
+        t = graph_time_us(lambda p: read_planes(p, 32, 128, split, out, 4, 4), packs)
+        rows.append(dict(shape=name, kind="strided", programs=programs, us=t, tbps=nbytes / t / 1e6))
+        print(f"{name:8s} strided    {programs:5d} programs: {t:6.1f} us {nbytes / t / 1e6:.2f} TB/s", flush=True)
+        tile = 4096                                  # int32 words: 16 KB per step (a power of two)
+        for mult in (1, 4):
+            g = programs * mult
+            steps = nbytes // 4 // (g * tile)
+            bufs = [torch.randint(0, 2 ** 30, (g * steps * tile,), dtype=torch.int32, device="cuda")
+                    for _ in range(BUFFERS)]
+            used = g * steps * tile * 4
+            t = graph_time_us(lambda b: _read_contiguous_kernel[(g,)](b, out, steps, TILE=tile, num_warps=4), bufs)
+            rows.append(dict(shape=name, kind=f"contiguous x{mult}", programs=g, us=t, tbps=used / t / 1e6))
+            print(f"{name:8s} contiguous {g:5d} programs: {t:6.1f} us {used / t / 1e6:.2f} TB/s "
+                  f"({used / 1e6:.1f} MB)", flush=True)
+            del bufs
+        torch.cuda.empty_cache()
+    return rows
 
 
 def read_planes(p, block_n, block_k, split, out, warps=4, stages=4):
@@ -120,7 +164,11 @@ def main() -> None:
     ap.add_argument("--ncu", help="shape name: run a few plain launches for a profiler and exit")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--swap", action="store_true", help="swap-orientation sweep per M bucket")
+    ap.add_argument("--layout", action="store_true", help="read floor: row-strided vs contiguous per program")
     args = ap.parse_args()
+    if args.layout:
+        json.dump(layout_floor(args.shapes.split(",")), open(args.out, "w"), indent=1)
+        return
     if args.swap:
         json.dump(sweep_swap(args.shapes.split(",")), open(args.out, "w"), indent=1)
         return
