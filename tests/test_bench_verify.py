@@ -68,18 +68,13 @@ def test_an_answer_without_forcing_logprobs_is_refused():
 # --- end to end: the real reference runtime serving the real stories260K on loopback ----------------------
 
 import json  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+from reference_runtime_helpers import free_port  # noqa: E402
+
 SETTING = "cpu_c1_stories260k_ngram"
 E2E_DATASETS = ["gsm8k", "mt-bench"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +89,7 @@ def loop(tmp_path_factory):
         env.setenv("SPECPILOT_ENGINES", str(root / "engines"))
         env.setenv("SPECPILOT_DATA", str(root / "data"))
         engines = {arm: build_engine(SETTING, arm).engine for arm in ("ar", "final")}
-        bench_port, oracle_port = _free_port(), _free_port()
+        bench_port, oracle_port = free_port(), free_port()
         serve(engines["final"], bench_port, quiet=True)
         try:
             final_run = bench(engines["final"].id, "final", limit=1, max_new_tokens=48, port=bench_port,

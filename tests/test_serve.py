@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from reference_runtime_helpers import free_port
 from specpilot_build.build import build_engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,12 +23,6 @@ EMBEDDED = "cpu_c1_stories260k_ngram"
 def cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record(session_data: Path, port: int) -> dict | None:

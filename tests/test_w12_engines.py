@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from reference_runtime_helpers import GOLDEN, MODEL_DIR, RUNTIME_DIR, STORY_PROMPTS, engine_config
+from reference_runtime_helpers import GOLDEN, MODEL_DIR, RUNTIME_DIR, STORY_PROMPTS, engine_config, free_port
 from sglang_builds import all_builds, sglang_settings
 from specpilot_build.build import build_engine
 from specpilot_build.launch_check import check_launch_args
@@ -101,7 +101,7 @@ def test_a_served_w12_engine_gives_the_bf16_ar_engines_greedy_tokens(session_dat
     prompts = [GOLDEN["prompt_ids"]] + [_encode(p) for p in STORY_PROMPTS[1:4]]
     outputs, infos = {}, {}
     for engine in (ar, final):
-        port = _free_port()
+        port = free_port()
         serve(engine, port=port, quiet=True, timeout=120)
         try:
             url = f"http://127.0.0.1:{port}"
@@ -122,14 +122,6 @@ def _encode(text: str) -> list[int]:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(MODEL_DIR))(text)["input_ids"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- SGLang ---------------------------------------------------------------------------------------------------
