@@ -11,6 +11,7 @@ with the original weights; accumulation is fp32. Larger M decodes W to bf16 once
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ def _load_tuned() -> dict[tuple[int, int, int], Config]:
 TUNED: dict[tuple[int, int, int], Config] = _load_tuned()
 
 
+@functools.lru_cache(maxsize=None)
 def default_config(n: int, k: int, bucket: int) -> Config:
     """For shapes not in TUNED (bucket: M <= 8, 16 or 32): the tiles the H200 runs favoured on the four
     benchmark shapes, with split K so that ~480 programs stream weights when the row blocks alone are
