@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bench import SHAPES, BUFFERS, COPY_TBPS, graph_time_us, llm_like_weight
+from .bench import BUFFERS, COPY_TBPS, SHAPES, check_correctness, graph_time_us, llm_like_weight
 from .format import encode
 from .gemm import TUNED, Config, default_config, fused_gemm
 
@@ -124,7 +124,6 @@ def swap_candidates(n: int, bucket: int) -> list[Config]:
 def sweep_swap(shapes: list[str]) -> list[dict]:
     """Swap-orientation tiles vs the tuned configs, per M bucket, under CUDA graphs; every swap config is
     first checked against a float64 reference."""
-    from .bench import check_correctness
     rows = []
     for name in shapes:
         n, k = SHAPES[name]
