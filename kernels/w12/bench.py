@@ -52,13 +52,39 @@ def rotating(fn, items):
     return call
 
 
-def time_us(fn, rep_ms: int = 200) -> float:
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+def time_us(fn, rep_ms: int = 200, flush: str = "write") -> float:
+    """Median time of fn. L2 is cleared before every call: flush="write" is do_bench's own (it zeroes 256 MB,
+    leaving L2 full of dirty lines that fn's first kernel must write back), "read" reads 256 MB instead
+    (L2 full of clean lines), "none" relies on the rotated buffers alone."""
+    if flush == "write":
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+    cache = torch.empty(256 * 2 ** 20 // 4, dtype=torch.int32, device="cuda").random_()
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    end.synchronize()
+    reps = max(20, min(1000, int(rep_ms / max(1e-3, start.elapsed_time(end) / 5))))
+    samples = []
+    for _ in range(reps):
+        if flush == "read":
+            cache.max()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        samples.append((start, end))
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(a.elapsed_time(b) for a, b in samples)
 
 
-def graph_time_us(launch, items, launches: int = 6) -> float:
+def graph_time_us(launch, items, launches: int = 6, flush: str = "write") -> float:
     """Median time of one launch, from a CUDA graph of `launches` back-to-back launches over rotated
-    buffers (no Python launch overhead in the timing; do_bench flushes L2 before every replay)."""
+    buffers (no Python launch overhead in the timing; L2 cleared before every replay, see time_us)."""
     for item in items:
         launch(item)
     torch.cuda.synchronize()
@@ -66,7 +92,7 @@ def graph_time_us(launch, items, launches: int = 6) -> float:
     with torch.cuda.graph(graph):
         for i in range(launches):
             launch(items[i % len(items)])
-    t = time_us(graph.replay, rep_ms=150) / launches
+    t = time_us(graph.replay, rep_ms=150, flush=flush) / launches
     del graph
     return t
 
@@ -179,22 +205,43 @@ def _bucket(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
+def stack_weights(layers: int):
+    """64 layers x (qkv, o, gate_up, down): distinct bf16 matrices and their W12 encodings."""
+    bf16_layers, w12_layers = [], []
+    for layer in range(layers):
+        ws = [llm_like_weight(n, k, seed=1000 + 4 * layer + j) for j, (n, k) in enumerate(SHAPES.values())]
+        bf16_layers.append(ws)
+        w12_layers.append([encode(w) for w in ws])
+    torch.cuda.synchronize()
+    return bf16_layers, w12_layers
+
+
+def replay_us(step, replays: int = 7) -> tuple[float, float, float]:
+    """(median, min, max) time of one replay of a CUDA graph of step()."""
+    step()  # compile / pick algorithms before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return statistics.median(samples), min(samples), max(samples)
+
+
 def stack(layers: int, ms=(1, 8, 32)) -> list[dict]:
     """64 layers x (qkv, o, gate_up, down) per decode step, bf16 vs W12, each replayed from a CUDA graph."""
-    bf16_layers, w12_layers = [], []
-    w12_total = bf16_total = 0
-    for layer in range(layers):
-        bl, wl = [], []
-        for j, (n, k) in enumerate(SHAPES.values()):
-            w = llm_like_weight(n, k, seed=1000 + 4 * layer + j)
-            p = encode(w)
-            bl.append(w)
-            wl.append(p)
-            bf16_total += w.numel() * 2
-            w12_total += p.nbytes()
-        bf16_layers.append(bl)
-        w12_layers.append(wl)
-    torch.cuda.synchronize()
+    bf16_layers, w12_layers = stack_weights(layers)
+    bf16_total = sum(w.numel() * 2 for bl in bf16_layers for w in bl)
+    w12_total = sum(p.nbytes() for wl in w12_layers for p in wl)
     print(f"stack: {layers} layers, bf16 {bf16_total / 1e9:.2f} GB, W12 {w12_total / 1e9:.2f} GB")
     rows = []
     for m in ms:
@@ -211,25 +258,8 @@ def stack(layers: int, ms=(1, 8, 32)) -> list[dict]:
                 for x, p in zip(xs, wl):
                     outs[p.shape] = fused_gemm(x, p)
 
-        times = {}
-        for label, step in (("bf16", step_bf16), ("w12", step_w12), ("bf16_again", step_bf16)):
-            step()  # compile / pick algorithms before capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(7):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
-            times[label] = (statistics.median(samples), min(samples), max(samples))
-            del graph
+        times = {label: replay_us(step) for label, step in
+                 (("bf16", step_bf16), ("w12", step_w12), ("bf16_again", step_bf16))}
         row = dict(M=m, layers=layers, bf16_us=times["bf16"][0], bf16_again_us=times["bf16_again"][0],
                    w12_us=times["w12"][0], spread=times, bf16_bytes=bf16_total, w12_bytes=w12_total)
         row["speedup"] = row["bf16_us"] / row["w12_us"]

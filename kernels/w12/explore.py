@@ -6,6 +6,7 @@ same planes with the same tiling (the floor for that access pattern).
     cd kernels && python3 -m w12.explore --swap          # swap-orientation tiles per M bucket
     cd kernels && python3 -m w12.explore --layout        # read floor: row-strided vs contiguous per program
     cd kernels && python3 -m w12.explore --ncu qkv      # a few plain launches, for Nsight Compute
+    cd kernels && python3 -m w12.explore --tail         # per-launch overhead: L2 clearing, TMA, escapes, PDL
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .bench import BUFFERS, COPY_TBPS, SHAPES, check_correctness, graph_time_us, llm_like_weight
+from .bench import (BUFFERS, COPY_TBPS, SHAPES, check_correctness, graph_time_us, llm_like_weight, replay_us,
+                    stack_weights)
 from .format import encode
 from .gemm import TUNED, Config, default_config, fused_gemm
 
@@ -157,6 +159,114 @@ def sweep_swap(shapes: list[str]) -> list[dict]:
     return rows
 
 
+VARIANTS = {"tuned": {}, "tma": {"tma": True}, "esc_after": {"esc_mode": 1}, "esc_prefetch": {"esc_mode": 2},
+            "pdl_late": {"pdl": 2}, "pdl_early": {"pdl": 1}, "tma+pdl_late": {"tma": True, "pdl": 2}}
+
+
+def _variants(cfg: Config, names) -> dict[str, Config]:
+    return {v: Config(**{**vars(cfg), **VARIANTS[v]}) for v in names}
+
+
+@triton.jit
+def _read_tma_kernel(low_desc, nib_desc, out_ptr, N, HALF, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), splits)
+    k_first = pid_k * steps * BLOCK_K
+    k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
+    for k0 in tl.range(k_first, k_last, BLOCK_K, num_stages=STAGES):
+        a = nib_desc.load([pid * BLOCK_N, k0])
+        b = low_desc.load([pid * BLOCK_N, k0])
+        c = low_desc.load([pid * BLOCK_N, HALF + k0])
+        acc ^= a.to(tl.int32) + b.to(tl.int32) + c.to(tl.int32)
+    rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    tl.store(out_ptr + pid_k * N + rows, tl.xor_sum(acc, axis=1))
+
+
+def read_planes_tma(p, block_n, block_k, split, out, warps=2, stages=3):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    half = p.cols_padded // 2
+    low = TensorDescriptor(p.low, [p.rows, 2 * half], [2 * half, 1], [block_n, block_k])
+    nib = TensorDescriptor(p.codes, [p.rows, half], [half, 1], [block_n, block_k])
+    _read_tma_kernel[(triton.cdiv(p.rows, block_n), split)](low, nib, out, p.rows, half, BLOCK_N=block_n,
+                                                            BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+                                                            num_stages=stages)
+
+
+def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
+    """Where the per-launch overhead goes: the L2-clearing method (write / read / none) for cuBLAS and W12;
+    W12 variants (TMA weight loads, escape-table loads after the loop, programmatic dependent launch);
+    the plain-read floor by pointers vs TMA; then the decode stack with those variants."""
+    rows = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
+        packs = [encode(w) for w in bf16s]
+        nbytes = packs[0].nbytes()
+        split = 3 if n <= 5120 else 1
+        out = torch.empty(8 * n, dtype=torch.int32, device="cuda")
+        for label, fn in (("read ptr", lambda p: read_planes(p, 32, 128, split, out, 2, 3)),
+                          ("read tma", lambda p: read_planes_tma(p, 32, 128, split, out, 2, 3)),
+                          ("read tma w4s4", lambda p: read_planes_tma(p, 32, 128, split, out, 4, 4))):
+            t = graph_time_us(fn, packs)
+            rows.append(dict(shape=name, kind=label, us=t, tbps=nbytes / t / 1e6))
+            print(f"{name:8s} {label:14s} {t:6.1f} us {nbytes / t / 1e6:.2f} TB/s", flush=True)
+        for m in (1, 8, 16, 32):
+            bucket = 8 if m <= 8 else 16 if m <= 16 else 32
+            variants = _variants(TUNED.get((n, k, bucket)) or default_config(n, k, bucket), VARIANTS)
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            for flush in (("write", "read", "none") if m in (1, 16) else ("write",)):
+                t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s, flush=flush)
+                line = f"{name:8s} M={m:2d} {flush:5s} cuBLAS {t_ref:6.1f}"
+                for label, cfg in variants.items():
+                    if flush != "write" and label != "tuned":
+                        continue
+                    try:
+                        if flush == "write":
+                            check_correctness(name, bf16s[0], packs[0], cfg, ms=(m,))
+                        t = graph_time_us(lambda p: fused_gemm(x, p, cfg), packs, flush=flush)
+                    except Exception as err:
+                        print(f"{name} M={m} {label}: REJECTED {type(err).__name__} {str(err)[:300]}", flush=True)
+                        continue
+                    rows.append(dict(shape=name, M=m, flush=flush, variant=label, us=t, cublas_us=t_ref,
+                                     speedup=t_ref / t, tbps=nbytes / t / 1e6))
+                    line += f" | {label} {t:6.1f} x{t_ref / t:.3f}"
+                print(line, flush=True)
+        del bf16s, packs
+        torch.cuda.empty_cache()
+    if layers:
+        bf16_layers, w12_layers = stack_weights(layers)
+        for m in (1, 8, 32):
+            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for (_, k) in SHAPES.values()]
+            outs = {}
+            names = ("tuned", "tma", "pdl_late", "tma+pdl_late")
+            configs = {key: _variants(TUNED.get(key) or default_config(*key), names)
+                       for key in [(n, k, 8 if m <= 8 else 32) for n, k in SHAPES.values()]}
+
+            def step_bf16():
+                for bl in bf16_layers:
+                    for x, w in zip(xs, bl):
+                        outs[w.shape] = torch.nn.functional.linear(x, w)
+
+            def step_w12(label):
+                def step():
+                    for wl in w12_layers:
+                        for x, p in zip(xs, wl):
+                            outs[p.shape] = fused_gemm(x, p, configs[(p.rows, p.cols, 8 if m <= 8 else 32)][label])
+                return step
+            t_ref = replay_us(step_bf16)[0]
+            line = f"stack M={m:2d} | bf16 {t_ref / 1e3:.3f} ms"
+            for label in names + ("bf16",):
+                t = replay_us(step_bf16 if label == "bf16" else step_w12(label))[0]
+                rows.append(dict(stack=layers, M=m, variant=label, us=t, speedup=t_ref / t))
+                line += f" | {label} {t / 1e3:.3f} ms x{t_ref / t:.3f}"
+            print(line, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="explore.json")
@@ -164,7 +274,14 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--swap", action="store_true", help="swap-orientation sweep per M bucket")
     ap.add_argument("--layout", action="store_true", help="read floor: row-strided vs contiguous per program")
+    ap.add_argument("--tail", action="store_true", help="per-launch overhead: L2 clearing, TMA, escapes, PDL")
+    ap.add_argument("--layers", type=int, default=64, help="decode stack depth for --tail (0: no stack)")
     args = ap.parse_args()
+    if args.tail:
+        print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+        json.dump(sweep_tail(args.shapes.split(","), args.layers), open(args.out, "w"), indent=1)
+        return
     if args.layout:
         json.dump(layout_floor(args.shapes.split(",")), open(args.out, "w"), indent=1)
         return

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .format import W12Tensor, decode
 
@@ -36,6 +38,9 @@ class Config:
     block_m: int = 0          # rows of x per dot: 0 = 16 for M <= 16, else 32 (8 needs swap: MMA n = 8)
     probe: int = 0            # benchmark-only ablations, WRONG results: 1 no escapes, 2 no decode, 3 both
     ptx: bool = True          # byte-parallel decode in inline PTX (False: plain Triton integer ops)
+    pdl: int = 0              # programmatic dependent launch: 0 off, 1 next kernel may start at once, 2 after the loop
+    tma: bool = False         # weight tiles through the Tensor Memory Accelerator (Hopper; K a multiple of 2 x block_k)
+    esc_mode: int = 0         # escape-table loads: 0 before the loop, 1 after it, 2 after it, prefetched into L2 in step 1
 
 
 def _load_tuned() -> dict[tuple[int, int, int], Config]:
@@ -113,15 +118,21 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
     partials, counters = _split_workspace(x.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0,
                                           row_blocks)
     grid = (row_blocks, cfg.split_k)
+    pdl = 0 if _interpreting() else cfg.pdl
+    even_k = half % cfg.block_k == 0 and k == 2 * half
+    tma = cfg.tma and even_k and not _interpreting()
+    descs = (TensorDescriptor(packed.low, [n, 2 * half], [2 * half, 1], [cfg.block_n, cfg.block_k]),
+             TensorDescriptor(packed.codes, [n, half], [half, 1], [cfg.block_n, cfg.block_k])) if tma else (None, None)
     _w12_gemm_kernel[grid](
         x, packed.low, packed.codes, packed.base, packed.esc_ptr, packed.esc_col,
-        packed.esc_bits, y, partials, counters,
+        packed.esc_bits, y, partials, counters, *descs,
         m, n, k, half, x.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
         SPLIT=cfg.split_k > 1,
-        SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
+        SWAP=cfg.swap, EVEN_K=even_k, TMA=tma,
         PTX=not _interpreting() and cfg.ptx, DOT_F32=_interpreting(), PROBE=cfg.probe,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, ESC_MODE=cfg.esc_mode,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y
 
@@ -211,6 +222,12 @@ def _w12_decode_kernel(low_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS,
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     # Triton 3.9's interpreter computes bf16 dots wrongly; bf16 -> fp32 is exact, so the
     # interpreter runs the same sums in fp32. Compiled code keeps the bf16 tensor-core dot.
@@ -242,11 +259,14 @@ def _add_escapes(acc, x_ptr, xrows, xmask, stride_xm, col, wbits, emask, offs_e,
 @triton.jit
 def _w12_gemm_kernel(
     x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, HALF, stride_xm, stride_ym,
+    low_desc, nib_desc, M, N, K, HALF, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    DOT_F32: tl.constexpr, PROBE: tl.constexpr = 0,
+    ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    PTX: tl.constexpr,
+    DOT_F32: tl.constexpr, PROBE: tl.constexpr = 0, PDL: tl.constexpr = 0, ESC_MODE: tl.constexpr = 0,
 ):
+    if PDL == 1:    # the next kernel may start now; it waits for this one before touching x, y or the workspace
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -267,8 +287,9 @@ def _w12_gemm_kernel(
     row_hi = tl.where(offs_n < N, tl.load(esc_ptr_ptr + rows + 1), row_lo)
     offs_e = esc_start + tl.arange(0, ESC_BLOCK)
     emask = offs_e < esc_end
-    col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
-    wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
+    if ESC_MODE == 0:
+        col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
+        wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
 
     low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
     nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
@@ -281,9 +302,22 @@ def _w12_gemm_kernel(
     steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), splits)
     k_first = pid_k * steps * BLOCK_K
     k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
+    if PDL > 0:     # x (and y, the split-K workspace) may belong to the previous kernel: wait for it
+        gdc_wait()
     for k0 in range(k_first, k_last, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
+        if ESC_MODE == 2:
+            if k0 == k_first:
+                lines = esc_start + tl.arange(0, ESC_BLOCK // 16) * 16
+                _prefetch_l2(esc_col_ptr + lines)
+                _prefetch_l2(esc_bits_ptr + lines)
+        if TMA:
+            nib = nib_desc.load([pid * BLOCK_N, k0])
+            low_a = low_desc.load([pid * BLOCK_N, k0])
+            low_b = low_desc.load([pid * BLOCK_N, HALF + k0])
+            x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None], other=0.0)
+        elif EVEN_K:
             nib = tl.load(nib_rows + offs_k[None, :])
             low_a = tl.load(low_rows + offs_k[None, :])
             low_b = tl.load(low_rows + HALF + offs_k[None, :])
@@ -312,6 +346,11 @@ def _w12_gemm_kernel(
             acc = _dot(x_lo, tl.trans(w_lo), acc, DOT_F32)
             acc = _dot(x_hi, tl.trans(w_hi), acc, DOT_F32)
 
+    if PDL == 2:
+        gdc_launch_dependents()
+    if ESC_MODE > 0:
+        col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
+        wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
     if PROBE % 2 == 0:
         acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
                            neg_planes, SWAP, DOT_F32)
