@@ -113,7 +113,11 @@ def finalists(n: int, bucket: int) -> list[Config]:
         return _swap(16, *([(32, 128, 2, 3, 3), (16, 128, 1, 3, 2)] if narrow
                            else [(32, 128, 2, 3, 1), (32, 128, 2, 4, 1), (16, 128, 1, 3, 1)])) + \
             ([Config(32, 128, 4, 3, split_k=3)] if narrow else [])
-    return [Config(64, 128, 4, 3, split_k=3)] if narrow else [Config(64, 128, 4, 3)]
+    # M = 32: the best of explore.py --m32 (2026-11-30), escape entries loaded after the main loop
+    if narrow:
+        return [Config(64, 128, 4, 3, split_k=3, esc_after=True), Config(64, 128, 4, 3, split_k=3)]
+    return [Config(64, 128, 4, 3, esc_after=True), Config(64, 128, 4, 2, split_k=2, esc_after=True),
+            Config(64, 128, 4, 3)]
 
 
 BUCKETS = ((8, (1, 8)), (16, (16,)), (32, (32,)))     # M bucket, the M values it is timed at
@@ -307,7 +311,7 @@ def render(result: dict) -> str:
 
 
 def save_tuned(result: dict) -> None:
-    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "swap", "block_m")
+    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "swap", "block_m", "esc_after")
     entries = {key: {f: cfg[f] for f in keep} for key, cfg in result["tuned"].items()}
     path = Path(__file__).with_name("tuned_h200.json")
     comment = "Picked on an H200 by `python -m w12.bench --pick` (see BENCH.md); key: N,K,M bucket (8, 16, 32)"

@@ -6,7 +6,8 @@ same planes with the same tiling (the floor for that access pattern).
     cd kernels && python3 -m w12.explore --swap          # swap-orientation tiles per M bucket
     cd kernels && python3 -m w12.explore --layout        # read floor: row-strided vs contiguous per program
     cd kernels && python3 -m w12.explore --ncu qkv      # a few plain launches, for Nsight Compute
-    cd kernels && python3 -m w12.explore --tail         # per-launch overhead: L2 clearing, TMA, escapes, PDL
+    cd kernels && python3 -m w12.explore --m32          # M = 32 tiles x escape placement x split K
+    cd kernels && python3 -m w12.explore --tail         # per-launch overhead: L2 clearing, escape placement, read floors
 """
 from __future__ import annotations
 
@@ -159,8 +160,9 @@ def sweep_swap(shapes: list[str]) -> list[dict]:
     return rows
 
 
-VARIANTS = {"tuned": {}, "tma": {"tma": True}, "esc_after": {"esc_mode": 1}, "esc_prefetch": {"esc_mode": 2},
-            "pdl_late": {"pdl": 2}, "pdl_early": {"pdl": 1}, "tma+pdl_late": {"tma": True, "pdl": 2}}
+# Programmatic dependent launch and TMA weight tiles (commit 7a19373) were measured here on 2026-11-30 and
+# removed as slower (BENCH.md).
+VARIANTS = {"tuned": {}, "esc_after": {"esc_after": True}}
 
 
 def _variants(cfg: Config, names) -> dict[str, Config]:
@@ -198,8 +200,8 @@ def read_planes_tma(p, block_n, block_k, split, out, warps=2, stages=3):
 
 def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
     """Where the per-launch overhead goes: the L2-clearing method (write / read / none) for cuBLAS and W12;
-    W12 variants (TMA weight loads, escape-table loads after the loop, programmatic dependent launch);
-    the plain-read floor by pointers vs TMA; then the decode stack with those variants."""
+    escape-table loads before vs after the main loop; the plain-read floor by pointers vs TMA; then the
+    decode stack with those variants."""
     rows = []
     for name in shapes:
         n, k = SHAPES[name]
@@ -242,7 +244,7 @@ def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
         for m in (1, 8, 32):
             xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for (_, k) in SHAPES.values()]
             outs = {}
-            names = ("tuned", "tma", "pdl_late", "tma+pdl_late")
+            names = tuple(VARIANTS)
             configs = {key: _variants(TUNED.get(key) or default_config(*key), names)
                        for key in [(n, k, 8 if m <= 8 else 32) for n, k in SHAPES.values()]}
 
@@ -267,6 +269,49 @@ def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
     return rows
 
 
+M32_TILES = [  # block_n, block_k, num_warps, num_stages, swap
+    (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 4, False), (64, 64, 4, 3, False),
+    (32, 128, 4, 3, False), (32, 128, 2, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False),
+    (64, 128, 8, 3, False), (32, 128, 2, 3, True), (64, 128, 4, 3, True), (64, 64, 4, 4, True),
+]
+
+
+def sweep_m32(shapes: list[str]) -> list[dict]:
+    """M = 32: tiles x escape-table placement x split K, each checked against float64, then timed."""
+    rows = []
+    for name in shapes:
+        n, k = SHAPES[name]
+        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
+        packs = [encode(w) for w in bf16s]
+        nbytes = packs[0].nbytes()
+        x = torch.randn(32, k, device="cuda").to(torch.bfloat16)
+        t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
+        print(f"{name:8s} M=32 cuBLAS {t_ref:6.1f} us", flush=True)
+        results = []
+        for bn, bk, warps, stages, swap in M32_TILES:
+            blocks = -(-n // bn)
+            for split in sorted({1, max(1, min(4, round(2 * SMS / blocks)))} if blocks < 2 * SMS else {1}):
+                for after in (False, True):
+                    cfg = Config(bn, bk, warps, stages, swap=swap, block_m=32 if swap else 0, split_k=split,
+                                 esc_after=after)
+                    try:
+                        check_correctness(name, bf16s[0], packs[0], cfg, ms=(32,))
+                        t = graph_time_us(lambda p: fused_gemm(x, p, cfg), packs)
+                    except Exception as err:
+                        print(f"  {cfg}: REJECTED {type(err).__name__} {str(err)[:200]}", flush=True)
+                        continue
+                    results.append((t, cfg))
+                    rows.append(dict(shape=name, M=32, cfg=vars(cfg), us=t, cublas_us=t_ref, speedup=t_ref / t,
+                                     tbps=nbytes / t / 1e6))
+                    print(f"{name:8s} M=32 {bn:3d}x{bk:3d} w{warps} s{stages} swap={int(swap)} split{split} "
+                          f"after={int(after)}: {t:6.1f} us x{t_ref / t:.3f}", flush=True)
+        best = min(results, key=lambda r: r[0])
+        print(f"{name:8s} M=32 best {best[0]:.1f} us x{t_ref / best[0]:.3f} {best[1]}", flush=True)
+        del bf16s, packs
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="explore.json")
@@ -274,9 +319,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--swap", action="store_true", help="swap-orientation sweep per M bucket")
     ap.add_argument("--layout", action="store_true", help="read floor: row-strided vs contiguous per program")
-    ap.add_argument("--tail", action="store_true", help="per-launch overhead: L2 clearing, TMA, escapes, PDL")
+    ap.add_argument("--m32", action="store_true", help="M = 32 tiles x escape placement x split K")
+    ap.add_argument("--tail", action="store_true", help="per-launch overhead: L2 clearing, escape placement, read floors")
     ap.add_argument("--layers", type=int, default=64, help="decode stack depth for --tail (0: no stack)")
     args = ap.parse_args()
+    if args.m32:
+        json.dump(sweep_m32(args.shapes.split(",")), open(args.out, "w"), indent=1)
+        return
     if args.tail:
         print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)

@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .format import W12Tensor, decode
 
@@ -38,9 +36,7 @@ class Config:
     block_m: int = 0          # rows of x per dot: 0 = 16 for M <= 16, else 32 (8 needs swap: MMA n = 8)
     probe: int = 0            # benchmark-only ablations, WRONG results: 1 no escapes, 2 no decode, 3 both
     ptx: bool = True          # byte-parallel decode in inline PTX (False: plain Triton integer ops)
-    pdl: int = 0              # programmatic dependent launch: 0 off, 1 next kernel may start at once, 2 after the loop
-    tma: bool = False         # weight tiles through the Tensor Memory Accelerator (Hopper; K a multiple of 2 x block_k)
-    esc_mode: int = 0         # escape-table loads: 0 before the loop, 1 after it, 2 after it, prefetched into L2 in step 1
+    esc_after: bool = False   # load this block's escape entries after the main loop (fewer live registers)
 
 
 def _load_tuned() -> dict[tuple[int, int, int], Config]:
@@ -64,7 +60,7 @@ def default_config(n: int, k: int, bucket: int) -> Config:
     split = 1 if k < 4096 or blocks >= 300 else max(1, min(4, round(480 / blocks)))
     if bucket <= 16:
         return Config(block_n, 128, 2, 3, swap=True, block_m=bucket, split_k=split)
-    return Config(block_n, 128, 4, 3, split_k=split)
+    return Config(block_n, 128, 4, 3, split_k=split, esc_after=True)
 
 
 def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
@@ -118,21 +114,15 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
     partials, counters = _split_workspace(x.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0,
                                           row_blocks)
     grid = (row_blocks, cfg.split_k)
-    pdl = 0 if _interpreting() else cfg.pdl
-    even_k = half % cfg.block_k == 0 and k == 2 * half
-    tma = cfg.tma and even_k and not _interpreting()
-    descs = (TensorDescriptor(packed.low, [n, 2 * half], [2 * half, 1], [cfg.block_n, cfg.block_k]),
-             TensorDescriptor(packed.codes, [n, half], [half, 1], [cfg.block_n, cfg.block_k])) if tma else (None, None)
     _w12_gemm_kernel[grid](
         x, packed.low, packed.codes, packed.base, packed.esc_ptr, packed.esc_col,
-        packed.esc_bits, y, partials, counters, *descs,
+        packed.esc_bits, y, partials, counters,
         m, n, k, half, x.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
         SPLIT=cfg.split_k > 1,
-        SWAP=cfg.swap, EVEN_K=even_k, TMA=tma,
+        SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half), ESC_AFTER=cfg.esc_after,
         PTX=not _interpreting() and cfg.ptx, DOT_F32=_interpreting(), PROBE=cfg.probe,
-        PDL=pdl, ESC_MODE=cfg.esc_mode,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 
@@ -222,12 +212,6 @@ def _w12_decode_kernel(low_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS,
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     # Triton 3.9's interpreter computes bf16 dots wrongly; bf16 -> fp32 is exact, so the
     # interpreter runs the same sums in fp32. Compiled code keeps the bf16 tensor-core dot.
@@ -259,14 +243,12 @@ def _add_escapes(acc, x_ptr, xrows, xmask, stride_xm, col, wbits, emask, offs_e,
 @triton.jit
 def _w12_gemm_kernel(
     x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr,
-    low_desc, nib_desc, M, N, K, HALF, stride_xm, stride_ym,
+    M, N, K, HALF, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    PTX: tl.constexpr,
-    DOT_F32: tl.constexpr, PROBE: tl.constexpr = 0, PDL: tl.constexpr = 0, ESC_MODE: tl.constexpr = 0,
+    ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+    ESC_AFTER: tl.constexpr, PTX: tl.constexpr,
+    DOT_F32: tl.constexpr, PROBE: tl.constexpr = 0,
 ):
-    if PDL == 1:    # the next kernel may start now; it waits for this one before touching x, y or the workspace
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -278,7 +260,8 @@ def _w12_gemm_kernel(
     # An escaped weight reads as bits base << 8; its correction subtracts x * that value.
     neg_planes = ((base.to(tl.int32) << 8) | 0x8000).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
-    # This block's first escapes, loaded before the main loop so their latency hides behind it.
+    # This block's first escapes, loaded before the main loop so their latency hides behind it (or, with
+    # ESC_AFTER, after it: their registers then do not stay live through the loop).
     first_row = pid * BLOCK_N
     esc_start = tl.load(esc_ptr_ptr + first_row)
     esc_end = tl.load(esc_ptr_ptr + tl.minimum(first_row + BLOCK_N, N))
@@ -287,7 +270,7 @@ def _w12_gemm_kernel(
     row_hi = tl.where(offs_n < N, tl.load(esc_ptr_ptr + rows + 1), row_lo)
     offs_e = esc_start + tl.arange(0, ESC_BLOCK)
     emask = offs_e < esc_end
-    if ESC_MODE == 0:
+    if not ESC_AFTER:
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
 
@@ -302,22 +285,9 @@ def _w12_gemm_kernel(
     steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), splits)
     k_first = pid_k * steps * BLOCK_K
     k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
-    if PDL > 0:     # x (and y, the split-K workspace) may belong to the previous kernel: wait for it
-        gdc_wait()
     for k0 in range(k_first, k_last, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if ESC_MODE == 2:
-            if k0 == k_first:
-                lines = esc_start + tl.arange(0, ESC_BLOCK // 16) * 16
-                _prefetch_l2(esc_col_ptr + lines)
-                _prefetch_l2(esc_bits_ptr + lines)
-        if TMA:
-            nib = nib_desc.load([pid * BLOCK_N, k0])
-            low_a = low_desc.load([pid * BLOCK_N, k0])
-            low_b = low_desc.load([pid * BLOCK_N, HALF + k0])
-            x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None], other=0.0)
-            x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None], other=0.0)
-        elif EVEN_K:
+        if EVEN_K:
             nib = tl.load(nib_rows + offs_k[None, :])
             low_a = tl.load(low_rows + offs_k[None, :])
             low_b = tl.load(low_rows + HALF + offs_k[None, :])
@@ -346,9 +316,7 @@ def _w12_gemm_kernel(
             acc = _dot(x_lo, tl.trans(w_lo), acc, DOT_F32)
             acc = _dot(x_hi, tl.trans(w_hi), acc, DOT_F32)
 
-    if PDL == 2:
-        gdc_launch_dependents()
-    if ESC_MODE > 0:
+    if ESC_AFTER:
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
     if PROBE % 2 == 0:

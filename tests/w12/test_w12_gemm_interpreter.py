@@ -29,30 +29,31 @@ def weights(n, k, seed):
     return w.to(torch.bfloat16)
 
 
-# (M, N, K, block_n, block_k, swap, split_k, block_m): tails in every dimension, odd K (a padding
-# column), M = 1..32, split K with uneven ranges, both dot orientations, x.T as an n8 / n16 operand.
+# (M, N, K, block_n, block_k, swap, split_k, block_m, esc_after): tails in every dimension, odd K (a padding
+# column), M = 1..32, split K with uneven ranges, both dot orientations, x.T as an n8 / n16 operand,
+# escape entries loaded before or after the main loop.
 SHAPES = [
-    (1, 48, 100, 16, 32, False, 1, 0),
-    (2, 32, 256, 32, 32, True, 3, 0),
-    (3, 40, 130, 16, 32, False, 2, 0),
-    (5, 33, 1031, 32, 128, True, 1, 8),
-    (8, 16, 64, 16, 32, False, 4, 0),
-    (17, 24, 96, 16, 16, True, 2, 0),
-    (32, 16, 66, 16, 32, False, 1, 0),
-    (4, 16, 1024, 16, 64, False, 5, 0),   # 8 K steps over 5 ranges: one is empty
-    (1, 40, 514, 32, 128, True, 3, 8),    # the H200 pick for N = 5120: swap, n8, split K
-    (12, 33, 260, 32, 64, True, 2, 16),   # swap, n16
+    (1, 48, 100, 16, 32, False, 1, 0, False),
+    (2, 32, 256, 32, 32, True, 3, 0, True),
+    (3, 40, 130, 16, 32, False, 2, 0, False),
+    (5, 33, 1031, 32, 128, True, 1, 8, False),
+    (8, 16, 64, 16, 32, False, 4, 0, False),
+    (17, 24, 96, 16, 16, True, 2, 0, False),
+    (32, 16, 66, 16, 32, False, 1, 0, True),
+    (4, 16, 1024, 16, 64, False, 5, 0, False),   # 8 K steps over 5 ranges: one is empty
+    (1, 40, 514, 32, 128, True, 3, 8, False),    # the H200 pick for N = 5120: swap, n8, split K
+    (12, 33, 260, 32, 64, True, 2, 16, False),   # swap, n16
 ]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     cases = []
-    for i, (m, n, k, bn, bk, swap, split, bm) in enumerate(SHAPES):
+    for i, (m, n, k, bn, bk, swap, split, bm, after) in enumerate(SHAPES):
         g = torch.Generator().manual_seed(100 + i)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         cases.append(dict(x=x, w=weights(n, k, i), config=dict(block_n=bn, block_k=bk, swap=swap,
-                                                                split_k=split, block_m=bm)))
+                                                                split_k=split, block_m=bm, esc_after=after)))
     all_patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     g = torch.Generator().manual_seed(7)
     cases.append(dict(w=all_patterns[torch.randperm(65536, generator=g)].reshape(128, 512)))

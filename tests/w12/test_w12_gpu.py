@@ -39,7 +39,9 @@ GEMM_CONFIGS = [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(
                 Config(32, 128, 4, 3, swap=True, block_m=8),
                 # the picked H200 tiles: two warps, x.T as the n8/n16 operand, split K (BENCH.md)
                 Config(32, 128, 2, 3, swap=True, block_m=8, split_k=3), Config(32, 256, 2, 2, swap=True, block_m=8),
-                Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2), Config(16, 128, 1, 3, swap=True, block_m=8)]
+                Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2), Config(16, 128, 1, 3, swap=True, block_m=8),
+                # M = 32 picks: escape entries loaded after the main loop
+                Config(64, 128, 4, 3, esc_after=True), Config(64, 128, 4, 2, split_k=2, esc_after=True)]
 
 
 @pytest.mark.parametrize("cfg, m", [(cfg, m) for cfg in GEMM_CONFIGS for m in (1, 3, 8, 16, 32)
