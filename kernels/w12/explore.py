@@ -7,6 +7,7 @@ same planes with the same tiling (the floor for that access pattern).
     cd kernels && python3 -m w12.explore --layout        # read floor: row-strided vs contiguous per program
     cd kernels && python3 -m w12.explore --ncu qkv      # a few plain launches, for Nsight Compute
     cd kernels && python3 -m w12.explore --m32          # M = 32 tiles x escape placement x split K
+    cd kernels && python3 -m w12.explore --m32-swap     # M = 32 with x.T as the n32 operand
     cd kernels && python3 -m w12.explore --tail         # per-launch overhead: L2 clearing, escape placement, read floors
 """
 from __future__ import annotations
@@ -274,9 +275,15 @@ M32_TILES = [  # block_n, block_k, num_warps, num_stages, swap
     (32, 128, 4, 3, False), (32, 128, 2, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False),
     (64, 128, 8, 3, False), (32, 128, 2, 3, True), (64, 128, 4, 3, True), (64, 64, 4, 4, True),
 ]
+# x.T as the n32 operand with every warp on whole 32-row slabs: Triton's mma layout splits the n dimension
+# (duplicating the decode) unless rows per warp >= 2 x 16 (warpsPerTileV2), so 1-2 warps on 32-64 rows.
+M32_SWAP_TILES = [
+    (64, 128, 2, 3, True), (64, 128, 2, 2, True), (64, 64, 2, 4, True), (64, 64, 2, 3, True),
+    (32, 128, 1, 3, True), (32, 128, 1, 2, True), (32, 64, 1, 4, True), (32, 64, 1, 3, True),
+]
 
 
-def sweep_m32(shapes: list[str]) -> list[dict]:
+def sweep_m32(shapes: list[str], tiles=M32_TILES, placements=(False, True)) -> list[dict]:
     """M = 32: tiles x escape-table placement x split K, each checked against float64, then timed."""
     rows = []
     for name in shapes:
@@ -286,12 +293,14 @@ def sweep_m32(shapes: list[str]) -> list[dict]:
         nbytes = packs[0].nbytes()
         x = torch.randn(32, k, device="cuda").to(torch.bfloat16)
         t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
-        print(f"{name:8s} M=32 cuBLAS {t_ref:6.1f} us", flush=True)
-        results = []
-        for bn, bk, warps, stages, swap in M32_TILES:
+        tuned = TUNED.get((n, k, 32)) or default_config(n, k, 32)
+        t_tuned = graph_time_us(lambda p: fused_gemm(x, p, tuned), packs)
+        print(f"{name:8s} M=32 cuBLAS {t_ref:6.1f} us, tuned {t_tuned:6.1f} us x{t_ref / t_tuned:.3f} {tuned}", flush=True)
+        results = [(t_tuned, tuned)]
+        for bn, bk, warps, stages, swap in tiles:
             blocks = -(-n // bn)
             for split in sorted({1, max(1, min(4, round(2 * SMS / blocks)))} if blocks < 2 * SMS else {1}):
-                for after in (False, True):
+                for after in placements:
                     cfg = Config(bn, bk, warps, stages, swap=swap, block_m=32 if swap else 0, split_k=split,
                                  esc_after=after)
                     try:
@@ -320,11 +329,13 @@ def main() -> None:
     ap.add_argument("--swap", action="store_true", help="swap-orientation sweep per M bucket")
     ap.add_argument("--layout", action="store_true", help="read floor: row-strided vs contiguous per program")
     ap.add_argument("--m32", action="store_true", help="M = 32 tiles x escape placement x split K")
+    ap.add_argument("--m32-swap", action="store_true", help="M = 32, x.T as the n32 operand, 32-row slabs per warp")
     ap.add_argument("--tail", action="store_true", help="per-launch overhead: L2 clearing, escape placement, read floors")
     ap.add_argument("--layers", type=int, default=64, help="decode stack depth for --tail (0: no stack)")
     args = ap.parse_args()
-    if args.m32:
-        json.dump(sweep_m32(args.shapes.split(",")), open(args.out, "w"), indent=1)
+    if args.m32 or args.m32_swap:
+        tiles, placements = (M32_SWAP_TILES, (True,)) if args.m32_swap else (M32_TILES, (False, True))
+        json.dump(sweep_m32(args.shapes.split(","), tiles, placements), open(args.out, "w"), indent=1)
         return
     if args.tail:
         print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
