@@ -168,7 +168,7 @@ def probes(weights: dict) -> list[dict]:
         packs = weights[name]["w12"]
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            cfg = TUNED.get((n, k, _bucket(m))) or default_config(n, k, _bucket(m))
+            cfg = TUNED.get((n, k, bucket_of(m))) or default_config(n, k, bucket_of(m))
             t = {}
             for label, probe in (("full", 0), ("no_escapes", 1), ("no_decode", 2), ("neither", 3)):
                 variant = Config(**{**vars(cfg), "probe": probe})
@@ -197,7 +197,7 @@ def table(weights: dict) -> list[dict]:
                 roofline_w12_us=(w12_bytes + act) / COPY_TBPS / 1e6,
                 roofline_bf16_us=(2 * n * k + act) / COPY_TBPS / 1e6,
                 max_abs_diff=diff.item(),
-                config=vars(TUNED.get((n, k, _bucket(m))) or default_config(n, k, _bucket(m)))))
+                config=vars(TUNED.get((n, k, bucket_of(m))) or default_config(n, k, bucket_of(m)))))
             r = rows[-1]
             print(f"{name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us ({r['cublas_tbps']:.2f} TB/s, repeat {t_ref2:.1f})"
                   f"  W12 {t_w12:7.1f} us ({r['w12_tbps']:.2f} TB/s)  x{r['speedup']:.3f}  "
@@ -205,7 +205,7 @@ def table(weights: dict) -> list[dict]:
     return rows
 
 
-def _bucket(m: int) -> int:
+def bucket_of(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 

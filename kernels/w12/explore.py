@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .bench import (BUFFERS, COPY_TBPS, SHAPES, check_correctness, graph_time_us, llm_like_weight, replay_us,
-                    stack_weights)
+from .bench import (BUFFERS, COPY_TBPS, SHAPES, bucket_of, check_correctness, graph_time_us, llm_like_weight,
+                    replay_us, stack_weights)
 from .format import encode
 from .gemm import TUNED, Config, default_config, fused_gemm
 
@@ -30,6 +30,13 @@ TILES = [  # block_n, block_k, num_warps, num_stages
     (32, 128, 4, 4), (64, 64, 2, 4), (128, 64, 4, 4), (64, 64, 4, 6), (64, 128, 2, 4),
     (64, 64, 2, 6),
 ]
+
+
+def shape_weights(name: str):
+    """(N, K, BUFFERS bf16 weights, their W12 encodings) for a benchmark shape."""
+    n, k = SHAPES[name]
+    bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
+    return n, k, bf16s, [encode(w) for w in bf16s]
 
 
 def splits_for(n: int, block_n: int) -> list[int]:
@@ -78,8 +85,7 @@ def layout_floor(shapes: list[str]) -> list[dict]:
     (16 KB steps; what a tile-major layout would give), and contiguous with 4x the programs."""
     rows = []
     for name in shapes:
-        n, k = SHAPES[name]
-        packs = [encode(llm_like_weight(n, k, seed=7 * b + 1)) for b in range(BUFFERS)]
+        n, k, _, packs = shape_weights(name)
         nbytes = packs[0].low.numel() + packs[0].codes.numel()
         split = 3 if n <= 5120 else 1
         programs = -(-n // 32) * split
@@ -130,9 +136,7 @@ def sweep_swap(shapes: list[str]) -> list[dict]:
     first checked against a float64 reference."""
     rows = []
     for name in shapes:
-        n, k = SHAPES[name]
-        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
-        packs = [encode(w) for w in bf16s]
+        n, k, bf16s, packs = shape_weights(name)
         nbytes = packs[0].nbytes()
         for bucket, ms in ((8, (1, 8)), (16, (16,)), (32, (32,))):
             tuned = TUNED.get((n, k, max(16, bucket))) or default_config(n, k, max(16, bucket))
@@ -205,9 +209,7 @@ def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
     decode stack with those variants."""
     rows = []
     for name in shapes:
-        n, k = SHAPES[name]
-        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
-        packs = [encode(w) for w in bf16s]
+        n, k, bf16s, packs = shape_weights(name)
         nbytes = packs[0].nbytes()
         split = 3 if n <= 5120 else 1
         out = torch.empty(8 * n, dtype=torch.int32, device="cuda")
@@ -218,7 +220,7 @@ def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
             rows.append(dict(shape=name, kind=label, us=t, tbps=nbytes / t / 1e6))
             print(f"{name:8s} {label:14s} {t:6.1f} us {nbytes / t / 1e6:.2f} TB/s", flush=True)
         for m in (1, 8, 16, 32):
-            bucket = 8 if m <= 8 else 16 if m <= 16 else 32
+            bucket = bucket_of(m)
             variants = _variants(TUNED.get((n, k, bucket)) or default_config(n, k, bucket), VARIANTS)
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             for flush in (("write", "read", "none") if m in (1, 16) else ("write",)):
@@ -247,7 +249,7 @@ def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
             outs = {}
             names = tuple(VARIANTS)
             configs = {key: _variants(TUNED.get(key) or default_config(*key), names)
-                       for key in [(n, k, 8 if m <= 8 else 32) for n, k in SHAPES.values()]}
+                       for key in [(n, k, bucket_of(m)) for n, k in SHAPES.values()]}
 
             def step_bf16():
                 for bl in bf16_layers:
@@ -258,7 +260,7 @@ def sweep_tail(shapes: list[str], layers: int) -> list[dict]:
                 def step():
                     for wl in w12_layers:
                         for x, p in zip(xs, wl):
-                            outs[p.shape] = fused_gemm(x, p, configs[(p.rows, p.cols, 8 if m <= 8 else 32)][label])
+                            outs[p.shape] = fused_gemm(x, p, configs[(p.rows, p.cols, bucket_of(m))][label])
                 return step
             t_ref = replay_us(step_bf16)[0]
             line = f"stack M={m:2d} | bf16 {t_ref / 1e3:.3f} ms"
@@ -287,9 +289,7 @@ def sweep_m32(shapes: list[str], tiles=M32_TILES, placements=(False, True)) -> l
     """M = 32: tiles x escape-table placement x split K, each checked against float64, then timed."""
     rows = []
     for name in shapes:
-        n, k = SHAPES[name]
-        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
-        packs = [encode(w) for w in bf16s]
+        n, k, bf16s, packs = shape_weights(name)
         nbytes = packs[0].nbytes()
         x = torch.randn(32, k, device="cuda").to(torch.bfloat16)
         t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
@@ -366,9 +366,7 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []
     for name in args.shapes.split(","):
-        n, k = SHAPES[name]
-        bf16s = [llm_like_weight(n, k, seed=7 * b + 1) for b in range(BUFFERS)]
-        packs = [encode(w) for w in bf16s]
+        n, k, bf16s, packs = shape_weights(name)
         nbytes = packs[0].nbytes()
         out = torch.empty(8 * n, dtype=torch.int32, device="cuda")
         for bn, bk, warps, stages in ((32, 128, 4, 4), (64, 64, 2, 4), (128, 64, 4, 4)):
