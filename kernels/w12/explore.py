@@ -9,7 +9,6 @@ same planes with the same tiling (the floor for that access pattern).
     cd kernels && python3 -m w12.explore --m32          # M = 32 tiles x escape placement x split K
     cd kernels && python3 -m w12.explore --m32-swap     # M = 32 with x.T as the n32 operand
     cd kernels && python3 -m w12.explore --tail         # per-launch overhead: L2 clearing, escape placement, read floors
-    cd kernels && python3 -m w12.explore --wgmma        # the Hopper wgmma kernel (wgmma.py) vs the mma.sync one
 """
 from __future__ import annotations
 
@@ -322,76 +321,6 @@ def sweep_m32(shapes: list[str], tiles=M32_TILES, placements=(False, True)) -> l
     return rows
 
 
-# wgmma variants: ring stages, K step, warps (4: one warpgroup on 64 rows; 8: two on 128 rows sharing x),
-# probe 1 = x tiles not copied in the main loop (wrong results: the cost of staging x, timing only).
-WGMMA_VARIANTS = [(3, 128, 4, 0), (2, 128, 4, 0), (2, 128, 4, 1), (2, 128, 8, 0), (3, 64, 8, 0), (4, 64, 8, 0)]
-
-
-def sweep_wgmma(shapes: list[str], layers: int, ms=(1, 8, 16, 32)) -> list[dict]:
-    """The wgmma kernel (wgmma.py) against cuBLAS and the tuned mma.sync kernel, per shape, M and split K, each
-    checked against float64 first; then the decode stack with the faster kernel per (shape, M bucket)."""
-    from . import wgmma
-    rows, best = [], {}
-    for name in shapes:
-        n, k, bf16s, packs = shape_weights(name)
-        nbytes = packs[0].nbytes()
-        for m in ms:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            cfg = TUNED.get((n, k, bucket_of(m))) or default_config(n, k, bucket_of(m))
-            t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
-            t_mma = graph_time_us(lambda p: fused_gemm(x, p, cfg), packs)
-            rows.append(dict(shape=name, M=m, kind="mma.sync tuned", us=t_mma, cublas_us=t_ref, speedup=t_ref / t_mma))
-            line = f"{name:8s} M={m:2d} cuBLAS {t_ref:6.1f} | mma.sync {t_mma:6.1f} x{t_ref / t_mma:.3f}"
-            best[(n, k, bucket_of(m))] = (t_mma, None)
-            for stages, block_k, warps, probe in WGMMA_VARIANTS:
-                for split in splits_for(n, 16 * warps):
-                    def gemm(x_, p, split=split, stages=stages, block_k=block_k, warps=warps, probe=probe):
-                        return wgmma.fused_gemm(x_, p, split, stages, block_k, warps, probe)
-                    try:
-                        if not probe:
-                            check_correctness(name, bf16s[0], packs[0], None, ms=(m,), gemm=gemm)
-                        t = graph_time_us(lambda p: gemm(x, p), packs)
-                    except Exception as err:
-                        print(f"{name} M={m} wgmma {split, stages, block_k, warps, probe}: REJECTED "
-                              f"{type(err).__name__} {str(err)[:300]}", flush=True)
-                        continue
-                    rows.append(dict(shape=name, M=m, kind="wgmma", split_k=split, stages=stages, block_k=block_k,
-                                     warps=warps, probe=probe, us=t, cublas_us=t_ref, speedup=t_ref / t,
-                                     tbps=nbytes / t / 1e6))
-                    line += f" | {split}/{stages}/{block_k}/{warps}{'/p' if probe else ''} {t:5.1f} x{t_ref / t:.3f}"
-                    if not probe and t < best[(n, k, bucket_of(m))][0]:
-                        best[(n, k, bucket_of(m))] = (t, (split, stages, block_k, warps))
-            print(line, flush=True)
-        del bf16s, packs
-        torch.cuda.empty_cache()
-    if layers:
-        bf16_layers, w12_layers = stack_weights(layers)
-        for m in (1, 8, 32):
-            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for (_, k) in SHAPES.values()]
-            outs = {}
-
-            def step_bf16():
-                for bl in bf16_layers:
-                    for x, w in zip(xs, bl):
-                        outs[w.shape] = torch.nn.functional.linear(x, w)
-
-            def step_w12(use_wgmma):
-                def step():
-                    for wl in w12_layers:
-                        for x, p in zip(xs, wl):
-                            pick = best.get((p.rows, p.cols, bucket_of(m)), (0, None))[1]
-                            outs[p.shape] = (wgmma.fused_gemm(x, p, *pick) if use_wgmma and pick
-                                             else fused_gemm(x, p))
-                return step
-            t_ref = replay_us(step_bf16)[0]
-            t_mma = replay_us(step_w12(False))[0]
-            t_best = replay_us(step_w12(True))[0]
-            rows.append(dict(stack=layers, M=m, bf16_us=t_ref, mma_us=t_mma, best_us=t_best))
-            print(f"stack M={m:2d} | bf16 {t_ref / 1e3:.3f} ms | mma.sync {t_mma / 1e3:.3f} x{t_ref / t_mma:.3f} "
-                  f"| faster per shape {t_best / 1e3:.3f} x{t_ref / t_best:.3f}", flush=True)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="explore.json")
@@ -403,15 +332,7 @@ def main() -> None:
     ap.add_argument("--m32-swap", action="store_true", help="M = 32, x.T as the n32 operand, 32-row slabs per warp")
     ap.add_argument("--tail", action="store_true", help="per-launch overhead: L2 clearing, escape placement, read floors")
     ap.add_argument("--layers", type=int, default=64, help="decode stack depth for --tail (0: no stack)")
-    ap.add_argument("--wgmma", action="store_true", help="the Hopper wgmma kernel vs the mma.sync one")
-    ap.add_argument("--ms", default="1,8,16,32", help="M values for --wgmma")
     args = ap.parse_args()
-    if args.wgmma:
-        print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-        json.dump(sweep_wgmma(args.shapes.split(","), args.layers, tuple(int(m) for m in args.ms.split(","))),
-                  open(args.out, "w"), indent=1)
-        return
     if args.m32 or args.m32_swap:
         tiles, placements = (M32_SWAP_TILES, (True,)) if args.m32_swap else (M32_TILES, (False, True))
         json.dump(sweep_m32(args.shapes.split(","), tiles, placements), open(args.out, "w"), indent=1)
