@@ -2,6 +2,7 @@
 config and the launch spec. Overlays and pruning refine the SGLang base (overlay.py, prune.py)."""
 from __future__ import annotations
 
+import fnmatch
 import os
 import zipfile
 from pathlib import Path, PurePosixPath
@@ -12,10 +13,12 @@ from .launch import launch_spec
 from .locations import REPO_ROOT
 from .lockfile import LocalRuntimePin, Lock, WheelPin
 from .manifest import canonical_json
-from .runtime_base import copy_source_dir, local_runtime_dir, source_dir_digest, wheel_file
+from .runtime_base import (copy_files, copy_source_dir, files_digest, local_runtime_dir, source_dir_digest,
+                           source_files, wheel_file)
 from .store import put_object
 
 KERNELS_DIR = REPO_ROOT / "kernels"
+SHIP_LIST = "engine_files.txt"
 
 
 def runtime_pin(cfg: dict, lock: Lock) -> WheelPin | LocalRuntimePin:
@@ -33,6 +36,27 @@ def kernels_of(cfg: dict) -> list[str]:
     return names
 
 
+def kernel_files(name: str) -> list[tuple[str, Path]]:
+    """The files of kernels/<name>/ that an engine ships: those its engine_files.txt names (glob patterns, one
+    per line, `#` comments), or all of them when it has no such list. Benchmarks and their results stay out,
+    so an engine's id does not move when only they change."""
+    src = KERNELS_DIR / name
+    if not src.is_dir():
+        raise SpecPilotError(f"kernel '{name}': kernels/{name}/ does not exist")
+    files = source_files(src)
+    listing = src / SHIP_LIST
+    if not listing.is_file():
+        return files
+    patterns = [line.split("#", 1)[0].strip() for line in listing.read_text().splitlines()]
+    chosen = set()
+    for pattern in filter(None, patterns):
+        matched = {rel for rel, _ in files if fnmatch.fnmatchcase(rel, pattern)}
+        if not matched:
+            raise SpecPilotError(f"kernels/{name}/{SHIP_LIST}: '{pattern}' matches no file in kernels/{name}/")
+        chosen |= matched
+    return [(rel, path) for rel, path in files if rel in chosen]
+
+
 def base_inputs(cfg: dict, lock: Lock) -> dict:
     """Everything the assembly reads besides the config, each with its digest (cheap: no wheel is read)."""
     pin = runtime_pin(cfg, lock)
@@ -45,7 +69,7 @@ def base_inputs(cfg: dict, lock: Lock) -> dict:
     from .overlay import overlay_inputs
     return {"runtime": runtime,
             "overlays": overlay_inputs(overlays_of(cfg), cfg),
-            "kernels": [{"name": k, "digest": source_dir_digest(KERNELS_DIR / k)} for k in kernels_of(cfg)]}
+            "kernels": [{"name": k, "digest": files_digest(kernel_files(k))} for k in kernels_of(cfg)]}
 
 
 def assemble_tree(tree: Path, cfg: dict, lock: Lock, store: Path) -> dict:
@@ -60,7 +84,7 @@ def assemble_tree(tree: Path, cfg: dict, lock: Lock, store: Path) -> dict:
     from .overlay import apply_overlays
     record["overlays"] = apply_overlays(tree, overlays_of(cfg), cfg)
     for kernel in kernels_of(cfg):
-        copy_source_dir(KERNELS_DIR / kernel, tree / "kernels" / kernel)
+        copy_files(kernel_files(kernel), tree / "kernels" / kernel)
     (tree / "config.json").write_bytes(canonical_json(cfg) + b"\n")
     (tree / "launch.json").write_bytes(canonical_json(launch_spec(cfg)) + b"\n")
     for name in ("config.json", "launch.json"):

@@ -90,15 +90,22 @@ def source_files(src: Path) -> list[tuple[str, Path]]:
     return sorted(found, key=lambda item: item[0].encode())
 
 
-def copy_source_dir(src: Path, dest: Path) -> None:
-    for rel, path in source_files(src):
+def copy_files(files: list[tuple[str, Path]], dest: Path) -> None:
+    for rel, path in files:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
         os.chmod(target, 0o755 if os.access(path, os.X_OK) else 0o644)
 
 
-def source_dir_digest(src: Path) -> str:
-    entries = [{"path": rel, "exec": os.access(path, os.X_OK), "blake3": digest_file(path)}
-               for rel, path in source_files(src)]
+def files_digest(files: list[tuple[str, Path]]) -> str:
+    entries = [{"path": rel, "exec": os.access(path, os.X_OK), "blake3": digest_file(path)} for rel, path in files]
     return digest_bytes(canonical_json(entries))
+
+
+def copy_source_dir(src: Path, dest: Path) -> None:
+    copy_files(source_files(src), dest)
+
+
+def source_dir_digest(src: Path) -> str:
+    return files_digest(source_files(src))

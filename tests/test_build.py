@@ -72,22 +72,66 @@ def test_the_cli_prints_the_id_and_path(store):
     assert eid[:12] in listing.stdout
 
 
+def clone_sources(clone: Path) -> Path:
+    """The builder's inputs copied to `clone` (a checkout elsewhere); build there with clone_env(clone)."""
+    for name in SOURCES:
+        if (REPO / name).exists():
+            shutil.copytree(REPO / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return clone
+
+
+def clone_env(clone: Path) -> dict:
+    return {"PYTHONPATH": str(clone), "SPECPILOT_ENGINES": ""}   # the store: <clone>/engines
+
+
 def test_ids_are_identical_across_clones_umasks_and_clocks(tmp_path):
     ids = []
     for n, (umask, mtime, tz) in enumerate([(0o022, 1_000_000_000, "UTC"), (0o077, 1_900_000_000, "Asia/Tokyo")]):
-        clone = tmp_path / f"clone-{n}" / "deep" / "path"
-        for name in SOURCES:
-            if (REPO / name).exists():
-                shutil.copytree(REPO / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+        clone = clone_sources(tmp_path / f"clone-{n}" / "deep" / "path")
         for root, _, files in os.walk(clone):
             for f in files:
                 os.utime(Path(root) / f, (mtime, mtime))
-        env = {"PYTHONPATH": str(clone), "SPECPILOT_ENGINES": "", "TZ": tz}  # the store: <clone>/engines
-        out = cli("engine", "build", "--setting", EMBEDDED, "--arm", "final", env=env, cwd=clone, umask=umask)
+        out = cli("engine", "build", "--setting", EMBEDDED, "--arm", "final", env={**clone_env(clone), "TZ": tz},
+                  cwd=clone, umask=umask)
         assert out.returncode == 0, out.stderr
         assert str(clone) in out.stdout.split()[1], "the build must use the clone's sources"
         ids.append(out.stdout.split()[0])
     assert ids[0] == ids[1]
+
+
+def test_an_engine_ships_its_kernels_run_time_files_and_their_benchmarks_do_not_move_its_id(tmp_path):
+    clone = clone_sources(tmp_path / "clone")
+
+    def build() -> tuple[str, Path]:
+        out = cli("engine", "build", "--setting", "cpu_c1_stories260k-bf16_ngram", "--arm", "final",
+                  env=clone_env(clone), cwd=clone)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()[0], Path(out.stdout.split()[1])
+
+    eid, path = build()
+    shipped = {p.relative_to(path / "kernels" / "w12").as_posix() for p in (path / "kernels" / "w12").rglob("*")}
+    assert shipped == {"__init__.py", "format.py", "gemm.py", "module.py", "tuned_h200.json", "FORMAT.md"}
+    (clone / "kernels" / "w12" / "bench_h200.json").write_text("{}\n")     # a new benchmark run
+    (clone / "kernels" / "w12" / "BENCH.md").write_text("# W12 results, re-run\n")
+    assert build()[0] == eid
+    gemm = clone / "kernels" / "w12" / "gemm.py"
+    gemm.write_text(gemm.read_text() + "# a change to the kernel\n")
+    assert build()[0] != eid
+
+
+def test_a_kernels_ship_list_naming_a_missing_file_is_refused(tmp_path, monkeypatch):
+    from specpilot_build import assemble
+    kernel = tmp_path / "kernels" / "k"
+    kernel.mkdir(parents=True)
+    (kernel / "k.py").write_text("")
+    (kernel / "engine_files.txt").write_text("k.py\ntuned_*.json   # the tile choices\n")
+    monkeypatch.setattr(assemble, "KERNELS_DIR", tmp_path / "kernels")
+    with pytest.raises(SpecPilotError, match=r"^kernels/k/engine_files.txt: 'tuned_\*.json' matches no file in kernels/k/$"):
+        assemble.kernel_files("k")
+    (kernel / "tuned_h100.json").write_text("{}")
+    assert [rel for rel, _ in assemble.kernel_files("k")] == ["k.py", "tuned_h100.json"]
+    with pytest.raises(SpecPilotError, match="^kernel 'w13': kernels/w13/ does not exist$"):
+        assemble.kernel_files("w13")
 
 
 def test_flipping_one_byte_in_any_file_is_named_by_engine_verify(store):
