@@ -4,7 +4,9 @@ same planes with the same tiling (the floor for that access pattern).
 
     cd kernels && python3 -m w12.explore --out explore.json
     cd kernels && python3 -m w12.explore --swap          # swap-orientation tiles per M bucket
+    cd kernels && python3 -m w12.explore --m16           # M = 16 tiles with less shared memory per program
     cd kernels && python3 -m w12.explore --layout        # read floor: row-strided vs contiguous per program
+    cd kernels && python3 -m w12.explore --balance       # read floor: the GEMM's grid vs stream-K order
     cd kernels && python3 -m w12.explore --ncu qkv      # a few plain launches, for Nsight Compute
     cd kernels && python3 -m w12.explore --m32          # M = 32 tiles x escape placement x split K
     cd kernels && python3 -m w12.explore --m32-swap     # M = 32 with x.T as the n32 operand
@@ -79,6 +81,64 @@ def _read_contiguous_kernel(buf_ptr, out_ptr, STEPS, TILE: tl.constexpr):
     tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
 
 
+@triton.jit
+def _read_balanced_kernel(low_ptr, nib_ptr, out_ptr, N, HALF, UNITS, STEPS, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Stream-K order: program p reads units [p U / P, (p + 1) U / P) of the (row block, K step) sequence,
+    one pipelined K loop per row block it touches; every program gets the same bytes within one step."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    first = (pid * UNITS) // programs
+    last = ((pid + 1) * UNITS) // programs
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    for tile in range(first // STEPS, tl.cdiv(last, STEPS)):
+        rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+        low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
+        nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
+        k_first = (tl.maximum(first, tile * STEPS) - tile * STEPS) * BLOCK_K
+        k_last = (tl.minimum(last, (tile + 1) * STEPS) - tile * STEPS) * BLOCK_K
+        for k0 in range(k_first, k_last, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)[None, :]
+            a = tl.load(nib_rows + offs)
+            b = tl.load(low_rows + offs)
+            c = tl.load(low_rows + HALF + offs)
+            acc ^= a + b + c
+    tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), tl.xor_sum(acc, axis=1))
+
+
+def balance_floor(shapes: list[str]) -> list[dict]:
+    """Is load balance worth a stream-K GEMM? The plane read of the GEMM's grid (row blocks x split K: some
+    SMs get one program more than others) vs the same tiles read in stream-K order by 2-4 programs per SM."""
+    rows = []
+    for name in shapes:
+        n, k, _, packs = shape_weights(name)
+        nbytes = packs[0].low.numel() + packs[0].codes.numel()
+        split = 3 if n <= 5120 else 1
+        out = torch.empty(8 * 4096, dtype=torch.int32, device="cuda")
+        for bn in (32, 64):
+            grid_programs = -(-n // bn) * split
+            t = graph_time_us(lambda p: read_planes(p, bn, 128, split, out, 4, 4), packs)
+            rows.append(dict(shape=name, kind="grid", block_n=bn, programs=grid_programs, us=t,
+                             tbps=nbytes / t / 1e6))
+            line = f"{name:8s} {bn}-row grid {grid_programs:5d} programs {t:6.1f} us"
+            words = packs[0].cols_padded // 8
+            steps = words // 32
+            units = -(-n // bn) * steps
+            for per_sm in (2, 3, 4, 6, 8):
+                g = SMS * per_sm
+
+                def read(p, g=g):
+                    _read_balanced_kernel[(g,)](p.low.view(torch.int32), p.codes.view(torch.int32), out, p.rows,
+                                                words, units, steps, BLOCK_N=bn, BLOCK_K=32,
+                                                num_warps=4, num_stages=4)
+                t = graph_time_us(read, packs)
+                rows.append(dict(shape=name, kind="stream-k", block_n=bn, programs=g, us=t, tbps=nbytes / t / 1e6))
+                line += f" | stream-K {per_sm}/SM {t:6.1f}"
+            print(line, flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def layout_floor(shapes: list[str]) -> list[dict]:
     """The same bytes as the W12 planes, read by the same number of programs: row-strided
     as the GEMM reads them (12 KB steps: 32 rows x 3 runs of 128 bytes) vs each program's data contiguous
@@ -131,16 +191,30 @@ def swap_candidates(n: int, bucket: int) -> list[Config]:
     return out
 
 
-def sweep_swap(shapes: list[str]) -> list[dict]:
+# M = 16: tiles that need less shared memory per program than the picked one (2 stages, 16-row tiles on one
+# warp) or read longer runs per row (BK 256); the x tile staged with the planes grows with M.
+M16_TILES = [(32, 128, 2, 2), (16, 128, 1, 2), (16, 128, 1, 4), (32, 256, 2, 2), (16, 256, 1, 2),
+             (32, 64, 2, 4), (64, 128, 4, 2)]
+
+
+def m16_candidates(n: int, bucket: int) -> list[Config]:
+    return [Config(bn, bk, warps, stages, swap=True, block_m=16, split_k=split)
+            for bn, bk, warps, stages in M16_TILES for split in splits_for(n, bn)]
+
+
+SWAP_BUCKETS = ((8, (1, 8)), (16, (16,)), (32, (32,)))
+
+
+def sweep_swap(shapes: list[str], buckets=SWAP_BUCKETS, candidates=swap_candidates) -> list[dict]:
     """Swap-orientation tiles vs the tuned configs, per M bucket, under CUDA graphs; every swap config is
     first checked against a float64 reference."""
     rows = []
     for name in shapes:
         n, k, bf16s, packs = shape_weights(name)
         nbytes = packs[0].nbytes()
-        for bucket, ms in ((8, (1, 8)), (16, (16,)), (32, (32,))):
+        for bucket, ms in buckets:
             tuned = TUNED.get((n, k, max(16, bucket))) or default_config(n, k, max(16, bucket))
-            configs = [tuned] + swap_candidates(n, bucket)
+            configs = [tuned] + candidates(n, bucket)
             for cfg in configs:
                 try:
                     if cfg is not tuned:
@@ -155,7 +229,7 @@ def sweep_swap(shapes: list[str]) -> list[dict]:
                     print(f"{name:8s} M={m:2d} {cfg.block_n:3d}x{cfg.block_k:3d} w{cfg.num_warps} s{cfg.num_stages} "
                           f"swap={int(cfg.swap)} bm={cfg.block_m} split{cfg.split_k}: {t:6.1f} us "
                           f"{nbytes / t / 1e6:.2f} TB/s", flush=True)
-        for m in (1, 8, 16, 32):
+        for m in sorted({m for _, ms in buckets for m in ms}):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             t = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
             rows.append(dict(shape=name, M=m, cfg="cublas", us=t))
@@ -327,6 +401,8 @@ def main() -> None:
     ap.add_argument("--ncu", help="shape name: run a few plain launches for a profiler and exit")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--swap", action="store_true", help="swap-orientation sweep per M bucket")
+    ap.add_argument("--balance", action="store_true", help="plane read: the GEMM's grid vs stream-K order")
+    ap.add_argument("--m16", action="store_true", help="M = 16: tiles with less shared memory or longer runs")
     ap.add_argument("--layout", action="store_true", help="read floor: row-strided vs contiguous per program")
     ap.add_argument("--m32", action="store_true", help="M = 32 tiles x escape placement x split K")
     ap.add_argument("--m32-swap", action="store_true", help="M = 32, x.T as the n32 operand, 32-row slabs per warp")
@@ -342,11 +418,16 @@ def main() -> None:
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
         json.dump(sweep_tail(args.shapes.split(","), args.layers), open(args.out, "w"), indent=1)
         return
+    if args.balance:
+        json.dump(balance_floor(args.shapes.split(",")), open(args.out, "w"), indent=1)
+        return
     if args.layout:
         json.dump(layout_floor(args.shapes.split(",")), open(args.out, "w"), indent=1)
         return
-    if args.swap:
-        json.dump(sweep_swap(args.shapes.split(",")), open(args.out, "w"), indent=1)
+    if args.swap or args.m16:
+        sweep = sweep_swap(args.shapes.split(",")) if args.swap else \
+            sweep_swap(args.shapes.split(","), ((16, (16,)),), m16_candidates)
+        json.dump(sweep, open(args.out, "w"), indent=1)
         return
     if args.ncu:
         n, k = SHAPES[args.ncu]
