@@ -108,7 +108,7 @@ def _read_balanced_kernel(low_ptr, nib_ptr, out_ptr, N, HALF, UNITS, STEPS, BLOC
 
 def balance_floor(shapes: list[str]) -> list[dict]:
     """Is load balance worth a stream-K GEMM? The plane read of the GEMM's grid (row blocks x split K: some
-    SMs get one program more than others) vs the same tiles read in stream-K order by 2-4 programs per SM."""
+    SMs get one program more than others) vs the same tiles read in stream-K order by 2-8 programs per SM."""
     rows = []
     for name in shapes:
         n, k, _, packs = shape_weights(name)
