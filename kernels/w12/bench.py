@@ -146,17 +146,13 @@ def pick(weights: dict) -> dict:
     return best
 
 
-def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config | None, ms=(1, 5, 16, 32),
-                      gemm=None) -> dict:
-    """decode is bit-exact, and gemm(x, packed) (default: the fused kernel with cfg) is within one bf16 ulp of a
-    float64 x @ W.T and deterministic, at each M in ms."""
+def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config, ms=(1, 5, 16, 32)) -> dict:
     assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: decode not bit-exact"
-    gemm = gemm or (lambda x, p: fused_gemm(x, p, cfg))
     worst = 0.0
     for m in ms:
         x = torch.randn(m, w.shape[1], device="cuda").to(torch.bfloat16)
-        y = gemm(x, packed).double()
-        assert torch.equal(gemm(x, packed).double(), y), f"{name} M={m}: not deterministic"
+        y = fused_gemm(x, packed, cfg).double()
+        assert torch.equal(fused_gemm(x, packed, cfg).double(), y), f"{name} M={m}: not deterministic"
         ref = x.double() @ w.double().T
         bound = 2.0 ** -7 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
         bad = ((y - ref).abs() > bound).sum().item()

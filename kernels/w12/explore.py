@@ -395,46 +395,6 @@ def sweep_m32(shapes: list[str], tiles=M32_TILES, placements=(False, True)) -> l
     return rows
 
 
-# Gluon kernel variants: warps (16 weight rows each), ring stages, x through the ring (else from L1 / L2), K step.
-GLUON_VARIANTS = [(2, 3, True, 128), (2, 2, True, 128), (4, 2, True, 128), (4, 3, True, 64), (4, 4, True, 64),
-                  (8, 2, True, 64), (8, 3, True, 64), (2, 4, True, 64)]
-
-
-def sweep_gluon(shapes: list[str], ms=(1, 8, 16, 32)) -> list[dict]:
-    """The Gluon kernel (gluon_gemm.py) against cuBLAS and the tuned Triton kernel, per shape, M, variant and
-    split K, each checked against float64 first."""
-    from . import gluon_gemm
-    rows = []
-    for name in shapes:
-        n, k, bf16s, packs = shape_weights(name)
-        nbytes = packs[0].nbytes()
-        for m in ms:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            cfg = TUNED.get((n, k, bucket_of(m))) or default_config(n, k, bucket_of(m))
-            t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
-            t_tri = graph_time_us(lambda p: fused_gemm(x, p, cfg), packs)
-            rows.append(dict(shape=name, M=m, kind="triton tuned", us=t_tri, cublas_us=t_ref, speedup=t_ref / t_tri))
-            line = f"{name:8s} M={m:2d} cuBLAS {t_ref:5.1f} | triton {t_tri:5.1f} x{t_ref / t_tri:.3f}"
-            for warps, stages, x_ring, block_k in GLUON_VARIANTS:
-                for split in splits_for(n, 16 * warps):
-                    def gemm(x_, p, split=split, stages=stages, warps=warps, x_ring=x_ring, block_k=block_k):
-                        return gluon_gemm.fused_gemm(x_, p, split, stages, warps, block_k, x_ring=x_ring)
-                    try:
-                        check_correctness(name, bf16s[0], packs[0], None, ms=(m,), gemm=gemm)
-                        t = graph_time_us(lambda p: gemm(x, p), packs)
-                    except Exception as err:
-                        print(f"{name} M={m} gluon {warps, stages, x_ring, block_k, split}: REJECTED {type(err).__name__} "
-                              f"{str(err)[:300]}", flush=True)
-                        continue
-                    rows.append(dict(shape=name, M=m, kind="gluon", warps=warps, stages=stages, x_ring=x_ring,
-                                     block_k=block_k, split_k=split, us=t, cublas_us=t_ref, speedup=t_ref / t, tbps=nbytes / t / 1e6))
-                    line += f" | w{warps}s{stages}{'r' if x_ring else ''}k{block_k}/{split} {t:5.1f}"
-            print(line, flush=True)
-        del bf16s, packs
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="explore.json")
@@ -442,8 +402,6 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--swap", action="store_true", help="swap-orientation sweep per M bucket")
     ap.add_argument("--balance", action="store_true", help="plane read: the GEMM's grid vs stream-K order")
-    ap.add_argument("--gluon", action="store_true", help="the Gluon kernel (gluon_gemm.py) vs the Triton one")
-    ap.add_argument("--ms", default="1,8,16,32", help="M values for --gluon")
     ap.add_argument("--m16", action="store_true", help="M = 16: tiles with less shared memory or longer runs")
     ap.add_argument("--layout", action="store_true", help="read floor: row-strided vs contiguous per program")
     ap.add_argument("--m32", action="store_true", help="M = 32 tiles x escape placement x split K")
@@ -459,12 +417,6 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
         json.dump(sweep_tail(args.shapes.split(","), args.layers), open(args.out, "w"), indent=1)
-        return
-    if args.gluon:
-        print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-        json.dump(sweep_gluon(args.shapes.split(","), tuple(int(m) for m in args.ms.split(","))),
-                  open(args.out, "w"), indent=1)
         return
     if args.balance:
         json.dump(balance_floor(args.shapes.split(",")), open(args.out, "w"), indent=1)
