@@ -55,19 +55,23 @@ def _read_kernel(low_ptr, nib_ptr, out_ptr, N, HALF, BLOCK_N: tl.constexpr, BLOC
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
     rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-    low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
-    nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     steps = tl.cdiv(tl.cdiv(HALF, BLOCK_K), splits)
     k_first = pid_k * steps * BLOCK_K
     k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
+    acc = _read_rows(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32), low_ptr, nib_ptr, rows, k_first, k_last, HALF)
+    tl.store(out_ptr + pid_k * N + rows, tl.xor_sum(acc, axis=1))
+
+
+@triton.jit
+def _read_rows(acc, low_ptr, nib_ptr, rows, k_first, k_last, HALF):
+    """Read the plane words of `rows` over columns k_first..k_last of each half, folded into acc."""
+    BLOCK_K: tl.constexpr = acc.shape[1]
+    low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
+    nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
     for k0 in range(k_first, k_last, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)[None, :]
-        a = tl.load(nib_rows + offs)
-        b = tl.load(low_rows + offs)
-        c = tl.load(low_rows + HALF + offs)
-        acc ^= a + b + c
-    tl.store(out_ptr + pid_k * N + rows, tl.xor_sum(acc, axis=1))
+        acc ^= tl.load(nib_rows + offs) + tl.load(low_rows + offs) + tl.load(low_rows + HALF + offs)
+    return acc
 
 
 @triton.jit
@@ -93,16 +97,9 @@ def _read_balanced_kernel(low_ptr, nib_ptr, out_ptr, N, HALF, UNITS, STEPS, BLOC
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     for tile in range(first // STEPS, tl.cdiv(last, STEPS)):
         rows = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
-        nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
         k_first = (tl.maximum(first, tile * STEPS) - tile * STEPS) * BLOCK_K
         k_last = (tl.minimum(last, (tile + 1) * STEPS) - tile * STEPS) * BLOCK_K
-        for k0 in range(k_first, k_last, BLOCK_K):
-            offs = k0 + tl.arange(0, BLOCK_K)[None, :]
-            a = tl.load(nib_rows + offs)
-            b = tl.load(low_rows + offs)
-            c = tl.load(low_rows + HALF + offs)
-            acc ^= a + b + c
+        acc = _read_rows(acc, low_ptr, nib_ptr, rows, k_first, k_last, HALF)
     tl.store(out_ptr + pid * BLOCK_N + tl.arange(0, BLOCK_N), tl.xor_sum(acc, axis=1))
 
 
