@@ -3,7 +3,7 @@
     PYTHONPATH=kernels python -m w12.bench --pick --table --stack --out results.json
 
 --pick checks and times a few finalist configs per shape and M bucket under CUDA graphs and keeps the
-best (explore.py holds the wider sweeps they came from). The table and the stack are timed under CUDA graphs.
+best (the wider sweeps they came from are in BENCH.md; explore.py, which ran them, is in commit e009eac). The table and the stack are timed under CUDA graphs.
 
 Prints markdown tables (the source of BENCH.md). Needs a CUDA GPU with torch + triton.
 """
@@ -98,7 +98,7 @@ def graph_time_us(launch, items, launches: int = 6, flush: str = "write") -> flo
 
 
 # Finalists re-timed under CUDA graphs by --pick, per M bucket (8, 16, 32): from the earlier tile sweeps and
-# the swap-orientation sweep of explore.py (BENCH.md). Split K for N = 5120, where 160 row blocks of 32 would
+# the swap-orientation sweep of explore.py (BENCH.md; the script is in commit e009eac). Split K for N = 5120, where 160 row blocks of 32 would
 # leave SMs idle.
 def _swap(bucket, *tiles):
     return [Config(bn, bk, w, s, swap=True, block_m=bucket, split_k=sp) for bn, bk, w, s, sp in tiles]
