@@ -42,16 +42,6 @@ def llm_like_weight(n: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randn(n, k, device="cuda", generator=g) * sigma).to(torch.bfloat16)
 
 
-def rotating(fn, items):
-    state = {"i": 0}
-
-    def call():
-        item = items[state["i"] % len(items)]
-        state["i"] += 1
-        return fn(item)
-    return call
-
-
 def time_us(fn, rep_ms: int = 200, flush: str = "write") -> float:
     """Median time of fn. L2 is cleared before every call: flush="write" is do_bench's own (it zeroes 256 MB,
     leaving L2 full of dirty lines that fn's first kernel must write back), "read" reads 256 MB instead
@@ -159,23 +149,6 @@ def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config
         assert bad == 0, f"{name} M={m}: {bad} outputs off by more than one bf16 ulp"
         worst = max(worst, ((y - ref).abs() / (ref.abs() + 1e-30)).max().item())
     return {"escapes": packed.escapes, "bits_per_weight": packed.bits_per_weight(), "max_rel_err": worst}
-
-
-def probes(weights: dict) -> list[dict]:
-    """Ablations with the tuned configs (wrong results, timing only): where the time goes."""
-    rows = []
-    for name, (n, k) in SHAPES.items():
-        packs = weights[name]["w12"]
-        for m in (1, 16):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            cfg = TUNED.get((n, k, bucket_of(m))) or default_config(n, k, bucket_of(m))
-            t = {}
-            for label, probe in (("full", 0), ("no_escapes", 1), ("no_decode", 2), ("neither", 3)):
-                variant = Config(**{**vars(cfg), "probe": probe})
-                t[label] = time_us(rotating(lambda p: fused_gemm(x, p, variant), packs), rep_ms=100)
-            rows.append(dict(shape=name, M=m, **t))
-            print(f"probe {name:8s} M={m:2d} " + "  ".join(f"{a} {b:6.1f} us" for a, b in t.items()))
-    return rows
 
 
 def table(weights: dict) -> list[dict]:
@@ -323,7 +296,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pick", action="store_true", help="time the FINALISTS under CUDA graphs, keep the best")
     ap.add_argument("--table", action="store_true")
-    ap.add_argument("--probes", action="store_true", help="ablation timings (escapes off, decode off)")
     ap.add_argument("--stack", action="store_true")
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--configs", help="JSON of configs keyed N,K,bucket (the format of tuned_h200.json)")
@@ -361,9 +333,6 @@ def main() -> None:
             best = pick(weights)
             TUNED.update(best)
             result["tuned"] = {",".join(map(str, k)): vars(v) for k, v in best.items()}
-            save()
-        if args.probes:
-            result["probes"] = probes(weights)
             save()
         if args.table:
             rows = table(weights)

@@ -34,8 +34,6 @@ class Config:
     swap: bool = False        # accumulate y.T = W @ x.T (weights as the dot's A operand, x.T as B)
     split_k: int = 1          # programs per row block, each over a K range; the last one sums
     block_m: int = 0          # rows of x per dot: 0 = 16 for M <= 16, else 32 (8 needs swap: MMA n = 8)
-    probe: int = 0            # benchmark-only ablations, WRONG results: 1 no escapes, 2 no decode, 3 both
-    ptx: bool = True          # byte-parallel decode in inline PTX (False: plain Triton integer ops)
     esc_after: bool = False   # load this block's escape entries after the main loop (fewer live registers)
 
 
@@ -121,7 +119,7 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
         SPLIT=cfg.split_k > 1,
         SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half), ESC_AFTER=cfg.esc_after,
-        PTX=not _interpreting() and cfg.ptx, DOT_F32=_interpreting(), PROBE=cfg.probe,
+        PTX=not _interpreting(), DOT_F32=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
@@ -247,7 +245,7 @@ def _w12_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
     ESC_AFTER: tl.constexpr, PTX: tl.constexpr,
-    DOT_F32: tl.constexpr, PROBE: tl.constexpr = 0,
+    DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -301,14 +299,8 @@ def _w12_gemm_kernel(
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None] & kmask[None, :], other=0.0)
             hmask = (HALF + offs_k) < K
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None] & hmask[None, :], other=0.0)
-        if PROBE >= 2:   # ablation: bytes straight to bf16, one permute per two weights
-            w_lo = tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
-                                             "=r,=r,r,r", [low_a, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
-            w_hi = tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
-                                             "=r,=r,r,r", [low_b, nib], dtype=tl.bfloat16, is_pure=True, pack=4)
-        else:
-            w_lo = _decode(low_a, nib, base, False, PTX)
-            w_hi = _decode(low_b, nib, base, True, PTX)
+        w_lo = _decode(low_a, nib, base, False, PTX)
+        w_hi = _decode(low_b, nib, base, True, PTX)
         if SWAP:
             acc = _dot(w_lo, tl.trans(x_lo), acc, DOT_F32)
             acc = _dot(w_hi, tl.trans(x_hi), acc, DOT_F32)
@@ -319,9 +311,8 @@ def _w12_gemm_kernel(
     if ESC_AFTER:
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
-    if PROBE % 2 == 0:
-        acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
-                           neg_planes, SWAP, DOT_F32)
+    acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
+                       neg_planes, SWAP, DOT_F32)
     for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):   # rarely taken: many escapes
         offs_e = e0 + tl.arange(0, ESC_BLOCK)
         emask = offs_e < esc_end
