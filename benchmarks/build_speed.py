@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from sglang_builds import ARMS, sglang_settings, write_test_lock  # noqa: E402
-from specpilot_build.lockfile import load_lock  # noqa: E402
-from specpilot_build.runtime_base import wheel_file  # noqa: E402
-from specpilot_build.store import disk_usage  # noqa: E402
+from specpilot_build.hub.lockfile import load_lock  # noqa: E402
+from specpilot_build.build.runtime_base import wheel_file  # noqa: E402
+from specpilot_build.store.engines import disk_usage  # noqa: E402
 
 HASH_WALK = """
 import hashlib, os, sys

@@ -16,10 +16,10 @@ import json
 import os
 import platform
 
-from specpilot_build.bench import bench
-from specpilot_build.build import build_engine
-from specpilot_build.serve import serve, stop
-from specpilot_build.verify import verify
+from specpilot_build.measure.bench import bench
+from specpilot_build.build.builder import build_engine
+from specpilot_build.run.serve import serve, stop
+from specpilot_build.measure.verify import verify
 
 
 def main() -> None:

@@ -1,29 +1,34 @@
-"""User-facing errors: one or two lines naming the file, key, hash or hunk, and what to do."""
+"""Typed user errors: one or two lines naming the file, key, hash or hunk, and what to do.
+
+Stages raise them; only the command line (cli/) prints them and turns them into exit codes."""
 from __future__ import annotations
 
 import os
-import sys
-from contextlib import contextmanager
 
 
 class SpecPilotError(Exception):
     """A user error. Its message is printed as is, without a traceback."""
 
+    exit_code = 2
+
+
+class ConfigError(SpecPilotError):
+    """A setting, group option, key or value that does not compose or validate."""
+
+
+class PinError(SpecPilotError):
+    """Something unpinned, or bytes that do not match their pin (checkpoint, wheel, dataset)."""
+
+
+class IntegrityError(SpecPilotError):
+    """A stored engine, object or results file that differs from the hash it claims."""
+
+    exit_code = 3
+
+
+class ServerError(SpecPilotError):
+    """A server that did not start, is not the engine asked for, or answered wrongly."""
+
 
 def debug_enabled() -> bool:
     return os.environ.get("SPECPILOT_DEBUG", "") not in ("", "0")
-
-
-@contextmanager
-def user_errors():
-    """Turn SpecPilotError into 'error: ...' on stderr and exit status 2 (traceback with SPECPILOT_DEBUG=1)."""
-    try:
-        yield
-    except SpecPilotError as exc:
-        if debug_enabled():
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None

@@ -5,6 +5,8 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+OVERLAYS_DIR = REPO_ROOT / "overlays"
+KERNELS_DIR = REPO_ROOT / "kernels"
 
 
 def data_dir() -> Path:

@@ -13,8 +13,8 @@ import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 
-from specpilot_build.build import build_engine
-from specpilot_build.store import Engine
+from specpilot_build.build.builder import build_engine
+from specpilot_build.store.engines import Engine
 
 REPO = Path(__file__).resolve().parent.parent
 ARMS = ("stock", "final")

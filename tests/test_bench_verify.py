@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from specpilot_build import verify as vf
+from specpilot_build.measure import verify as vf
 from specpilot_build.errors import SpecPilotError
 
 
@@ -80,9 +80,9 @@ E2E_DATASETS = ["gsm8k", "mt-bench"]
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     """Engines of the embedded setting, a final run benched on the real runtime, and a running ar oracle."""
-    from specpilot_build.bench import bench
-    from specpilot_build.build import build_engine
-    from specpilot_build.serve import serve, stop
+    from specpilot_build.measure.bench import bench
+    from specpilot_build.build.builder import build_engine
+    from specpilot_build.run.serve import serve, stop
 
     root = tmp_path_factory.mktemp("loop")
     with pytest.MonkeyPatch.context() as env:
@@ -123,7 +123,7 @@ def test_bench_records_what_compare_score_and_verify_need(loop):
 
 
 def test_embedded_final_and_ar_outputs_are_token_identical(loop):
-    from specpilot_build import compare as cmp
+    from specpilot_build.measure import compare as cmp
 
     with pytest.MonkeyPatch.context() as env:
         for key, value in loop["env"].items():
@@ -153,7 +153,7 @@ def test_one_changed_token_is_a_real_mismatch_at_exactly_that_place(loop):
     tampered = loop["final_run"].with_name("tampered.json")
     tampered.write_text(json.dumps(run))
     proc = subprocess.run(
-        [sys.executable, "-m", "specpilot_build.verify", str(tampered), "--oracle", loop["engines"]["ar"].id,
+        [sys.executable, "-m", "specpilot_build.cli", "verify", str(tampered), "--oracle", loop["engines"]["ar"].id,
          "--port", str(loop["oracle_port"])], capture_output=True, text=True, env={**_environ(), **loop["env"]},
         timeout=120)
     assert proc.returncode == 1, proc.stderr
@@ -182,7 +182,7 @@ def test_a_run_of_another_target_is_refused(loop):
 
 
 def test_bench_refuses_a_server_of_another_engine(loop):
-    from specpilot_build.bench import bench
+    from specpilot_build.measure.bench import bench
 
     with pytest.MonkeyPatch.context() as env:
         for key, value in loop["env"].items():

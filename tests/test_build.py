@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.build import build_engine
+from specpilot_build.build.builder import build_engine
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.manifest import engine_id
-from specpilot_build.store import check_engine, list_engines, resolve_engine
+from specpilot_build.store.manifest import engine_id
+from specpilot_build.store.engines import check_engine, list_engines, resolve_engine
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = "cpu_c1_stories260k_ngram"
@@ -120,7 +120,7 @@ def test_an_engine_ships_its_kernels_run_time_files_and_their_benchmarks_do_not_
 
 
 def test_a_kernels_ship_list_naming_a_missing_file_is_refused(tmp_path, monkeypatch):
-    from specpilot_build import assemble
+    from specpilot_build.build import inputs as assemble
     kernel = tmp_path / "kernels" / "k"
     kernel.mkdir(parents=True)
     (kernel / "k.py").write_text("")
@@ -206,7 +206,7 @@ def _wheel_lock(tmp_path: Path, sha256: str | None = None) -> Path:
 def test_a_corrupt_cached_wheel_is_refused(store, tmp_path):
     data = tmp_path / "data"
     (data / "wheels").mkdir(parents=True)
-    from specpilot_build.lockfile import load_lock
+    from specpilot_build.hub.lockfile import load_lock
     pin = load_lock().runtimes["sglang"]
     (data / "wheels" / pin.filename).write_bytes(b"PK\x03\x04 not really a wheel")
     out = cli("engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar",
@@ -217,8 +217,8 @@ def test_a_corrupt_cached_wheel_is_refused(store, tmp_path):
 
 
 def test_a_wheel_whose_hash_differs_from_the_lock_is_refused(store, tmp_path, session_data):
-    from specpilot_build.lockfile import load_lock
-    from specpilot_build.runtime_base import wheel_file
+    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.build.runtime_base import wheel_file
 
     wheel = wheel_file(load_lock().runtimes["sglang"])  # the genuine pinned wheel, cached for the session
     lock = _wheel_lock(tmp_path, sha256="0" * 64)

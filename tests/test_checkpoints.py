@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.checkpoints import materialize, snapshot_dir
+from specpilot_build.hub.checkpoints import materialize, snapshot_dir
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
-from specpilot_build.lockfile import CheckpointPin, PinnedFile, load_lock
+from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_lock
 
 SHARED = REPO_ROOT.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
@@ -115,7 +115,7 @@ def test_files_sit_in_the_hub_cache_layout_the_real_client_resolves(stories, tin
 def test_present_and_verified_means_no_work(stories, tiny_pin, monkeypatch):
     model_dir, cache = stories
     before = {p: p.stat().st_mtime_ns for p in [*model_dir.iterdir(), *(cache.rglob("blobs/*"))]}
-    import specpilot_build.checkpoints as checkpoints
+    import specpilot_build.hub.checkpoints as checkpoints
 
     hashed = []
     monkeypatch.setattr(checkpoints, "sha256_of", lambda path, **kw: hashed.append(path))
@@ -189,8 +189,8 @@ def _pins_md() -> dict[str, str]:
 
 
 def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned():
-    from specpilot_build.checkpoints import checkpoint_requests
-    from specpilot_build.compose import compose_setting, list_settings
+    from specpilot_build.hub.checkpoints import checkpoint_requests
+    from specpilot_build.config.compose import compose_setting, list_settings
 
     pins, known = load_lock(REPO_ROOT / "lockfiles").checkpoints, _pins_md()
     pinned_gpu_settings = []
@@ -205,7 +205,7 @@ def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned():
 
 
 def test_make_models_for_the_embedded_default(hub, tiny_pin, capsys):
-    from specpilot_build.cli import main
+    from specpilot_build.cli.main import main
 
     assert main(["models", "--setting", "cpu_c1_stories260k_ngram", "--mirror", str(MIRROR)]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()

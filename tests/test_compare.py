@@ -4,9 +4,9 @@ import json
 import numpy as np
 import pytest
 
-from specpilot_build import compare as cmp
+from specpilot_build.measure import compare as cmp
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.results import SCHEMA
+from specpilot_build.measure.results import SCHEMA
 
 PIN = {"repo": "karpathy/tinyllamas", "revision": "0bd21da7698eaf29a0d7de3992de8a46ef624add"}
 

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from specpilot_build.compose import ARMS, compose_setting, list_settings
-from specpilot_build.effective import effective_config
+from specpilot_build.config.compose import ARMS, compose_setting, list_settings
+from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import conf_dir
 

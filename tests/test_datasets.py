@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build import datasets
+from specpilot_build.measure import datasets
 from specpilot_build.errors import SpecPilotError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

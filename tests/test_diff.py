@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from sglang_builds import all_builds
-from specpilot_build.diff import main
+from specpilot_build.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ def store(builds, monkeypatch):
 
 
 def run(capsys, *argv):
-    code = main(list(argv))
+    code = main(["diff", *argv])
     out = capsys.readouterr()
     return code, out.out, out.err
 

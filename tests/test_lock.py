@@ -8,10 +8,10 @@ from huggingface_hub import constants as hub_constants
 import pytest
 from fake_hub import FakeHub
 
-from specpilot_build.checkpoints import materialize, snapshot_dir
+from specpilot_build.hub.checkpoints import materialize, snapshot_dir
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.lock import lock_repos, write_lockfile
-from specpilot_build.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
+from specpilot_build.hub.lock import lock_repos, write_lockfile
+from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
 from specpilot_build.locations import REPO_ROOT
 
 MIRROR = REPO_ROOT.parent / "shared" / "models" / "stories260K" / "llama2c"

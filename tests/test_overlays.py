@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build import overlay
+from specpilot_build.build import overlay
+from specpilot_build.config.effective import overlays_in_order
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.manifest import digest_bytes
+from specpilot_build.store.manifest import digest_bytes
 
 CFG = {"runtime": {"name": "sglang"}}
 ORIGINAL = "".join(f"line {i}\n" for i in range(1, 21))
@@ -59,7 +60,7 @@ def everything_under(path: Path) -> list[str]:
 
 def test_a_patch_applies_exactly_and_the_record_has_digests_before_and_after(workspace):
     make_overlay(workspace, "fix", {"0001.patch": PATCH}, files={"python/pkg/new.py": "x = 1\n"})
-    [record] = overlay.apply_overlays(workspace / "tree", ["fix"], CFG)
+    [record] = overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["fix"], CFG), CFG)
     lines = (workspace / "tree/python/pkg/mod.py").read_text().splitlines()
     assert lines[3] == "inserted after 3" and lines[16] == "LINE 16" and len(lines) == 21
     assert (workspace / "tree/python/pkg/new.py").read_text() == "x = 1\n"
@@ -74,7 +75,7 @@ def test_a_hunk_whose_context_no_longer_matches_fails_naming_overlay_file_and_hu
     (workspace / "tree/python/pkg/mod.py").write_text(ORIGINAL.replace("line 17\n", "line seventeen\n"))
     make_overlay(workspace, "fix", {"0001.patch": PATCH})
     with pytest.raises(SpecPilotError) as err:
-        overlay.apply_overlays(workspace / "tree", ["fix"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["fix"], CFG), CFG)
     message = str(err.value)
     assert "overlay fix" in message and "0001.patch" in message and "python/pkg/mod.py" in message
     assert "hunk #2 (@@ -15,3 +16,3 @@)" in message and "line seventeen" in message
@@ -84,7 +85,7 @@ def test_there_is_no_offset_a_shifted_file_fails_at_the_first_hunk(workspace):
     (workspace / "tree/python/pkg/mod.py").write_text("a new first line\n" + ORIGINAL)
     make_overlay(workspace, "fix", {"0001.patch": PATCH})
     with pytest.raises(SpecPilotError, match=r"hunk #1 \(@@ -2,3 \+2,4 @@\) does not apply"):
-        overlay.apply_overlays(workspace / "tree", ["fix"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["fix"], CFG), CFG)
 
 
 @pytest.mark.parametrize("target", ["../outside/x.py", "python/../../outside/x.py"])
@@ -92,7 +93,7 @@ def test_a_patch_that_targets_a_parent_path_is_refused_and_nothing_is_written(wo
     escape = f"--- /dev/null\n+++ b/{target}\n@@ -0,0 +1 @@\n+owned = True\n"
     make_overlay(workspace, "evil", {"0001.patch": PATCH + escape})
     with pytest.raises(SpecPilotError, match="leaves the engine tree"):
-        overlay.apply_overlays(workspace / "tree", ["evil"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["evil"], CFG), CFG)
     assert everything_under(workspace / "outside") == []
     assert (workspace / "tree/python/pkg/mod.py").read_text() == ORIGINAL  # checked before any write
 
@@ -101,7 +102,7 @@ def test_a_patch_with_an_absolute_target_is_refused(workspace):
     target = workspace / "outside" / "abs.py"
     make_overlay(workspace, "evil", {"0001.patch": f"--- /dev/null\n+++ {target}\n@@ -0,0 +1 @@\n+x\n"})
     with pytest.raises(SpecPilotError, match="leaves the engine tree"):
-        overlay.apply_overlays(workspace / "tree", ["evil"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["evil"], CFG), CFG)
     assert everything_under(workspace / "outside") == []
 
 
@@ -109,7 +110,7 @@ def test_a_path_through_a_link_that_leaves_the_tree_is_refused(workspace):
     os.symlink(workspace / "outside", workspace / "tree" / "python" / "escape")
     make_overlay(workspace, "evil", files={"python/escape/x.py": "x\n"})
     with pytest.raises(SpecPilotError, match="goes through a link"):
-        overlay.apply_overlays(workspace / "tree", ["evil"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["evil"], CFG), CFG)
     assert everything_under(workspace / "outside") == []
 
 
@@ -117,13 +118,13 @@ def test_a_link_inside_an_overlay_is_refused(workspace):
     make_overlay(workspace, "evil", files={"python/pkg/a.py": "a\n"})
     os.symlink("/etc/passwd", workspace / "overlays/evil/files/python/pkg/b.py")
     with pytest.raises(SpecPilotError, match="symbolic links are not allowed"):
-        overlay.apply_overlays(workspace / "tree", ["evil"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["evil"], CFG), CFG)
 
 
 def test_an_overlay_for_another_runtime_version_is_refused(workspace):
     make_overlay(workspace, "old", {"0001.patch": PATCH}, versions=">=0.5.0,<0.5.20")
     with pytest.raises(SpecPilotError, match=r"applies to sglang >=0.5.0,<0.5.20, but the pinned sglang is 0.5.23"):
-        overlay.apply_overlays(workspace / "tree", ["old"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["old"], CFG), CFG)
     make_overlay(workspace, "ref", {"0001.patch": PATCH}, runtime="reference")
     with pytest.raises(SpecPilotError, match="applies to runtime 'reference'"):
         overlay.overlay_inputs(["ref"], CFG)
@@ -133,13 +134,13 @@ def test_overlays_apply_in_the_composed_order_and_later_layers_see_earlier_ones(
     make_overlay(workspace, "first", files={"python/pkg/mod.py": "base\n"})
     second = "--- a/python/pkg/mod.py\n+++ b/python/pkg/mod.py\n@@ -1 +1 @@\n-base\n+patched\n"
     make_overlay(workspace, "second", {"0001.patch": second})
-    overlay.apply_overlays(workspace / "tree", ["first", "second"], CFG)
+    overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["first", "second"], CFG), CFG)
     assert (workspace / "tree/python/pkg/mod.py").read_text() == "patched\n"
     with pytest.raises(SpecPilotError, match="hunk #1"):
-        overlay.apply_overlays(workspace / "tree", ["second"], CFG)
+        overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["second"], CFG), CFG)
     cfg = {"hardware": {"overlays": ["h"]}, "model": {}, "drafter": {"overlays": ["d"]},
            "batching": {}, "mechanisms": [{"name": "m1", "overlay": "m"}, {"name": "m2", "overlay": None}]}
-    assert overlay.overlays_in_order(cfg) == ["h", "d", "m"]
+    assert overlays_in_order(cfg) == ["h", "d", "m"]
 
 
 def test_the_engine_id_patch_applies_to_the_pinned_sglang_http_server():
@@ -158,6 +159,6 @@ def test_overlays_replace_files_and_never_write_through_a_hardlink(workspace):
     make_overlay(workspace, "swap", files={"python/pkg/mod.py": "replaced\n"})
     patch = "--- a/python/pkg/mod.py\n+++ b/python/pkg/mod.py\n@@ -1 +1 @@\n-replaced\n+patched\n"
     make_overlay(workspace, "patch", {"0001.patch": patch})
-    overlay.apply_overlays(workspace / "tree", ["swap", "patch"], CFG)
+    overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["swap", "patch"], CFG), CFG)
     assert (workspace / "tree/python/pkg/mod.py").read_text() == "patched\n"
     assert shared.read_text() == ORIGINAL

@@ -3,7 +3,7 @@ import json
 import shutil
 from pathlib import Path
 
-from specpilot_build.prompts import PromptRenderer, prompt_digest
+from specpilot_build.measure.prompts import PromptRenderer, prompt_digest
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build import sandbox
+from specpilot_build.measure import sandbox
 
 ROOMY = sandbox.Limits(wall_s=15.0, cpu_s=5)  # a loaded 2-core machine must not fail the well-behaved
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build import sandbox, score
-from specpilot_build.datasets import load_split
+from specpilot_build.measure import sandbox, score
+from specpilot_build.measure.datasets import load_split
 from specpilot_build.errors import SpecPilotError
 
 
@@ -125,12 +125,12 @@ def test_mixed_run_counts_correct_and_truncated_answers(mixed):
 
 
 def test_cli_prints_the_table_and_writes_the_score(tmp_path, capsys):
-    from specpilot_build import cli
+    from specpilot_build.cli.main import main
 
     item = load_split("gsm8k", 1)[0]
     path = _write_run(tmp_path / "tiny.json", [_request("gsm8k", item.id, item.record["answer"]),
                                                _request("mt-bench", "81", "Hello.")])
-    assert cli.main(["score", str(path)]) == 0
+    assert main(["score", str(path)]) == 0
     out = capsys.readouterr().out
     assert "gsm8k" in out and "100.0%" in out and "not auto-scored" in out
     assert (tmp_path / "tiny.score.json").is_file()
@@ -143,9 +143,9 @@ def test_unknown_item_is_a_user_error(tmp_path):
 
 
 def test_missing_run_exits_with_a_one_line_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        score.main([str(tmp_path / "nothing.json")])
-    assert exit_info.value.code == 2
+    from specpilot_build.cli.main import main
+
+    assert main(["score", str(tmp_path / "nothing.json")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
 
 

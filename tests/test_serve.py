@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from reference_runtime_helpers import free_port
-from specpilot_build.build import build_engine
+from specpilot_build.build.builder import build_engine
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = json.loads((REPO.parent / "shared/models/stories260K/golden_greedy.json").read_text())

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_builds import ARMS, all_builds, sglang_settings
-from specpilot_build.launch_check import check_launch_args, compile_engines
+from specpilot_build.build.launch_check import check_launch_args, compile_engines
 from specpilot_build.locations import data_dir
-from specpilot_build.store import disk_usage
-from specpilot_build.manifest import digest_file
-from specpilot_build.store import Engine
+from specpilot_build.store.engines import disk_usage
+from specpilot_build.store.manifest import digest_file
+from specpilot_build.store.engines import Engine
 
 CASES = [(s, a) for s in sglang_settings() for a in ARMS]
 HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"

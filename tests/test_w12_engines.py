@@ -16,10 +16,10 @@ import torch
 
 from reference_runtime_helpers import GOLDEN, MODEL_DIR, RUNTIME_DIR, STORY_PROMPTS, engine_config, free_port
 from sglang_builds import all_builds, sglang_settings
-from specpilot_build.build import build_engine
-from specpilot_build.launch_check import check_launch_args
-from specpilot_build.serve import serve, stop
-from specpilot_build.store import Engine
+from specpilot_build.build.builder import build_engine
+from specpilot_build.build.launch_check import check_launch_args
+from specpilot_build.run.serve import serve, stop
+from specpilot_build.store.engines import Engine
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = REPO / "kernels" / "w12"

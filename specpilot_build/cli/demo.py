@@ -6,24 +6,21 @@ verdict. The default is the embedded CPU setting with a small split, so it runs 
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 from rich.console import Console
 
-from specpilot_build.errors import user_errors
-
-ARMS = ("ar", "stock", "final")
+from specpilot_build.defaults import ARMS, DEFAULT_PORT, DEFAULT_SETTING
 
 
-def demo(setting: str = "cpu_c1_stories260k_ngram", limit: int = 3, max_new_tokens: int = 128,
-         port: int = 30000, datasets: list[str] | None = None, console: Console | None = None) -> dict:
-    from specpilot_build.bench import bench
-    from specpilot_build.build import build_engine
-    from specpilot_build.compare import compare
-    from specpilot_build.score import print_table as print_score, score_run
-    from specpilot_build.serve import serve, stop
-    from specpilot_build.verify import verify
+def demo(setting: str = DEFAULT_SETTING, limit: int = 3, max_new_tokens: int = 128,
+         port: int = DEFAULT_PORT, datasets: list[str] | None = None, console: Console | None = None) -> dict:
+    from specpilot_build.measure.bench import bench
+    from specpilot_build.build.builder import build_engine
+    from specpilot_build.measure.compare import compare
+    from specpilot_build.measure.score import print_table as print_score, score_run
+    from specpilot_build.run.serve import serve, stop
+    from specpilot_build.measure.verify import verify
 
     console = console or Console()
     started = time.perf_counter()
@@ -51,19 +48,3 @@ def demo(setting: str = "cpu_c1_stories260k_ngram", limit: int = 3, max_new_toke
     console.print(f"demo done in {seconds:.0f} s: verdict {verification['verdict']}")
     return {"engines": {arm: e.id for arm, e in engines.items()}, "runs": {a: str(p) for a, p in runs.items()},
             "compare": report, "score": score, "verify": verification, "seconds": seconds}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--setting", default="cpu_c1_stories260k_ngram")
-    parser.add_argument("--limit", type=int, default=3, help="items per dataset")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--port", type=int, default=30000)
-    args = parser.parse_args(argv)
-    with user_errors():
-        result = demo(args.setting, args.limit, args.max_new_tokens, args.port)
-    return 0 if result["verify"]["real_mismatches"] == 0 else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir, hf_cache_dir, mirror_dir
-from specpilot_build.lockfile import CheckpointPin, PinnedFile
+from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile
+from specpilot_build.hub.remote import hub_endpoint, hub_errors, hub_files, hub_is_offline
 
 SOURCE_FORMATS = ("hf", "llama2c")
 PROGRESS_MIN_BYTES = 64 * 2**20
@@ -59,24 +60,20 @@ def materialize_setting(config: dict, pins: dict[str, CheckpointPin], *, mirror:
     return paths
 
 
-def models_main(argv: Sequence[str]) -> int:
-    """`specpilot models --setting NAME [--mirror DIR]` (make models): fetch and verify a setting's checkpoints."""
-    import argparse
-
-    from specpilot_build.compose import compose_setting
-    from specpilot_build.lockfile import load_lock
-
-    parser = argparse.ArgumentParser(prog="specpilot models", description=models_main.__doc__)
-    parser.add_argument("--setting", required=True)
-    parser.add_argument("--mirror", type=Path, help="offline mirror of pinned files (default: $SPECPILOT_MIRROR, "
-                                                    "else ../shared beside the checkout)")
-    args = parser.parse_args(list(argv))
-    config = compose_setting(args.setting).config
-    pins = load_lock().checkpoints
-    for role, path in materialize_setting(config, pins, mirror=args.mirror).items():
-        repo = config[role]["repo"]
-        print(f"{role:8} {repo}@{pins[repo].revision[:12]}  {path}")
-    return 0
+def model_dirs(checkpoints: dict, config: dict) -> dict[str, Path]:
+    """An engine's pinned checkpoints (its manifest's `inputs.checkpoints`, its config's model and drafter
+    sections), fetched or taken from the mirror and verified: role -> directory."""
+    dirs = {}
+    for role, record in checkpoints.items():
+        if record is None:
+            continue
+        pin = CheckpointPin(repo=record["repo"], revision=record["revision"],
+                            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
+                            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])))
+        section = config[role]
+        dirs[role] = materialize(pin.repo, pin, source_format=section.get("source_format") or "hf",
+                                 files=section.get("files") or (), setting=config["setting"])
+    return dirs
 
 
 def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "hf", files: Sequence[str] = (),
@@ -105,20 +102,6 @@ def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "h
 
 def snapshot_dir(cache: Path, repo: str, revision: str) -> Path:
     return _storage(cache, repo) / "snapshots" / revision
-
-
-def hub_endpoint() -> str | None:
-    """HF_ENDPOINT read now (huggingface_hub reads it once, at import); None: the library's default."""
-    return os.environ.get("HF_ENDPOINT") or None
-
-
-def hub_is_offline() -> bool:
-    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read now (huggingface_hub reads them once, at import)."""
-    from huggingface_hub import constants
-
-    truthy = {"1", "on", "yes", "true"}
-    env = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").strip().lower()
-    return env in truthy or constants.HF_HUB_OFFLINE
 
 
 # --- one file -----------------------------------------------------------------------------------------
@@ -179,8 +162,6 @@ def _wanted_files(pin: CheckpointPin, files: Sequence[str], setting: str) -> lis
             raise SpecPilotError(f"{pin.repo}@{pin.revision}: pinned, but its files are not locked (no sizes/sha256 in "
                                  "checkpoints.toml) and the hub is offline (HF_HUB_OFFLINE=1); run `make lock "
                                  f"SETTING={setting}` where huggingface.co is reachable")
-        from specpilot_build.lock import hub_files
-
         return hub_files(pin.repo, pin.revision, list(files))
     by_path = {f.path: f for f in pin.files}
     missing = [p for p in files if p not in by_path]
@@ -276,41 +257,6 @@ def _download(repo: str, revision: str, pinned: PinnedFile, *, cache: Path, mirr
     return path
 
 
-class hub_errors:
-    """Turn huggingface_hub's and the network's failures into one line naming the repo and file."""
-
-    def __init__(self, repo: str, revision: str, what: str = ""):
-        self.where = f"{repo}@{revision[:12] if len(revision) == 40 else revision}" + (f": {what}" if what else "")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if exc is None or isinstance(exc, (SpecPilotError, KeyboardInterrupt)):
-            return False
-        from huggingface_hub import errors as hub
-
-        if isinstance(exc, (hub.RepositoryNotFoundError, hub.GatedRepoError)):
-            reason = "repository not found or not accessible (private or gated: set HF_TOKEN)"
-        elif isinstance(exc, hub.RevisionNotFoundError):
-            reason = "revision not found on the hub"
-        elif isinstance(exc, (hub.OfflineModeIsEnabled, hub.LocalEntryNotFoundError)):
-            reason = "not cached and the hub is offline or unreachable"
-        elif isinstance(exc, hub.EntryNotFoundError):
-            reason = "file not found at this revision"
-        elif isinstance(exc, (hub.HfHubHTTPError, OSError)) or _is_network_error(exc):
-            reason = f"cannot reach the Hugging Face hub ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        else:
-            return False
-        raise SpecPilotError(f"{self.where}: {reason}") from None
-
-
-def _is_network_error(exc: BaseException) -> bool:
-    """httpx / httpx2 / httpcore transport errors (huggingface_hub's HTTP stack varies by version)."""
-    return any(cls.__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2")
-               for cls in type(exc).__mro__)
-
-
 def _remove_cached(pointer: Path) -> None:
     """Drop a bad snapshot entry and the blob it points to (a blob is named by its content: if it is
     wrong, it is wrong for every snapshot)."""
@@ -344,7 +290,7 @@ def _converted_model(repo: str, pin: CheckpointPin, paths: dict[str, Path]) -> P
 
 
 def _convert_once(repo: str, pin: CheckpointPin, model_bin: Path, tokenizer_bin: Path, out: Path) -> Path:
-    from specpilot_build.llama2c import OUTPUT_FILES, convert
+    from specpilot_build.hub.llama2c import OUTPUT_FILES, convert
 
     expected = {f.path: f for f in pin.converted}
     if out.is_dir() and sorted(p.name for p in out.iterdir()) == sorted(OUTPUT_FILES) \

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecPilotError
-from .locations import conf_dir, data_dir
+from specpilot_build.errors import ConfigError
+from specpilot_build.locations import conf_dir, data_dir
 
-ARMS = ("ar", "stock", "final")
+from specpilot_build.defaults import ARMS  # noqa: F401  (re-exported: the arms a setting composes as)
 GROUPS = ("hardware", "model", "drafter", "batching", "runtime", "arm")
 
 
@@ -30,10 +30,10 @@ def list_settings() -> list[str]:
 def compose_setting(setting: str, arm: str = "final", overrides: list[str] = ()) -> Composed:
     """Compose `setting` as `arm`; unknown settings, options, keys and wrong types fail naming them."""
     if setting not in list_settings():
-        raise SpecPilotError(f"unknown setting '{setting}' (no conf/setting/{setting}.yaml); "
+        raise ConfigError(f"unknown setting '{setting}' (no conf/setting/{setting}.yaml); "
                              f"known: {', '.join(list_settings())}")
     if arm not in ARMS:
-        raise SpecPilotError(f"unknown arm '{arm}'; choose one of {', '.join(ARMS)}")
+        raise ConfigError(f"unknown arm '{arm}'; choose one of {', '.join(ARMS)}")
     args = [f"setting@_global_={setting}", f"arm={arm}", *overrides]
     cache = data_dir() / "cache" / "compose" / f"{_compose_key(args)}.json"
     try:
@@ -90,7 +90,7 @@ def _compose(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from .schema import register
+    from specpilot_build.config.schema import register
 
     register()
     GlobalHydra.instance().clear()
@@ -102,7 +102,7 @@ def _compose(overrides: list[str]):
                 del cfg["hydra"]
             OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
-        raise SpecPilotError(f"config: {_one_line(exc)}") from exc
+        raise ConfigError(f"config: {_one_line(exc)}") from exc
     finally:
         GlobalHydra.instance().clear()
     del HydraConfig
@@ -110,7 +110,7 @@ def _compose(overrides: list[str]):
     return cfg, picked
 
 
-def _open_struct(cfg: DictConfig):
+def _open_struct(cfg):
     from omegaconf import open_dict
     return open_dict(cfg)
 

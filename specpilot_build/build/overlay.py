@@ -12,27 +12,11 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .errors import SpecPilotError
-from .locations import REPO_ROOT
-from .manifest import digest_bytes
-from .runtime_base import source_dir_digest, source_files
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import OVERLAYS_DIR
+from specpilot_build.store.manifest import digest_bytes, source_dir_digest, source_files
 
-OVERLAYS_DIR = REPO_ROOT / "overlays"
 DESCRIPTOR = "overlay.toml"
-# Where overlays come from, in application order: later layers see (and may patch) earlier layers' output.
-OVERLAY_SOURCES = ("hardware", "model", "drafter", "batching", "mechanisms")
-
-
-def overlays_in_order(cfg: dict) -> list[str]:
-    """The overlays an effective config names, in the one application order (OVERLAY_SOURCES)."""
-    names: list[str] = []
-    for source in OVERLAY_SOURCES:
-        node = cfg.get(source)
-        if isinstance(node, dict):
-            names += list(node.get("overlays") or [])
-        elif isinstance(node, list):
-            names += [m["overlay"] for m in node if m.get("overlay")]
-    return names
 
 
 def overlay_inputs(names: list[str], cfg: dict) -> list[dict]:
@@ -46,10 +30,12 @@ def overlay_inputs(names: list[str], cfg: dict) -> list[dict]:
     return out
 
 
-def apply_overlays(tree: Path, names: list[str], cfg: dict) -> list[dict]:
-    """Copy each overlay's files and apply its patches onto `tree`, in order. Returns the manifest records."""
+def apply_overlays(tree: Path, overlays: list[dict], cfg: dict) -> list[dict]:
+    """Copy each overlay's files and apply its patches onto `tree`, in order (`overlays`: overlay_inputs' records).
+    Returns the manifest records."""
     records = []
-    for name in names:
+    for overlay in overlays:
+        name = overlay["name"]
         directory = overlay_dir(name)
         descriptor = read_descriptor(directory)
         _check_runtime(name, descriptor, cfg["runtime"]["name"], installed_version(tree, cfg["runtime"]["name"]))
@@ -75,7 +61,7 @@ def apply_overlays(tree: Path, names: list[str], cfg: dict) -> list[dict]:
             after = tree / rel
             files.append({"path": rel, "before": touched[rel]["before"],
                           "after": digest_bytes(after.read_bytes()) if after.exists() else None})
-        records.append({"name": name, "digest": source_dir_digest(directory), "files": files})
+        records.append({"name": name, "digest": overlay["digest"], "files": files})
     return records
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from .errors import SpecPilotError
-from .locations import engines_dir
-from .manifest import MANIFEST_NAME, canonical_json, digest_bytes, digest_file, engine_id, file_entry, walk_files
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import engines_dir
+from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json, digest_bytes, digest_file, engine_id, file_entry, walk_files
 
 OBJECTS = ".objects"
 TMP = ".tmp"

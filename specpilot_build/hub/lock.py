@@ -7,18 +7,16 @@ lockfiles/checkpoints.toml in one atomic step: either every repo is locked or th
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from specpilot_build.checkpoints import (
-    converted_files, hub_endpoint, hub_errors, hub_is_offline, llama2c_pair, materialize, sha256_of,
-)
+from specpilot_build.hub.checkpoints import converted_files, llama2c_pair, materialize
+from specpilot_build.hub.remote import hub_files, resolve_revision
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.lockfile import REVISION, CheckpointPin, PinnedFile, load_checkpoint_pins
+from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
 
 HEADER = ("# Checkpoint pins: repo -> exact 40-hex revision; per-file size and sha256 once locked "
           "(`make lock SETTING=...`).\n"
@@ -51,31 +49,9 @@ def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapp
     return locked
 
 
-def lock_main(argv: Sequence[str]) -> int:
-    """`specpilot lock --setting NAME [--update]` (make lock): pin the setting's model and drafter repos."""
-    import argparse
-
-    from specpilot_build.checkpoints import checkpoint_requests
-    from specpilot_build.compose import compose_setting
-    from specpilot_build.locations import lockfiles_dir
-
-    parser = argparse.ArgumentParser(prog="specpilot lock", description=lock_main.__doc__)
-    parser.add_argument("--setting", required=True)
-    parser.add_argument("--update", action="store_true", help="re-resolve `main` even for repos already pinned")
-    args = parser.parse_args(list(argv))
-    requests = checkpoint_requests(compose_setting(args.setting).config)
-    lockfile = lockfiles_dir() / "checkpoints.toml"
-    locked = lock_repos({r.repo: list(r.files) for r in requests}, lockfile, update=args.update,
-                        source_formats={r.repo: r.source_format for r in requests})
-    for repo, pin in locked.items():
-        print(f"{repo}@{pin.revision}  {len(pin.files)} files" + (f", {len(pin.converted)} converted" if pin.converted else ""))
-    print(f"wrote {lockfile}")
-    return 0
-
-
 def conversion_hashes(pin: CheckpointPin, *, mirror: Path | None = None) -> tuple[PinnedFile, ...]:
     """Fetch (verified) and convert a llama2c pin afresh, in a temp dir: what this converter writes now."""
-    from specpilot_build.llama2c import convert
+    from specpilot_build.hub.llama2c import convert
 
     snapshot = materialize(pin.repo, pin, source_format="hf", mirror=mirror)
     model_path, tokenizer_path = llama2c_pair(pin.repo, [f.path for f in pin.files])
@@ -83,57 +59,6 @@ def conversion_hashes(pin: CheckpointPin, *, mirror: Path | None = None) -> tupl
         out = Path(tmp) / "model"
         convert(snapshot / model_path, snapshot / tokenizer_path, out)
         return tuple(converted_files(out))
-
-
-def resolve_revision(repo: str, ref: str) -> str:
-    """Branch, tag or commit → the 40-hex commit the hub serves for it now."""
-    if hub_is_offline():
-        raise SpecPilotError(f"{repo}@{ref}: cannot resolve a revision, the hub is offline (HF_HUB_OFFLINE=1); "
-                             "run `make lock` where huggingface.co is reachable")
-    from huggingface_hub import HfApi
-
-    with hub_errors(repo, ref):
-        sha = HfApi(endpoint=hub_endpoint()).model_info(repo, revision=ref).sha
-    if not sha or not REVISION.match(sha):
-        raise SpecPilotError(f"{repo}@{ref}: the hub returned no commit for this revision")
-    return sha
-
-
-def hub_files(repo: str, revision: str, paths: Sequence[str] = ()) -> list[PinnedFile]:
-    """Size and sha256 of `paths` (empty: all files) at `revision`, from the hub's file metadata."""
-    if hub_is_offline():
-        raise SpecPilotError(f"{repo}@{revision[:12]}: cannot list its files, the hub is offline (HF_HUB_OFFLINE=1); "
-                             "run `make lock` where huggingface.co is reachable")
-    from huggingface_hub import HfApi
-
-    with hub_errors(repo, revision):
-        info = HfApi(endpoint=hub_endpoint()).model_info(repo, revision=revision, files_metadata=True)
-    if REVISION.match(revision) and info.sha and info.sha != revision:
-        raise SpecPilotError(f"{repo}@{revision[:12]}: the hub answered for commit {info.sha} instead")
-    siblings = {s.rfilename: s for s in info.siblings or ()}
-    missing = [p for p in paths if p not in siblings]
-    if missing:
-        raise SpecPilotError(f"{repo}@{revision[:12]}: {missing[0]} is not a file at this revision")
-    return [_pinned(repo, revision, siblings[path]) for path in (paths or sorted(siblings))]
-
-
-def _pinned(repo: str, revision: str, sibling) -> PinnedFile:
-    if sibling.lfs is not None:
-        return PinnedFile(path=sibling.rfilename, size=int(sibling.lfs.size), sha256=sibling.lfs.sha256)
-    # A plain git file: the hub gives its git blob id, not a sha256. Fetch it, prove it by the blob id.
-    from huggingface_hub import hf_hub_download
-
-    from specpilot_build.locations import hf_cache_dir
-
-    with hub_errors(repo, revision, sibling.rfilename):
-        path = Path(hf_hub_download(repo, sibling.rfilename, revision=revision, cache_dir=str(hf_cache_dir()),
-                                        endpoint=hub_endpoint()))
-    data = path.read_bytes()
-    blob_id = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-    if sibling.blob_id and blob_id != sibling.blob_id:
-        raise SpecPilotError(f"{repo}@{revision[:12]}: downloaded {sibling.rfilename} has git blob id {blob_id}, "
-                             f"the hub lists {sibling.blob_id}")
-    return PinnedFile(path=sibling.rfilename, size=len(data), sha256=sha256_of(path))
 
 
 def _confirm(repo: str, old: Sequence[PinnedFile], new: Sequence[PinnedFile]) -> None:

@@ -18,8 +18,8 @@ import re
 import zipfile
 from pathlib import Path
 
-from .errors import SpecPilotError
-from .locations import data_dir
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import data_dir
 
 GRAPH_FORMAT = 1
 

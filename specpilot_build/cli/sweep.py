@@ -4,7 +4,6 @@ Each job composes through Hydra (the joblib or Slurm launcher may run it elsewhe
 build.json into its job directory; the summary callback reads those files when the multirun ends."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -15,17 +14,17 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .errors import SpecPilotError, debug_enabled
-from .locations import conf_dir, data_dir
-from .schema import register
+from specpilot_build.errors import SpecPilotError, debug_enabled
+from specpilot_build.locations import conf_dir, data_dir
+from specpilot_build.config.schema import register
 
 RESULT = "build.json"
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def build_job(cfg: DictConfig) -> dict:
-    from .build import build_composed
-    from .compose import from_hydra_config
+    from specpilot_build.build.builder import build_composed
+    from specpilot_build.config.compose import from_hydra_config
 
     out = Path(HydraConfig.get().runtime.output_dir)
     composed = from_hydra_config(cfg, dict(HydraConfig.get().runtime.choices))
@@ -62,26 +61,19 @@ class SummaryCallback(Callback):
         print(f"summary: {summary}")
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot sweep", description=__doc__)
-    parser.add_argument("--settings", required=True, help="comma-separated setting names")
-    parser.add_argument("--arms", default="ar,stock,final")
-    parser.add_argument("--launcher", default=None, help="Hydra launcher config: local (joblib) or slurm")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: list[str] = ()) -> None:
+    """A Hydra multirun of `settings` x `arms` (comma-separated); the summary callback prints the table."""
     sweep_dir = data_dir() / "hydra" / "multirun" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    hydra_args = ["--multirun", f"setting@_global_={args.settings}", f"arm={args.arms}",
+    hydra_args = ["--multirun", f"setting@_global_={settings}", f"arm={arms}",
                   f"hydra.sweep.dir={sweep_dir}", f"hydra.run.dir={data_dir() / 'hydra' / 'run'}",
-                  "+hydra.callbacks.summary._target_=specpilot_build.sweep.SummaryCallback",
-                  "hydra.job.chdir=false", *args.overrides]
-    if args.launcher:
-        hydra_args.append(f"hydra/launcher={args.launcher}")
+                  "+hydra.callbacks.summary._target_=specpilot_build.cli.sweep.SummaryCallback",
+                  "hydra.job.chdir=false", *overrides]
+    if launcher:
+        hydra_args.append(f"hydra/launcher={launcher}")
     register()
+    saved = sys.argv
     sys.argv = ["specpilot-sweep", *hydra_args]
-    build_job()
-    return 0
-
-
-if __name__ == "__main__":
-    register()
-    build_job()
+    try:
+        build_job()
+    finally:
+        sys.argv = saved

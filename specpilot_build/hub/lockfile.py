@@ -6,8 +6,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SpecPilotError
-from .locations import lockfiles_dir
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import lockfiles_dir
 
 REVISION = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -10,14 +10,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .assemble import assemble_tree, base_inputs
-from .compose import Composed, compose_setting
-from .effective import effective_config
-from .errors import SpecPilotError
-from .lockfile import CheckpointPin, Lock, load_lock
-from .manifest import SCHEMA, canonical_json, digest_bytes
-from .store import INDEX, Engine, commit, new_build_dir, store_root
+from specpilot_build import __version__
+from specpilot_build.build.assemble import assemble_tree
+from specpilot_build.build.inputs import resolve_inputs
+from specpilot_build.config.compose import Composed, compose_setting
+from specpilot_build.hub.lockfile import Lock, load_lock
+from specpilot_build.store.manifest import SCHEMA, canonical_json, digest_bytes
+from specpilot_build.store.engines import INDEX, Engine, commit, new_build_dir, store_root
 
 
 @dataclass(frozen=True)
@@ -42,14 +41,10 @@ def build_engine(setting: str, arm: str = "final", overrides: list[str] = (), lo
 
 def build_composed(composed: Composed, lock: Lock | None = None) -> BuildResult:
     started = time.perf_counter()
-    cfg = effective_config(composed.config)
-    lock = lock or load_lock()
-    checkpoints = resolve_checkpoints(composed.setting, cfg, lock)
-    inputs = {"checkpoints": {k: (p.as_record() if p else None) for k, p in checkpoints.items()},
-              **base_inputs(cfg, lock)}
+    inputs = resolve_inputs(composed, lock or load_lock())
     head = {"schema": SCHEMA, "builder": {"name": "specpilot", "version": __version__},
             "setting": composed.setting, "arm": composed.arm, "choices": composed.choices,
-            "config": cfg, "inputs": inputs}
+            "config": inputs.config, "inputs": inputs.record()}
     root = store_root()
     key = digest_bytes(canonical_json({"head": head, "builder_source": _builder_source_digest()})).split(":")[1]
     known = _index_lookup(root, key)
@@ -57,7 +52,7 @@ def build_composed(composed: Composed, lock: Lock | None = None) -> BuildResult:
         return BuildResult(known, created=False, seconds=time.perf_counter() - started)
     tree = new_build_dir(root)
     try:
-        base_record = assemble_tree(tree, cfg, lock, root)
+        base_record = assemble_tree(tree, inputs, root)
         head = dict(head, base=base_record)
         engine, created = commit(tree, head, root)
     except BaseException:
@@ -67,25 +62,9 @@ def build_composed(composed: Composed, lock: Lock | None = None) -> BuildResult:
     return BuildResult(engine, created=created, seconds=time.perf_counter() - started)
 
 
-def resolve_checkpoints(setting: str, cfg: dict, lock: Lock) -> dict[str, CheckpointPin | None]:
-    """The model's pin and, when the arm runs a drafter checkpoint, the drafter's. Unpinned → one-line error."""
-    wanted = {"model": cfg["model"]["repo"], "drafter": cfg["drafter"].get("repo")}
-    pins: dict[str, CheckpointPin | None] = {}
-    for role, repo in wanted.items():
-        if repo is None:
-            pins[role] = None
-            continue
-        if repo not in lock.checkpoints:
-            raise SpecPilotError(
-                f"checkpoint {repo} ({role} of {setting}) is not pinned in {lock.directory / 'checkpoints.toml'}; "
-                f"run `make lock SETTING={setting}` where the Hugging Face hub is reachable")
-        pins[role] = lock.checkpoints[repo]
-    return pins
-
-
 def _builder_source_digest() -> str:
-    package = Path(__file__).parent
-    parts = [(p.name, p.read_bytes()) for p in sorted(package.glob("*.py"))]
+    package = Path(__file__).resolve().parent.parent
+    parts = [(p.relative_to(package).as_posix(), p.read_bytes()) for p in sorted(package.rglob("*.py"))]
     return digest_bytes(b"".join(name.encode() + b"\0" + data for name, data in parts))
 
 

@@ -5,42 +5,14 @@ launch arguments, runtime base, overlays (with their patch hunks), files, size â
 order, and opens with one line per cause. Exit status like diff(1): 0 identical, 1 different, 2 error."""
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
-import sys
 from pathlib import Path
 
-from .errors import SpecPilotError
-from .store import Engine, resolve_engine
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.store.engines import Engine
 
 ABSENT = "(absent)"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot diff", description=__doc__.splitlines()[0])
-    parser.add_argument("a", help="engine id (or a unique prefix)")
-    parser.add_argument("b", help="engine id (or a unique prefix)")
-    parser.add_argument("--json", action="store_true", help="print the diff as JSON")
-    parser.add_argument("--files", action="store_true", help="show unified diffs of changed text files")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
-    try:
-        a, b = resolve_engine(args.a), resolve_engine(args.b)
-        report = diff_engines(a, b, with_file_diffs=args.files)
-    except SpecPilotError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"error: cannot read the engines' manifests: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False))
-    else:
-        print(render(report))
-    return 0 if report["identical"] else 1
 
 
 def diff_engines(a: Engine, b: Engine, with_file_diffs: bool = False) -> dict:
@@ -153,8 +125,8 @@ def _overlay_changes(ma: dict, mb: dict) -> list[dict]:
 
 def _overlay_hunks(name: str, digest: str) -> list[str] | str:
     """The overlay's patch hunks, read from overlays/<name>/ when its digest is the one the engine recorded."""
-    from .overlay import OVERLAYS_DIR
-    from .runtime_base import source_dir_digest
+    from specpilot_build.locations import OVERLAYS_DIR
+    from specpilot_build.store.manifest import source_dir_digest
     directory = OVERLAYS_DIR / name
     try:
         if source_dir_digest(directory) != digest:
@@ -316,5 +288,3 @@ def render(report: dict) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -16,24 +16,24 @@ import platform
 import subprocess
 import sys
 
-from specpilot_build import client
-from specpilot_build.datasets import BENCHMARKS, dataset_pin, load_split
+from specpilot_build.run import client
+from specpilot_build.measure.datasets import BENCHMARKS, dataset_pin, load_split
+from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.hub.checkpoints import model_dirs
+from specpilot_build.store.engines import Engine, resolve_engine
 from specpilot_build.locations import REPO_ROOT
-from specpilot_build.prompts import PromptRenderer, prompts_digest
-from specpilot_build.results import SCHEMA, results_path, write_json
+from specpilot_build.measure.prompts import PromptRenderer, prompts_digest
+from specpilot_build.measure.results import SCHEMA, results_path, write_json
 
 WARMUP_TOKENS = 32
 
 
-def bench(engine_ref: str, name: str, limit: int | None = None, max_new_tokens: int = 2048,
-          port: int = 30000, datasets: list[str] | None = None, host: str = "127.0.0.1",
+def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new_tokens: int = 2048,
+          port: int = DEFAULT_PORT, datasets: list[str] | None = None, host: str = "127.0.0.1",
           overwrite: bool = False, progress: bool = True):
     """Bench the engine served on host:port; returns the path of the results JSON."""
-    from specpilot_build.serve import model_dirs
-    from specpilot_build.store import resolve_engine
-
-    engine = resolve_engine(engine_ref)
+    engine = resolve_engine(engine_ref) if isinstance(engine_ref, str) else engine_ref
     out = results_path(name)
     if out.exists() and not overwrite:
         raise SpecPilotError(f"{out} exists; choose another NAME or remove it")
@@ -46,7 +46,7 @@ def bench(engine_ref: str, name: str, limit: int | None = None, max_new_tokens: 
     config = engine.config
     concurrency = int(config["batching"]["concurrency"])
     names = list(datasets or config.get("datasets") or BENCHMARKS)
-    renderer = PromptRenderer(model_dirs(engine)["model"], config["model"].get("chat_template"))
+    renderer = PromptRenderer(model_dirs(engine.manifest["inputs"]["checkpoints"], config)["model"], config["model"].get("chat_template"))
     context = config["model"].get("context_length") or renderer.context_length
     plan, skipped = plan_requests(renderer, names, limit, max_new_tokens, context)
     if not any(plan.values()):
@@ -177,31 +177,3 @@ def _versions(info: dict) -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return versions
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from specpilot_build.errors import user_errors
-
-    parser = argparse.ArgumentParser(prog="specpilot bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--engine", required=True, help="engine id or unique prefix (served on --port)")
-    parser.add_argument("--name", required=True, help="run name: writes <data>/results/<name>.json")
-    parser.add_argument("--limit", type=int, default=None, help="items per dataset (default: whole split)")
-    parser.add_argument("--max-new-tokens", type=int, default=2048)
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--datasets", default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
-    args = parser.parse_args(argv)
-    with user_errors():
-        path = bench(args.engine, args.name, args.limit, args.max_new_tokens, args.port,
-                     args.datasets.split(",") if args.datasets else None, overwrite=args.overwrite)
-        import json
-        data = json.loads(path.read_text())
-        print(f"wrote {path}: {len(data['requests'])} requests, {data['wall_s']:.1f} s, client overhead "
-              f"{data['client']['overhead_fraction']:.3%} of slot time")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,7 +14,6 @@ they are graded like the others.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import secrets
@@ -23,9 +22,9 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-from specpilot_build import sandbox
-from specpilot_build.errors import SpecPilotError, user_errors
-from specpilot_build.results import load_results, write_json
+from specpilot_build.measure import sandbox
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.measure.results import load_results, write_json
 
 SCHEMA = "specpilot.score/1"
 AUTO_SCORED = ("gsm8k", "math500", "humaneval", "mbpp")
@@ -192,11 +191,9 @@ def grade_math500(completions: list[str], answers: list[str], timeout_s: float =
     timeout_s + 5 s per item it is killed and the items count as wrong."""
     if not completions:
         return []
-    worker = ("import sys; sys.path.insert(0, sys.argv[1]); "
-              "from specpilot_build.score import _math_verify_stdio; _math_verify_stdio()")
-    package_root = str(Path(__file__).resolve().parent.parent)
+    worker = "from specpilot_build.measure.score import _math_verify_stdio; _math_verify_stdio()"
     try:
-        done = subprocess.run([sys.executable, "-c", worker, package_root], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True,
                               input=json.dumps({"completions": completions, "answers": answers}),
                               timeout=timeout_s + 5 * len(completions))
     except subprocess.TimeoutExpired:
@@ -275,7 +272,7 @@ def _failure_detail(outcome: sandbox.Outcome, token: str) -> str | None:
 # --- inputs --------------------------------------------------------------------------------------------
 
 def _reference_records(datasets: set[str]) -> dict[str, dict[str, dict]]:
-    from specpilot_build.datasets import load_split
+    from specpilot_build.measure.datasets import load_split
 
     return {dataset: {item.id: item.record for item in load_split(dataset)} for dataset in datasets}
 
@@ -287,7 +284,7 @@ def _record_for(records: dict, dataset: str, item_id: str, path: Path) -> dict:
         raise SpecPilotError(f"{path}: {dataset} item {item_id!r} is not in the pinned {dataset} split") from None
 
 
-# --- CLI -----------------------------------------------------------------------------------------------
+# --- table -----------------------------------------------------------------------------------------------
 
 def print_table(score: dict) -> None:
     from rich.console import Console
@@ -306,24 +303,3 @@ def print_table(score: dict) -> None:
         else:
             table.add_row(dataset, str(summary["n"]), "-", "not auto-scored", str(summary["truncated"]))
     Console().print(table)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot score", description=__doc__.splitlines()[0])
-    parser.add_argument("run", help="results JSON written by bench: a path or a run name (<data>/results/<name>.json)")
-    parser.add_argument("--workers", type=int, default=None, help="sandboxed programs run in parallel")
-    parser.add_argument("--cpu-seconds", type=int, default=sandbox.Limits.cpu_s,
-                        help="CPU-time limit per program")
-    parser.add_argument("--wall-seconds", type=float, default=sandbox.Limits.wall_s,
-                        help="wall-clock limit per program")
-    args = parser.parse_args(argv)
-    with user_errors():
-        limits = sandbox.Limits(cpu_s=args.cpu_seconds, wall_s=args.wall_seconds)
-        score = score_run(args.run, workers=args.workers, limits=limits)
-        print_table(score)
-        print(f"wrote {score['path']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

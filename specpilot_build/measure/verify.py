@@ -14,18 +14,18 @@ request's first real mismatch are reported but not counted as verified.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
-from pathlib import Path
 
-from specpilot_build import client
-from specpilot_build.errors import SpecPilotError, user_errors
-from specpilot_build.results import load_results, write_json
+from specpilot_build.run import client
+from specpilot_build.run.serve import serve, stop
+from specpilot_build.defaults import ORACLE_PORT
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.store.engines import Engine, resolve_engine
+from specpilot_build.measure.results import load_results, write_json
 
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "fp8": 3}
 LOGIT_SCALE = 32.0
-DEFAULT_PORT = 30001
 
 
 def dtype_tolerance(*dtypes: str | None) -> float:
@@ -33,12 +33,12 @@ def dtype_tolerance(*dtypes: str | None) -> float:
     return LOGIT_SCALE * 2.0 ** -min(bits or [7])
 
 
-def verify(run: str, oracle: str | None = None, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
+def verify(run: str, oracle: Engine | str, port: int = ORACLE_PORT, host: str = "127.0.0.1",
            tolerance: float | None = None, concurrency: int | None = None, progress: bool = True,
            console=None) -> dict:
     """Verify a bench run against an oracle engine; writes <run>.verify.json and returns the report."""
     path, data = load_results(run)
-    oracle_engine = _oracle_engine(data, oracle)
+    oracle_engine = resolve_engine(oracle) if isinstance(oracle, str) else oracle
     if dict(oracle_engine.model_pin) != dict(data["target_pin"]):
         raise SpecPilotError(
             f"{path} was benched on target {_pin(data['target_pin'])}, oracle engine {oracle_engine.id[:12]} "
@@ -170,16 +170,6 @@ def exit_status(report: dict) -> int:
     return 0 if report["real_mismatches"] == 0 else 1
 
 
-def _oracle_engine(data: dict, oracle: str | None):
-    if oracle:
-        from specpilot_build.store import resolve_engine
-        return resolve_engine(oracle)
-    if not data.get("setting"):
-        raise SpecPilotError("the results file names no setting; pass ORACLE=<engine id>")
-    from specpilot_build.build import build_engine
-    return build_engine(data["setting"], "ar").engine
-
-
 class _oracle_server:
     """Use a server already serving the oracle on the port, else serve it for the duration and stop it."""
 
@@ -191,7 +181,6 @@ class _oracle_server:
             served = client.served_engine_id(client.server_info(self.url, timeout=3))
         except SpecPilotError:
             served = None
-            from specpilot_build.serve import serve
             serve(self.engine.id, self.port)
             self.started = True
             served = client.served_engine_id(client.server_info(self.url))
@@ -202,27 +191,9 @@ class _oracle_server:
 
     def __exit__(self, *exc):
         if self.started:
-            from specpilot_build.serve import stop
             stop(self.port)
         return False
 
 
 def _pin(pin: dict) -> str:
     return f"{pin.get('repo')}@{str(pin.get('revision'))[:12]}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot verify", description=__doc__.split("\n")[0])
-    parser.add_argument("run", help="results JSON path or run name")
-    parser.add_argument("--oracle", help="oracle engine id (default: the setting's ar arm, built if needed)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--tolerance", type=float, help="near-tie log-prob margin (default: from the dtype)")
-    parser.add_argument("--concurrency", type=int)
-    args = parser.parse_args(argv)
-    with user_errors():
-        report = verify(args.run, args.oracle, args.port, tolerance=args.tolerance, concurrency=args.concurrency)
-    return exit_status(report)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

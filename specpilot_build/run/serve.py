@@ -5,7 +5,6 @@ present and verified → the launch spec from the tree → run record → wait f
 report this engine's id. stop: the recorded process group only, idempotently."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -18,10 +17,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import SpecPilotError
-from .lockfile import CheckpointPin, PinnedFile
-from .locations import data_dir
-from .store import Engine, check_engine, resolve_engine
+from specpilot_build.defaults import DEFAULT_PORT
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.hub.checkpoints import model_dirs
+from specpilot_build.locations import data_dir
+from specpilot_build.store.engines import Engine, check_engine, resolve_engine
 
 HOST = "127.0.0.1"
 SGLANG_RUNTIME_MODULES = ("torch", "transformers", "uvicorn", "fastapi", "sgl_kernel", "flashinfer")
@@ -37,7 +37,7 @@ def record_path(port: int) -> Path:
 
 # --- serve --------------------------------------------------------------------------------------------------
 
-def serve(engine: Engine | str, port: int = 30000, gpu: int = 0, *, ignore_hardware: bool = False,
+def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignore_hardware: bool = False,
           dry_run: bool = False, timeout: float = 300.0, quiet: bool = False) -> dict:
     """Serve `engine` (an Engine or an id / unique prefix) on 127.0.0.1:port; returns the run record."""
     if isinstance(engine, str):
@@ -51,7 +51,7 @@ def serve(engine: Engine | str, port: int = 30000, gpu: int = 0, *, ignore_hardw
     check_hardware(cfg, gpu, ignore_hardware)
     if cfg["runtime"]["name"] == "sglang":
         _check_sglang_dependencies()
-    models = model_dirs(engine)
+    models = model_dirs(engine.manifest["inputs"]["checkpoints"], cfg)
     argv, env = launch_command(engine, models, port)
     env["CUDA_VISIBLE_DEVICES"] = str(gpu) if cfg["hardware"]["device"] == "cuda" else ""
     if dry_run:
@@ -78,24 +78,6 @@ def serve(engine: Engine | str, port: int = 30000, gpu: int = 0, *, ignore_hardw
         raise
     say(f"ready: http://{HOST}:{port}  (log {log})")
     return record
-
-
-def model_dirs(engine: Engine) -> dict[str, Path]:
-    """The engine's pinned checkpoints, fetched (or taken from the mirror) and verified; role → directory."""
-    from .checkpoints import materialize
-
-    cfg = engine.config
-    dirs = {}
-    for role, record in engine.manifest["inputs"]["checkpoints"].items():
-        if record is None:
-            continue
-        pin = CheckpointPin(repo=record["repo"], revision=record["revision"],
-                            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
-                            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])))
-        section = cfg[role]
-        dirs[role] = materialize(pin.repo, pin, source_format=section.get("source_format") or "hf",
-                                 files=section.get("files") or (), setting=cfg["setting"])
-    return dirs
 
 
 def launch_command(engine: Engine, models: dict[str, Path], port: int) -> tuple[list[str], dict[str, str]]:
@@ -251,37 +233,3 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except (FileNotFoundError, IndexError):
         return True
-
-
-# --- command line -------------------------------------------------------------------------------------------
-
-def serve_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot serve", description=__doc__)
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--engine", help="engine id or unique prefix")
-    what.add_argument("--setting", help="build (or find) this setting's engine first")
-    parser.add_argument("--arm", default="final")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--gpu", type=int, default=0)
-    parser.add_argument("--ignore-hardware", action="store_true", help="serve even if the GPU differs (experts)")
-    parser.add_argument("--dry-run", action="store_true", help="print the exact command and environment")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
-    args = parser.parse_args(argv)
-    if args.setting:
-        from .build import build_engine
-        engine = build_engine(args.setting, args.arm).engine
-    else:
-        engine = resolve_engine(args.engine)
-    serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, dry_run=args.dry_run,
-          timeout=args.timeout)
-    return 0
-
-
-def stop_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot stop")
-    parser.add_argument("--port", type=int, default=30000)
-    print(stop(parser.parse_args(argv).port))
-    return 0
-
-
-main = serve_main

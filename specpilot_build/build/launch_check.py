@@ -14,7 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .store import Engine
+from specpilot_build.store.engines import Engine
 
 PLACEHOLDER_DEFAULTS = {"host": "127.0.0.1", "port": "30000"}
 

@@ -9,13 +9,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import SpecPilotError
-from .locations import REPO_ROOT, data_dir, mirror_dir
-from .lockfile import LocalRuntimePin, WheelPin
-from .manifest import canonical_json, digest_bytes, digest_file
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import REPO_ROOT, data_dir, mirror_dir
+from specpilot_build.hub.lockfile import LocalRuntimePin, WheelPin
+from specpilot_build.store.manifest import source_files
 
-IGNORED_NAMES = {"__pycache__", ".pytest_cache", ".DS_Store"}
-IGNORED_SUFFIXES = (".pyc", ".pyo")
 
 
 def wheel_file(pin: WheelPin) -> Path:
@@ -74,22 +72,6 @@ def local_runtime_dir(pin: LocalRuntimePin) -> Path:
     return path
 
 
-def source_files(src: Path) -> list[tuple[str, Path]]:
-    """An in-repo directory's files as (relative POSIX path, path), sorted by bytes; caches and bytecode left
-    out, links refused."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames[:] = [d for d in dirnames if d not in IGNORED_NAMES]
-        for name in filenames:
-            if name in IGNORED_NAMES or name.endswith(IGNORED_SUFFIXES):
-                continue
-            path = Path(dirpath) / name
-            if path.is_symlink():
-                raise SpecPilotError(f"{path}: symbolic links are not allowed in a runtime or overlay directory")
-            found.append((path.relative_to(src).as_posix(), path))
-    return sorted(found, key=lambda item: item[0].encode())
-
-
 def copy_files(files: list[tuple[str, Path]], dest: Path) -> None:
     for rel, path in files:
         target = dest / rel
@@ -98,14 +80,5 @@ def copy_files(files: list[tuple[str, Path]], dest: Path) -> None:
         os.chmod(target, 0o755 if os.access(path, os.X_OK) else 0o644)
 
 
-def files_digest(files: list[tuple[str, Path]]) -> str:
-    entries = [{"path": rel, "exec": os.access(path, os.X_OK), "blake3": digest_file(path)} for rel, path in files]
-    return digest_bytes(canonical_json(entries))
-
-
 def copy_source_dir(src: Path, dest: Path) -> None:
     copy_files(source_files(src), dest)
-
-
-def source_dir_digest(src: Path) -> str:
-    return files_digest(source_files(src))

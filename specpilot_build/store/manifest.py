@@ -11,6 +11,8 @@ from pathlib import Path
 
 import blake3
 
+from specpilot_build.errors import SpecPilotError
+
 MANIFEST_NAME = "manifest.json"
 SCHEMA = "specpilot.manifest/1"
 
@@ -55,15 +57,31 @@ def walk_files(root: Path) -> list[str]:
     return sorted(found, key=lambda p: p.encode("utf-8"))
 
 
-def file_entries(root: Path) -> list[dict]:
-    return [file_entry(root, rel) for rel in walk_files(root)]
+IGNORED_NAMES = {"__pycache__", ".pytest_cache", ".DS_Store"}
+IGNORED_SUFFIXES = (".pyc", ".pyo")
 
 
-def directory_digest(root: Path) -> str:
-    """One digest over a directory's files (paths, exec bits, contents): pins an in-repo directory."""
-    entries = [{k: e[k] for k in ("path", "exec", "blake3")} for e in file_entries(root)]
+def source_files(src: Path) -> list[tuple[str, Path]]:
+    """An in-repo directory's files as (relative POSIX path, path), sorted by bytes; caches and bytecode left
+    out, links refused."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = [d for d in dirnames if d not in IGNORED_NAMES]
+        for name in filenames:
+            if name in IGNORED_NAMES or name.endswith(IGNORED_SUFFIXES):
+                continue
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                raise SpecPilotError(f"{path}: symbolic links are not allowed in a runtime or overlay directory")
+            found.append((path.relative_to(src).as_posix(), path))
+    return sorted(found, key=lambda item: item[0].encode())
+
+
+def files_digest(files: list[tuple[str, Path]]) -> str:
+    """One digest over (path, exec bit, content) of each file: pins an in-repo directory or a kernel's files."""
+    entries = [{"path": rel, "exec": os.access(path, os.X_OK), "blake3": digest_file(path)} for rel, path in files]
     return digest_bytes(canonical_json(entries))
 
 
-def read_manifest(engine_dir: Path) -> dict:
-    return json.loads((engine_dir / MANIFEST_NAME).read_bytes())
+def source_dir_digest(src: Path) -> str:
+    return files_digest(source_files(src))

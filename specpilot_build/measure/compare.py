@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.results import load_results, results_dir, write_json
+from specpilot_build.measure.results import load_results, results_dir, write_json
 
 PAIRS = (("final", "stock"), ("final", "ar"), ("stock", "ar"))
 RESAMPLES = 2000
@@ -207,24 +207,3 @@ def speedup_chart(report: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from specpilot_build.errors import user_errors
-
-    parser = argparse.ArgumentParser(prog="specpilot compare", description=__doc__.split("\n")[0])
-    parser.add_argument("--ar", required=True, help="results of the ar arm (path or run name)")
-    parser.add_argument("--stock", required=True, help="results of the stock arm")
-    parser.add_argument("--final", required=True, help="results of the final arm")
-    parser.add_argument("--name", help="output name (default compare_<final run name>)")
-    args = parser.parse_args(argv)
-    with user_errors():
-        report = compare(args.ar, args.stock, args.final, name=args.name)
-        print(f"wrote {report['json']} and {report['chart']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

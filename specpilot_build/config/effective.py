@@ -32,7 +32,17 @@ def effective_config(config: dict) -> dict:
     return cfg
 
 
-def overlays_of(cfg: dict) -> list[str]:
-    """Overlay names in application order (the order rule lives in overlay.py)."""
-    from .overlay import overlays_in_order
-    return overlays_in_order(cfg)
+# Where overlays come from, in application order: later layers see (and may patch) earlier layers' output.
+OVERLAY_SOURCES = ("hardware", "model", "drafter", "batching", "mechanisms")
+
+
+def overlays_in_order(cfg: dict) -> list[str]:
+    """The overlays an effective config names, in the one application order (OVERLAY_SOURCES)."""
+    names: list[str] = []
+    for source in OVERLAY_SOURCES:
+        node = cfg.get(source)
+        if isinstance(node, dict):
+            names += list(node.get("overlays") or [])
+        elif isinstance(node, list):
+            names += [m["overlay"] for m in node if m.get("overlay")]
+    return names

@@ -1,0 +1,115 @@
+"""Resolve a composed setting's inputs once: the effective config, the runtime pin, the checkpoint pins, the
+overlays and the kernels, each with its digest. Hashing (the manifest's `inputs`, the no-op index key) and
+assembly both read this one object, so nothing is looked up or digested twice."""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpilot_build.build.overlay import overlay_inputs
+from specpilot_build.build.runtime_base import local_runtime_dir
+from specpilot_build.config.compose import Composed
+from specpilot_build.config.effective import effective_config, overlays_in_order
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.hub.lockfile import CheckpointPin, LocalRuntimePin, Lock, WheelPin
+from specpilot_build.locations import KERNELS_DIR
+from specpilot_build.store.manifest import files_digest, source_dir_digest, source_files
+
+SHIP_LIST = "engine_files.txt"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    files: tuple[tuple[str, Path], ...]  # (path inside the kernel, source file)
+    digest: str
+
+
+@dataclass(frozen=True)
+class BuildInputs:
+    composed: Composed
+    config: dict  # the effective config: what this arm executes
+    lock: Lock
+    runtime: WheelPin | LocalRuntimePin
+    runtime_record: dict
+    checkpoints: dict[str, CheckpointPin | None]  # role -> pin
+    overlays: tuple[dict, ...]  # {"name", "digest"} in application order
+    kernels: tuple[Kernel, ...]
+
+    def record(self) -> dict:
+        """The manifest's `inputs` section."""
+        return {"checkpoints": {k: (p.as_record() if p else None) for k, p in self.checkpoints.items()},
+                "runtime": self.runtime_record,
+                "overlays": [dict(o) for o in self.overlays],
+                "kernels": [{"name": k.name, "digest": k.digest} for k in self.kernels]}
+
+
+def resolve_inputs(composed: Composed, lock: Lock) -> BuildInputs:
+    cfg = effective_config(composed.config)
+    runtime = runtime_pin(cfg, lock)
+    if isinstance(runtime, WheelPin):
+        runtime_record = {"name": runtime.name, "kind": "wheel", "version": runtime.version,
+                          "filename": runtime.filename, "sha256": runtime.sha256}
+    else:
+        runtime_record = {"name": runtime.name, "kind": "directory", "dir": runtime.dir,
+                          "digest": source_dir_digest(local_runtime_dir(runtime))}
+    kernels = []
+    for name in kernels_of(cfg):
+        files = tuple(kernel_files(name))
+        kernels.append(Kernel(name, files, files_digest(list(files))))
+    return BuildInputs(composed=composed, config=cfg, lock=lock, runtime=runtime, runtime_record=runtime_record,
+                       checkpoints=resolve_checkpoints(composed.setting, cfg, lock),
+                       overlays=tuple(overlay_inputs(overlays_in_order(cfg), cfg)), kernels=tuple(kernels))
+
+
+def runtime_pin(cfg: dict, lock: Lock) -> WheelPin | LocalRuntimePin:
+    name = cfg["runtime"]["name"]
+    if name not in lock.runtimes:
+        raise SpecPilotError(f"runtime '{name}' is not pinned in {lock.directory / 'runtimes.toml'}")
+    return lock.runtimes[name]
+
+
+def resolve_checkpoints(setting: str, cfg: dict, lock: Lock) -> dict[str, CheckpointPin | None]:
+    """The model's pin and, when the arm runs a drafter checkpoint, the drafter's. Unpinned → one-line error."""
+    wanted = {"model": cfg["model"]["repo"], "drafter": cfg["drafter"].get("repo")}
+    pins: dict[str, CheckpointPin | None] = {}
+    for role, repo in wanted.items():
+        if repo is None:
+            pins[role] = None
+            continue
+        if repo not in lock.checkpoints:
+            raise SpecPilotError(
+                f"checkpoint {repo} ({role} of {setting}) is not pinned in {lock.directory / 'checkpoints.toml'}; "
+                f"run `make lock SETTING={setting}` where the Hugging Face hub is reachable")
+        pins[role] = lock.checkpoints[repo]
+    return pins
+
+
+def kernels_of(cfg: dict) -> list[str]:
+    """Kernels the engine ships: those its mechanisms name, and W12 when the model runs quantized with it."""
+    names = list(cfg.get("kernels", []))
+    if cfg["model"].get("quantization") == "w12" and "w12" not in names:
+        names.append("w12")
+    return names
+
+
+def kernel_files(name: str) -> list[tuple[str, Path]]:
+    """The files of kernels/<name>/ that an engine ships: those its engine_files.txt names (glob patterns, one
+    per line, `#` comments), or all of them when it has no such list. Benchmarks and their results stay out,
+    so an engine's id does not move when only they change."""
+    src = KERNELS_DIR / name
+    if not src.is_dir():
+        raise SpecPilotError(f"kernel '{name}': kernels/{name}/ does not exist")
+    files = source_files(src)
+    listing = src / SHIP_LIST
+    if not listing.is_file():
+        return files
+    patterns = [line.split("#", 1)[0].strip() for line in listing.read_text().splitlines()]
+    chosen = set()
+    for pattern in filter(None, patterns):
+        matched = {rel for rel, _ in files if fnmatch.fnmatchcase(rel, pattern)}
+        if not matched:
+            raise SpecPilotError(f"kernels/{name}/{SHIP_LIST}: '{pattern}' matches no file in kernels/{name}/")
+        chosen |= matched
+    return [(rel, path) for rel, path in files if rel in chosen]

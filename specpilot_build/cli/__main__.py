@@ -1,0 +1,3 @@
+from specpilot_build.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,346 @@
+"""`specpilot`: every verb's parser, in one place. Stages return data and raise typed errors; this module
+prints the data and turns the errors into one line and an exit code (a traceback only with SPECPILOT_DEBUG=1)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from specpilot_build.defaults import ARMS, DEFAULT_PORT, DEFAULT_SETTING, ORACLE_PORT
+from specpilot_build.errors import SpecPilotError, debug_enabled
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return int(args.handler(args) or 0)
+    except SpecPilotError as exc:
+        if debug_enabled():
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpilot", description="Declarative builds of speculative-decoding "
+                                     "engines: a Hydra setting becomes a content-addressed engine you serve, "
+                                     "bench and verify by its id.")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    engine = verbs.add_parser("engine", help="build an engine, or inspect the store (build, verify, show, ls)")
+    store = engine.add_subparsers(dest="engine_verb", required=True, metavar="ACTION")
+    p = store.add_parser("build", help="build (or find) the engine of a setting and arm; prints id and path")
+    p.add_argument("--setting", default=DEFAULT_SETTING)
+    p.add_argument("--arm", default="final", choices=ARMS)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter.num_draft_tokens=6")
+    p.set_defaults(handler=_engine_build)
+    p = store.add_parser("verify", help="re-hash an engine against its manifest; non-zero exit on any difference")
+    p.add_argument("engine")
+    p.set_defaults(handler=_engine_verify)
+    p = store.add_parser("show", help="setting, arm, pins, mechanisms and size of an engine")
+    p.add_argument("engine")
+    p.set_defaults(handler=_engine_show)
+    store.add_parser("ls", help="list the engines in the store").set_defaults(handler=_engine_ls)
+
+    p = verbs.add_parser("sweep", help="build many setting x arm engines as one Hydra multirun; summary table")
+    p.add_argument("--settings", required=True, help="comma-separated setting names")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--launcher", default=None, help="Hydra launcher config: local (joblib) or slurm")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every job")
+    p.set_defaults(handler=_sweep)
+
+    p = verbs.add_parser("lock", help="pin a setting's model and drafter repos to commits, files to sha256")
+    p.add_argument("--setting", required=True)
+    p.add_argument("--update", action="store_true", help="re-resolve `main` even for repos already pinned")
+    p.set_defaults(handler=_lock)
+
+    p = verbs.add_parser("models", help="fetch and verify exactly a setting's pinned checkpoint files")
+    p.add_argument("--setting", required=True)
+    p.add_argument("--mirror", type=Path, help="offline mirror of pinned files (default: $SPECPILOT_MIRROR, "
+                                               "else ../shared beside the checkout)")
+    p.set_defaults(handler=_models)
+
+    p = verbs.add_parser("serve", help="re-hash, gate, and serve exactly one engine tree; waits for health")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--engine", help="engine id or unique prefix")
+    what.add_argument("--setting", help="build (or find) this setting's engine first")
+    p.add_argument("--arm", default="final", choices=ARMS)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--gpu", type=int, default=0)
+    p.add_argument("--ignore-hardware", action="store_true", help="serve even if the GPU differs (experts)")
+    p.add_argument("--dry-run", action="store_true", help="print the exact command and environment")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
+    p.set_defaults(handler=_serve)
+
+    p = verbs.add_parser("stop", help="stop exactly the recorded server process group on a port")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.set_defaults(handler=_stop)
+
+    p = verbs.add_parser("bench", help="the dev splits' first turns, greedy, through the server of one engine id")
+    p.add_argument("--engine", required=True, help="engine id or unique prefix (served on --port)")
+    p.add_argument("--name", required=True, help="run name: writes <data>/results/<name>.json")
+    p.add_argument("--limit", type=int, default=None, help="items per dataset (default: whole split)")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
+    p.set_defaults(handler=_bench)
+
+    p = verbs.add_parser("compare", help="speedups with 95%% CIs and output identity of ar, stock and final runs")
+    p.add_argument("--ar", required=True, help="results of the ar arm (path or run name)")
+    p.add_argument("--stock", required=True, help="results of the stock arm")
+    p.add_argument("--final", required=True, help="results of the final arm")
+    p.add_argument("--name", help="output name (default compare_<final run name>)")
+    p.set_defaults(handler=_compare)
+
+    from specpilot_build.measure.sandbox import Limits
+    p = verbs.add_parser("score", help="grade a bench run: answers, and code run against its tests in a sandbox")
+    p.add_argument("run", help="results JSON written by bench: a path or a run name")
+    p.add_argument("--workers", type=int, default=None, help="sandboxed programs run in parallel")
+    p.add_argument("--cpu-seconds", type=int, default=Limits.cpu_s, help="CPU-time limit per program")
+    p.add_argument("--wall-seconds", type=float, default=Limits.wall_s, help="wall-clock limit per program")
+    p.set_defaults(handler=_score)
+
+    p = verbs.add_parser("verify", help="token forcing: every emitted token is the target's own greedy choice")
+    p.add_argument("run", help="results JSON path or run name")
+    p.add_argument("--oracle", help="oracle engine id (default: the setting's ar arm, built if needed)")
+    p.add_argument("--port", type=int, default=ORACLE_PORT)
+    p.add_argument("--tolerance", type=float, help="near-tie log-prob margin (default: from the dtype)")
+    p.add_argument("--concurrency", type=int)
+    p.set_defaults(handler=_verify)
+
+    p = verbs.add_parser("diff", help="why two engines have different ids (exit 0 same, 1 different, 2 error)")
+    p.add_argument("a", help="engine id (or a unique prefix)")
+    p.add_argument("b", help="engine id (or a unique prefix)")
+    p.add_argument("--json", action="store_true", help="print the diff as JSON")
+    p.add_argument("--files", action="store_true", help="show unified diffs of changed text files")
+    p.set_defaults(handler=_diff)
+
+    p = verbs.add_parser("demo", help="build, serve, bench, compare, score and verify one setting's three arms")
+    p.add_argument("--setting", default=DEFAULT_SETTING)
+    p.add_argument("--limit", type=int, default=3, help="items per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
+    p.set_defaults(handler=_demo)
+    return parser
+
+
+# --- engine and store ----------------------------------------------------------------------------------------
+
+def _engine_build(args) -> int:
+    from specpilot_build.build.builder import build_engine, describe
+
+    print(describe(build_engine(args.setting, args.arm, args.overrides)))
+    return 0
+
+
+def _engine_verify(args) -> int:
+    from specpilot_build.store.engines import check_engine, resolve_engine
+
+    engine = resolve_engine(args.engine)
+    problems = check_engine(engine)
+    for line in problems:
+        print(f"{engine.id[:12]}: {line}")
+    if problems:
+        print(f"engine {engine.id[:12]}: {len(problems)} file(s) differ from its manifest")
+        return 1
+    print(f"engine {engine.id[:12]}: {len(engine.manifest['files'])} files match the manifest")
+    return 0
+
+
+def _engine_show(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specpilot_build.store.engines import resolve_engine
+
+    engine = resolve_engine(args.engine)
+    m = engine.manifest
+    files = m["files"]
+    table = Table(show_header=False, box=None)
+    rows = [("engine", engine.id), ("path", str(engine.path)), ("setting", m["setting"]), ("arm", m["arm"]),
+            ("choices", ", ".join(f"{k}={v}" for k, v in sorted(m["choices"].items()))),
+            ("runtime", _runtime_line(m["inputs"]["runtime"]))]
+    for role, pin in m["inputs"]["checkpoints"].items():
+        if pin:
+            locked = f", {len(pin.get('files', []))} files locked" if pin.get("files") else ""
+            rows.append((role, f"{pin['repo']}@{pin['revision']}{locked}"))
+    rows.append(("mechanisms", ", ".join(x["name"] for x in m["config"]["mechanisms"]) or "-"))
+    rows.append(("overlays", ", ".join(o["name"] for o in m["inputs"]["overlays"]) or "-"))
+    rows.append(("size", f"{len(files)} files, {sum(f['size'] for f in files):,} bytes"))
+    base = m.get("base", {})
+    if "dropped_files" in base:
+        rows.append(("pruned", f"kept {base['kept_files']} files / {base['kept_bytes']:,} bytes, dropped "
+                               f"{base['dropped_files']} files / {base['dropped_bytes']:,} bytes"))
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/]", value)
+    Console().print(table)
+    return 0
+
+
+def _runtime_line(rt: dict) -> str:
+    if rt["kind"] == "wheel":
+        return f"{rt['name']} {rt['version']} ({rt['filename']}, sha256 {rt['sha256'][:16]}…)"
+    return f"{rt['name']} (in-repo {rt['dir']}, {rt['digest'][:23]}…)"
+
+
+def _engine_ls(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specpilot_build.store.engines import list_engines
+
+    table = Table("engine", "setting", "arm", "files", "bytes")
+    for engine in list_engines():
+        m = engine.manifest
+        table.add_row(engine.id[:12], m["setting"], m["arm"], str(len(m["files"])),
+                      f"{sum(f['size'] for f in m['files']):,}")
+    Console().print(table)
+    return 0
+
+
+def _sweep(args) -> int:
+    from specpilot_build.cli.sweep import run_sweep
+
+    run_sweep(args.settings, args.arms, args.launcher, args.overrides)
+    return 0
+
+
+def _diff(args) -> int:
+    import json
+
+    from specpilot_build.store.diff import diff_engines, render
+    from specpilot_build.store.engines import resolve_engine
+
+    try:
+        report = diff_engines(resolve_engine(args.a), resolve_engine(args.b), with_file_diffs=args.files)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpecPilotError(f"cannot read the engines' manifests: {exc}") from None
+    print(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False) if args.json else render(report))
+    return 0 if report["identical"] else 1
+
+
+# --- pins ----------------------------------------------------------------------------------------------------
+
+def _lock(args) -> int:
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.hub.checkpoints import checkpoint_requests
+    from specpilot_build.hub.lock import lock_repos
+    from specpilot_build.locations import lockfiles_dir
+
+    requests = checkpoint_requests(compose_setting(args.setting).config)
+    lockfile = lockfiles_dir() / "checkpoints.toml"
+    locked = lock_repos({r.repo: list(r.files) for r in requests}, lockfile, update=args.update,
+                        source_formats={r.repo: r.source_format for r in requests})
+    for repo, pin in locked.items():
+        converted = f", {len(pin.converted)} converted" if pin.converted else ""
+        print(f"{repo}@{pin.revision}  {len(pin.files)} files{converted}")
+    print(f"wrote {lockfile}")
+    return 0
+
+
+def _models(args) -> int:
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.hub.checkpoints import materialize_setting
+    from specpilot_build.hub.lockfile import load_lock
+
+    config = compose_setting(args.setting).config
+    pins = load_lock().checkpoints
+    for role, path in materialize_setting(config, pins, mirror=args.mirror).items():
+        repo = config[role]["repo"]
+        print(f"{role:8} {repo}@{pins[repo].revision[:12]}  {path}")
+    return 0
+
+
+# --- run -----------------------------------------------------------------------------------------------------
+
+def _serve(args) -> int:
+    from specpilot_build.run.serve import serve
+
+    engine = _engine_of(args.engine, args.setting, args.arm)
+    serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, dry_run=args.dry_run,
+          timeout=args.timeout)
+    return 0
+
+
+def _engine_of(engine_ref: str | None, setting: str | None, arm: str):
+    """The engine named by id, or a setting's engine built (or found) first: the one place a setting is built
+    on the way to running something."""
+    if setting:
+        from specpilot_build.build.builder import build_engine
+        return build_engine(setting, arm).engine
+    from specpilot_build.store.engines import resolve_engine
+    return resolve_engine(engine_ref)
+
+
+def _stop(args) -> int:
+    from specpilot_build.run.serve import stop
+
+    print(stop(args.port))
+    return 0
+
+
+# --- measure -------------------------------------------------------------------------------------------------
+
+def _bench(args) -> int:
+    import json
+
+    from specpilot_build.measure.bench import bench
+
+    path = bench(args.engine, args.name, args.limit, args.max_new_tokens, args.port,
+                 args.datasets.split(",") if args.datasets else None, overwrite=args.overwrite)
+    data = json.loads(path.read_text())
+    print(f"wrote {path}: {len(data['requests'])} requests, {data['wall_s']:.1f} s, client overhead "
+          f"{data['client']['overhead_fraction']:.3%} of slot time")
+    return 0
+
+
+def _compare(args) -> int:
+    from specpilot_build.measure.compare import compare
+
+    report = compare(args.ar, args.stock, args.final, name=args.name)
+    print(f"wrote {report['json']} and {report['chart']}")
+    return 0
+
+
+def _score(args) -> int:
+    from specpilot_build.measure import sandbox
+    from specpilot_build.measure.score import print_table, score_run
+
+    score = score_run(args.run, workers=args.workers,
+                      limits=sandbox.Limits(cpu_s=args.cpu_seconds, wall_s=args.wall_seconds))
+    print_table(score)
+    print(f"wrote {score['path']}")
+    return 0
+
+
+def _verify(args) -> int:
+    from specpilot_build.measure.verify import exit_status, verify
+
+    oracle = args.oracle or _default_oracle(args.run)
+    report = verify(args.run, oracle, args.port, tolerance=args.tolerance, concurrency=args.concurrency)
+    return exit_status(report)
+
+
+def _default_oracle(run: str):
+    """The run's setting's `ar` engine, built (or found) from this checkout's conf/ and lockfiles/."""
+    from specpilot_build.build.builder import build_engine
+    from specpilot_build.measure.results import load_results
+
+    path, data = load_results(run)
+    if not data.get("setting"):
+        raise SpecPilotError(f"{path} names no setting; pass ORACLE=<engine id>")
+    return build_engine(data["setting"], "ar").engine
+
+
+def _demo(args) -> int:
+    from specpilot_build.cli.demo import demo
+
+    result = demo(args.setting, args.limit, args.max_new_tokens, args.port,
+                  args.datasets.split(",") if args.datasets else None)
+    return 0 if result["verify"]["real_mismatches"] == 0 else 1
