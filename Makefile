@@ -1,8 +1,8 @@
 # SpecPilot's verbs. Every verb after `engine` takes an engine id (or a unique prefix of one).
 #   make demo                                   build, serve, bench, compare, score and verify the embedded default
-#   make test                                   the test suite
-#   make engine [SETTING=...] [ARM=final]       build (or find) an engine; prints its id and path
-# See README.md for the rest.
+#   make test / make test-fast                  the whole suite (CI) / the unit tier (under a minute)
+#   make engine [SETTING=...] [ARM=final] [OVERRIDES='drafter.num_draft_tokens=6 ...']
+# README.md lists every verb and every option.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -12,29 +12,35 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 SETTING ?= cpu_c1_stories260k_ngram
 ARM ?= final
 PORT ?= 30000
+VERIFY_PORT ?= 30001
 GPU ?= 0
 LIMIT ?= 0
 MAX_NEW_TOKENS ?= 2048
 ARMS ?= ar,stock,final
 SETTINGS ?= $(SETTING)
+FAST_MARKERS := not slow and not gpu and not sglang
 
-.PHONY: setup demo test engine show verify-engine ls sweep lock models serve stop bench compare score verify diff
+.PHONY: setup demo test test-fast engine show verify-engine ls sweep lock models serve stop bench compare score verify diff
 
 $(STAMP): pyproject.toml
+	@echo "installing SpecPilot and its pinned dependencies into $(VENV) (first time: a few minutes)"
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e '.[test]'
+	set -o pipefail; $(VENV)/bin/pip install -e '.[test]' | { grep -E --line-buffered '^(Collecting|Successfully)' || true; }
 	rm -f $(VENV)/.installed-* && touch $@
 
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(SP) demo $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT))
+	$(SP) demo --port $(PORT) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS))
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "$(FAST_MARKERS)"
+
 engine: $(STAMP)
-	$(SP) engine build --setting $(SETTING) --arm $(ARM)
+	$(SP) engine build --setting $(SETTING) --arm $(ARM) $(OVERRIDES)
 
 show: $(STAMP)
 	$(SP) engine show $(ENGINE)
@@ -46,7 +52,7 @@ ls: $(STAMP)
 	$(SP) engine ls
 
 sweep: $(STAMP)
-	$(SP) sweep --settings $(SETTINGS) --arms $(ARMS) $(if $(LAUNCHER),--launcher $(LAUNCHER))
+	$(SP) sweep --settings $(SETTINGS) --arms $(ARMS) $(if $(LAUNCHER),--launcher $(LAUNCHER)) $(OVERRIDES)
 
 lock: $(STAMP)
 	$(SP) lock --setting $(SETTING) $(if $(UPDATE),--update)
@@ -61,16 +67,16 @@ stop: $(STAMP)
 	$(SP) stop --port $(PORT)
 
 bench: $(STAMP)
-	$(SP) bench --engine $(ENGINE) --name $(NAME) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS))
+	$(SP) bench --engine $(ENGINE) --name $(NAME) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(if $(OVERWRITE),--overwrite)
 
 compare: $(STAMP)
-	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL)
+	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL) $(if $(NAME),--name $(NAME)) $(if $(OVERWRITE),--overwrite)
 
 score: $(STAMP)
 	$(SP) score $(RUN) $(if $(WORKERS),--workers $(WORKERS))
 
 verify: $(STAMP)
-	$(SP) verify $(RUN) $(if $(ORACLE),--oracle $(ORACLE)) $(if $(VERIFY_PORT),--port $(VERIFY_PORT))
+	$(SP) verify $(RUN) $(if $(ORACLE),--oracle $(ORACLE)) --port $(VERIFY_PORT)
 
 diff: $(STAMP)
 	$(SP) diff $(A) $(B) $(DIFF_FLAGS)
