@@ -3,6 +3,7 @@ prints the data and turns the errors into one line and an exit code (a traceback
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`specpilot diff A B | head`): stop quietly, like other Unix tools.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as exc:  # a bug, not a user error: still one line unless asked for the traceback
+        if debug_enabled():
+            raise
+        print(f"error: internal error in `specpilot {args.verb}`: {type(exc).__name__}: {exc} "
+              f"(SPECPILOT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 70
+
+
+def console():
+    """A rich console that never cuts or wraps when the output is a pipe or a file (full ids and paths)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=100_000, soft_wrap=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +172,6 @@ def _engine_verify(args) -> int:
 
 
 def _engine_show(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from specpilot_build.store.engines import resolve_engine
@@ -179,7 +196,7 @@ def _engine_show(args) -> int:
                                f"{base['dropped_files']} files / {base['dropped_bytes']:,} bytes"))
     for key, value in rows:
         table.add_row(f"[bold]{key}[/]", value)
-    Console().print(table)
+    console().print(table)
     return 0
 
 
@@ -190,17 +207,17 @@ def _runtime_line(rt: dict) -> str:
 
 
 def _engine_ls(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from specpilot_build.store.engines import list_engines
 
     table = Table("engine", "setting", "arm", "files", "bytes")
+    full = not sys.stdout.isatty()  # a pipe or a file gets whole ids
     for engine in list_engines():
         m = engine.manifest
-        table.add_row(engine.id[:12], m["setting"], m["arm"], str(len(m["files"])),
+        table.add_row(engine.id if full else engine.id[:12], m["setting"], m["arm"], str(len(m["files"])),
                       f"{sum(f['size'] for f in m['files']):,}")
-    Console().print(table)
+    console().print(table)
     return 0
 
 

@@ -4,6 +4,7 @@ Each job composes through Hydra (the joblib or Slurm launcher may run it elsewhe
 build.json into its job directory; the summary callback reads those files when the multirun ends."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 
 from specpilot_build.errors import SpecPilotError, debug_enabled
 from specpilot_build.locations import conf_dir, data_dir
+from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.schema import register
 
 RESULT = "build.json"
@@ -61,7 +63,7 @@ class SummaryCallback(Callback):
         print(f"summary: {summary}")
 
 
-def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: list[str] = ()) -> None:
+def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: list[str] = ()) -> list[dict]:
     """A Hydra multirun of `settings` x `arms` (comma-separated); the summary callback prints the table."""
     sweep_dir = data_dir() / "hydra" / "multirun" / time.strftime("%Y-%m-%d_%H-%M-%S")
     hydra_args = ["--multirun", f"setting@_global_={settings}", f"arm={arms}",
@@ -69,11 +71,42 @@ def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: 
                   "+hydra.callbacks.summary._target_=specpilot_build.cli.sweep.SummaryCallback",
                   "hydra.job.chdir=false", *overrides]
     if launcher:
+        _check_launcher(launcher)
         hydra_args.append(f"hydra/launcher={launcher}")
+    for setting in settings.split(","):  # compose everything first: a typo is one line, before any job runs
+        for arm in arms.split(","):
+            compose_setting(setting, arm, [o for o in overrides if not o.startswith("hydra")])
     register()
     saved = sys.argv
     sys.argv = ["specpilot-sweep", *hydra_args]
     try:
         build_job()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise SpecPilotError(f"the sweep stopped (Hydra exit status {exc.code}); its output is above") from None
     finally:
         sys.argv = saved
+    rows = json.loads((sweep_dir / "summary.json").read_text())
+    failed = [f"{r['setting']}/{r['arm']}: {r['error']}" for r in rows if "error" in r]
+    if failed:
+        raise SpecPilotError(f"{len(failed)} of {len(rows)} sweep jobs failed: " + "; ".join(failed))
+    return rows
+
+
+LAUNCHER_EXTRAS = {"slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm")}
+
+
+def _check_launcher(launcher: str) -> None:
+    known = sorted(p.stem for p in (conf_dir() / "hydra" / "launcher").glob("*.yaml"))
+    if launcher not in known:
+        raise SpecPilotError(f"unknown launcher '{launcher}'; choose one of {', '.join(known)}")
+    module, extra = LAUNCHER_EXTRAS.get(launcher, (None, None))
+    if module is None:
+        return
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise SpecPilotError(f"LAUNCHER={launcher} needs the '{extra}' extra: "
+                             f".venv/bin/pip install -e '.[{extra}]'")

@@ -60,9 +60,12 @@ def materialize_setting(config: dict, pins: dict[str, CheckpointPin], *, mirror:
     return paths
 
 
-def model_dirs(checkpoints: dict, config: dict) -> dict[str, Path]:
+def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str, Path]:
     """An engine's pinned checkpoints (its manifest's `inputs.checkpoints`, its config's model and drafter
-    sections), fetched or taken from the mirror and verified: role -> directory."""
+    sections), fetched or taken from the mirror and verified: role -> directory. fetch=False only says where
+    they will be (for a dry run), touching nothing."""
+    if not fetch:
+        return {role: _expected_dir(record, config[role]) for role, record in checkpoints.items() if record}
     dirs = {}
     for role, record in checkpoints.items():
         if record is None:
@@ -74,6 +77,13 @@ def model_dirs(checkpoints: dict, config: dict) -> dict[str, Path]:
         dirs[role] = materialize(pin.repo, pin, source_format=section.get("source_format") or "hf",
                                  files=section.get("files") or (), setting=config["setting"])
     return dirs
+
+
+def _expected_dir(record: dict, section: dict) -> Path:
+    if (section.get("source_format") or "hf") == "llama2c":
+        paths = [f["path"] for f in record.get("files", [])] or list(section.get("files") or ())
+        return converted_dir(record["repo"], record["revision"], llama2c_pair(record["repo"], paths)[0])
+    return snapshot_dir(hf_cache_dir(), record["repo"], record["revision"])
 
 
 def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "hf", files: Sequence[str] = (),

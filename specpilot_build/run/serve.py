@@ -48,17 +48,20 @@ def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignor
         shown = "; ".join(problems[:5]) + (f"; … {len(problems) - 5} more" if len(problems) > 5 else "")
         raise SpecPilotError(f"engine {engine.id[:12]} differs from its manifest, refusing to serve it: {shown}")
     cfg = engine.config
+    if dry_run:  # printing the command needs neither the GPU, nor SGLang's dependencies, nor the weights
+        models = model_dirs(engine.manifest["inputs"]["checkpoints"], cfg, fetch=False)
+        argv, env = launch_command(engine, models, port)
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu) if cfg["hardware"]["device"] == "cuda" else ""
+        for key in sorted(env):
+            print(f"{key}={shlex.quote(env[key])}")
+        print(shlex.join(argv))
+        return {}
     check_hardware(cfg, gpu, ignore_hardware)
     if cfg["runtime"]["name"] == "sglang":
         _check_sglang_dependencies()
     models = model_dirs(engine.manifest["inputs"]["checkpoints"], cfg)
     argv, env = launch_command(engine, models, port)
     env["CUDA_VISIBLE_DEVICES"] = str(gpu) if cfg["hardware"]["device"] == "cuda" else ""
-    if dry_run:
-        for key in sorted(env):
-            print(f"{key}={shlex.quote(env[key])}")
-        print(shlex.join(argv))
-        return {}
     _claim_port(port, say)
     log = runs_dir() / f"{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

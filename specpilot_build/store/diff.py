@@ -127,8 +127,9 @@ def _overlay_hunks(name: str, digest: str) -> list[str] | str:
     """The overlay's patch hunks, read from overlays/<name>/ when its digest is the one the engine recorded."""
     from specpilot_build.locations import OVERLAYS_DIR
     from specpilot_build.store.manifest import source_dir_digest
-    directory = OVERLAYS_DIR / name
+    from specpilot_build.store.names import plain_name
     try:
+        directory = OVERLAYS_DIR / plain_name(name, "overlay name")
         if source_dir_digest(directory) != digest:
             return f"overlays/{name} in this checkout is not the recorded {digest[:19]}…; hunks not shown"
     except (OSError, SpecPilotError):
@@ -229,11 +230,11 @@ def _why(report: dict) -> list[str]:
     lines = [f"pin {c['key']}: {c['old']} → {c['new']}" for c in report["pins"]]
     config = [c for c in report["config"] if not c["key"].startswith("config.runtime.launch_args.")]
     if config:
-        shown = ", ".join(f"{c['key']} {_short(c['old'])} → {_short(c['new'])}" for c in config[:6])
+        shown = ", ".join(f"{c['key']} {_change(c['old'], c['new'])}" for c in config[:6])
         lines.append("config: " + shown + (f" (+{len(config) - 6} more)" if len(config) > 6 else ""))
     args = [c for c in report["launch"] if c["key"] != "command"]
     if args:
-        lines.append("launch args: " + ", ".join(f"{c['key']} {_short(c['old'])} → {_short(c['new'])}" for c in args))
+        lines.append("launch args: " + ", ".join(f"{c['key']} {_change(c['old'], c['new'])}" for c in args))
     for o in report["overlays"]:
         lines.append(f"overlay {o['change']}: {o['name']} ({', '.join(o['files'])})")
     f = report["files"]
@@ -243,9 +244,21 @@ def _why(report: dict) -> list[str]:
     return lines or ["manifest fields outside the tracked sections differ"]
 
 
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
 def _short(value) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    text = _text(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _change(old, new) -> str:
+    """`old → new` for the summary: shortened, unless shortening would make the two look the same."""
+    short_old, short_new = _short(old), _short(new)
+    if short_old == short_new:
+        short_old, short_new = _text(old), _text(new)
+    return f"{short_old} → {short_new}"
 
 
 def render(report: dict) -> str:
@@ -264,9 +277,9 @@ def render(report: dict) -> str:
             out.extend(f"  {row}" for row in rows)
 
     section("pins", [f"{c['key']}: {c['old']} → {c['new']}" for c in report["pins"]])
-    section("config", [f"{c['key']}: {_short(c['old'])} → {_short(c['new'])}" for c in report["config"]])
+    section("config", [f"{c['key']}: {_text(c['old'])} → {_text(c['new'])}" for c in report["config"]])
     section("launch", [f"{c['key']}: {c['old']} → {c['new']}" for c in report["launch"]])
-    section("runtime base", [f"{c['key']}: {_short(c['old'])} → {_short(c['new'])}" for c in report["runtime_base"]])
+    section("runtime base", [f"{c['key']}: {_text(c['old'])} → {_text(c['new'])}" for c in report["runtime_base"]])
     rows = []
     for o in report["overlays"]:
         digests = f"{(o['old_digest'] or ABSENT)[:19]} → {(o['new_digest'] or ABSENT)[:19]}"
