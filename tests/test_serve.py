@@ -14,15 +14,13 @@ import httpx
 
 from reference_runtime_helpers import free_port
 from specpilot_build.build.builder import build_engine
-
-REPO = Path(__file__).resolve().parent.parent
-GOLDEN = json.loads((REPO.parent / "shared/models/stories260K/golden_greedy.json").read_text())
+from specpilot_build.locations import REPO_ROOT
 EMBEDDED = "cpu_c1_stories260k_ngram"
 
 
 def cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout)
+                          cwd=REPO_ROOT, timeout=timeout)
 
 
 def record(session_data: Path, port: int) -> dict | None:
@@ -38,7 +36,7 @@ def alive(pid: int) -> bool:
     return stat.split(")")[-1].split()[0] != "Z"
 
 
-def test_serve_runs_exactly_the_engine_and_stop_is_idempotent(session_data):
+def test_serve_runs_exactly_the_engine_and_stop_is_idempotent(session_data, golden):
     engine = build_engine(EMBEDDED, "ar").engine
     port = free_port()
     out = cli("serve", "--engine", engine.id[:10], "--port", str(port))
@@ -48,11 +46,11 @@ def test_serve_runs_exactly_the_engine_and_stop_is_idempotent(session_data):
         assert rec["engine_id"] == engine.id and rec["port"] == port and alive(rec["pid"])
         info = httpx.get(f"http://127.0.0.1:{port}/server_info").json()
         assert info["engine_id"] == engine.id and info["arm"] == "ar"
-        prompt = GOLDEN["prompt_ids"]
-        n = len(GOLDEN["sequence_ids"]) - len(prompt)
+        prompt = golden["prompt_ids"]
+        n = len(golden["sequence_ids"]) - len(prompt)
         got = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60, json={
             "input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0}}).json()
-        assert prompt + got["output_ids"] == GOLDEN["sequence_ids"][:len(prompt) + len(got["output_ids"])]
+        assert prompt + got["output_ids"] == golden["sequence_ids"][:len(prompt) + len(got["output_ids"])]
         assert len(got["output_ids"]) > 0
     finally:
         first = cli("stop", "--port", str(port))
@@ -115,8 +113,14 @@ def test_dry_run_prints_the_exact_command_from_the_tree():
 
 
 def test_the_hardware_gate_refuses_a_gpu_setting_without_its_gpu():
-    out = cli("serve", "--setting", "h200_c1_stories260k_ngram", "--arm", "ar", "--dry-run")
+    out = cli("serve", "--setting", "h200_c1_stories260k_ngram", "--arm", "ar", "--port", str(free_port()))
     assert out.returncode == 2 and "NVIDIA H200" in out.stderr and "--ignore-hardware" in out.stderr
-    forced = cli("serve", "--setting", "h200_c1_stories260k_ngram", "--arm", "ar", "--dry-run",
-                 "--ignore-hardware")
-    assert forced.returncode == 0 and "CUDA_VISIBLE_DEVICES=0" in forced.stdout
+
+
+def test_dry_run_prints_a_gpu_engines_command_on_a_machine_without_gpu_or_sglang():
+    """Printing the command needs neither the GPU (hardware gate) nor SGLang's dependencies nor the weights."""
+    for setting in ("h200_c1_stories260k_ngram", "h200_c1_qwen3-8b_dflash"):
+        out = cli("serve", "--setting", setting, "--arm", "final", "--dry-run")
+        assert out.returncode == 0, out.stderr
+        assert "CUDA_VISIBLE_DEVICES=0" in out.stdout and "--port 30000" in out.stdout.splitlines()[-1]
+    assert "-m sglang.launch_server" in out.stdout.splitlines()[-1]

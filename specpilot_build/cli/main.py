@@ -113,7 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stock", required=True, help="results of the stock arm")
     p.add_argument("--final", required=True, help="results of the final arm")
     p.add_argument("--name", help="output name (default compare_<final run name>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier report of that name")
     p.set_defaults(handler=_compare)
+
+    p = verbs.add_parser("attest", help="check an in-toto statement written by verify or compare")
+    attest = p.add_subparsers(dest="attest_verb", required=True, metavar="ACTION")
+    a = attest.add_parser("check", help="re-hash every subject of a statement; non-zero exit on any change")
+    a.add_argument("statement", help="a .intoto.json file written next to a verify or compare report")
+    a.set_defaults(handler=_attest_check)
 
     from specpilot_build.measure.sandbox import Limits
     p = verbs.add_parser("score", help="grade a bench run: answers, and code run against its tests in a sandbox")
@@ -125,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("verify", help="token forcing: every emitted token is the target's own greedy choice")
     p.add_argument("run", help="results JSON path or run name")
-    p.add_argument("--oracle", help="oracle engine id (default: the setting's ar arm, built if needed)")
+    p.add_argument("--oracle", help="oracle engine id (default: the run's recorded oracle, built only if the "
+                                    "build gives exactly that id)")
     p.add_argument("--port", type=int, default=ORACLE_PORT)
     p.add_argument("--tolerance", type=float, help="near-tie log-prob margin (default: from the dtype)")
     p.add_argument("--concurrency", type=int)
@@ -202,8 +210,8 @@ def _engine_show(args) -> int:
 
 def _runtime_line(rt: dict) -> str:
     if rt["kind"] == "wheel":
-        return f"{rt['name']} {rt['version']} ({rt['filename']}, sha256 {rt['sha256'][:16]}…)"
-    return f"{rt['name']} (in-repo {rt['dir']}, {rt['digest'][:23]}…)"
+        return f"{rt['name']} {rt['version']} ({rt['filename']}, sha256 {rt['sha256']})"
+    return f"{rt['name']} (in-repo {rt['dir']}, {rt['digest']})"
 
 
 def _engine_ls(args) -> int:
@@ -308,20 +316,56 @@ def _bench(args) -> int:
     import json
 
     from specpilot_build.measure.bench import bench
+    from specpilot_build.store.engines import resolve_engine
 
-    path = bench(args.engine, args.name, args.limit, args.max_new_tokens, args.port,
-                 args.datasets.split(",") if args.datasets else None, overwrite=args.overwrite)
+    engine = resolve_engine(args.engine)
+    path = bench(engine, args.name, args.limit, args.max_new_tokens, args.port,
+                 args.datasets.split(",") if args.datasets else None, overwrite=args.overwrite,
+                 oracle_engine_id=_oracle_of(engine).id)
     data = json.loads(path.read_text())
-    print(f"wrote {path}: {len(data['requests'])} requests, {data['wall_s']:.1f} s, client overhead "
-          f"{data['client']['overhead_fraction']:.3%} of slot time")
+    skipped = f", {len(data['skipped'])} prompts skipped (too long)" if data.get("skipped") else ""
+    print(f"wrote {path}: {len(data['requests'])} requests{skipped}, {data['wall_s']:.1f} s, client overhead "
+          f"{data['client']['overhead_fraction']:.3%} of slot time; oracle {data['oracle_engine_id'][:12]}")
     return 0
+
+
+def _oracle_of(engine):
+    """The oracle of a bench run: the engine's setting's `ar` engine, built (or found) from the same conf/ and
+    lockfiles/ the engine was built from; an ar engine is its own."""
+    if engine.manifest.get("arm") == "ar":
+        return engine
+    from specpilot_build.build.builder import build_engine
+
+    setting = engine.manifest.get("setting")
+    if not setting:
+        raise SpecPilotError(f"engine {engine.id[:12]} names no setting: cannot build its ar oracle")
+    oracle = build_engine(setting, "ar").engine
+    if dict(oracle.model_pin) != dict(engine.model_pin):
+        raise SpecPilotError(f"the ar engine {oracle.id[:12]} of setting {setting} serves target "
+                             f"{oracle.model_pin['repo']}@{oracle.model_pin['revision'][:12]}, engine "
+                             f"{engine.id[:12]} {engine.model_pin['repo']}@{engine.model_pin['revision'][:12]}: "
+                             "rebuild the engine from this checkout's pins")
+    return oracle
 
 
 def _compare(args) -> int:
     from specpilot_build.measure.compare import compare
 
-    report = compare(args.ar, args.stock, args.final, name=args.name)
-    print(f"wrote {report['json']} and {report['chart']}")
+    report = compare(args.ar, args.stock, args.final, name=args.name, overwrite=args.overwrite)
+    print(f"wrote {report['json']}, {report['chart']} and {report['statement']}")
+    return 0
+
+
+def _attest_check(args) -> int:
+    from specpilot_build.measure.attest import check_statement
+
+    statement, problems = check_statement(args.statement)
+    for line in problems:
+        print(f"{args.statement}: {line}")
+    if problems:
+        print(f"{args.statement}: {len(problems)} problem(s): the attested files changed")
+        return 1
+    print(f"{args.statement}: {len(statement['subject'])} subjects match ({statement['predicateType']})")
     return 0
 
 
@@ -345,14 +389,37 @@ def _verify(args) -> int:
 
 
 def _default_oracle(run: str):
-    """The run's setting's `ar` engine, built (or found) from this checkout's conf/ and lockfiles/."""
+    """The run's recorded oracle: the engine of that id from the store, else built from this checkout's conf/
+    and lockfiles/ only if the build gives exactly that id; otherwise an error naming what differs."""
     from specpilot_build.build.builder import build_engine
-    from specpilot_build.measure.results import load_results
+    from specpilot_build.measure.results import load_results, require_current
+    from specpilot_build.store.diff import diff_engines
+    from specpilot_build.store.engines import Engine, list_engines
 
     path, data = load_results(run)
+    require_current(path, data)
+    recorded = data.get("oracle_engine_id")
+    if not recorded:
+        raise SpecPilotError(f"{path} records no oracle engine id; pass ORACLE=<engine id>")
+    found = [e for e in list_engines() if e.id == recorded]
+    if found:
+        return found[0]
     if not data.get("setting"):
-        raise SpecPilotError(f"{path} names no setting; pass ORACLE=<engine id>")
-    return build_engine(data["setting"], "ar").engine
+        raise SpecPilotError(f"{path} names no setting and its oracle {recorded[:12]} is not in the store; "
+                             "pass ORACLE=<engine id>")
+    built = build_engine(data["setting"], "ar").engine
+    if built.id == recorded:
+        return built
+    manifest = (data.get("oracle") or {}).get("manifest")
+    if manifest:
+        recorded_engine = Engine(recorded, path.parent / f".absent-{recorded}")  # no tree: its recorded manifest
+        recorded_engine.__dict__["manifest"] = manifest
+        why = diff_engines(recorded_engine, built)["why"]
+    else:
+        why = ["the run records no oracle manifest to diff"]
+    raise SpecPilotError(f"{path}: its oracle is engine {recorded[:12]}, which is not in the store, and building "
+                         f"the {data['setting']} ar engine from this checkout gives {built.id[:12]}; what differs "
+                         f"(recorded → built): " + "; ".join(why))
 
 
 def _demo(args) -> int:
