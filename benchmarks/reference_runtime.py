@@ -25,13 +25,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "runtimes" / "reference"))
+from specpilot_runtime.config import DrafterConfig
+from specpilot_runtime.drafters import make_drafter
+from specpilot_runtime.engine import Engine, GenerationRequest
+from specpilot_runtime.model import LeanLlama, load_hf_model
 
-from specpilot_runtime.config import DrafterConfig  # noqa: E402
-from specpilot_runtime.drafters import make_drafter  # noqa: E402
-from specpilot_runtime.engine import Engine, GenerationRequest  # noqa: E402
-from specpilot_runtime.model import LeanLlama, load_hf_model  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 MODEL_DIR = REPO.parent / "shared" / "models" / "stories260K"
 

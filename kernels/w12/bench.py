@@ -1,6 +1,9 @@
 """GPU benchmark: cuBLAS bf16 vs the fused W12 GEMM, and a 64-layer decode stack under a CUDA graph.
 
-    PYTHONPATH=kernels python -m w12.bench --pick --table --stack --out results.json
+    python -m w12.bench --pick --table --stack --out results.json
+
+(w12 is installed with the repository; on a machine where it is not, such as the bare GPU device, prefix
+PYTHONPATH=kernels from the repository root.)
 
 --pick checks and times a few finalist configs per shape and M bucket under CUDA graphs and keeps the
 best (the wider sweeps they came from are in BENCH.md; explore.py, which ran them, is in commit e009eac). The table and the stack are timed under CUDA graphs.

@@ -1,6 +1,6 @@
 """Bits per weight of W12 (metadata and escapes included) on synthetic and real weights.
 
-    PYTHONPATH=kernels python -m w12.size_report [--model path/to/model.safetensors]
+    python -m w12.size_report [--model path/to/model.safetensors]
 
 Prints a markdown table (the source of SIZE.md). CPU only.
 """
