@@ -11,7 +11,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -19,7 +18,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = REPO.parent / "shared" / "models" / "stories260K" / "llama2c"
-sys.path.insert(0, str(REPO))
 
 
 def timed(fn, repeat: int) -> float:
