@@ -1,5 +1,5 @@
-"""The compiled kernels on a CUDA GPU (skipped without one; CI has none). Run on the device with
-`python3 -m pytest -q tests/w12/test_w12_gpu.py`."""
+"""The compiled kernels on a CUDA GPU (skipped without one; CI has none). Run on the device, where w12 is not
+installed, with `PYTHONPATH=kernels python3 -m pytest -q tests/w12_kernel/test_w12_gpu.py`."""
 import pytest
 import torch
 
