@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from reference_runtime_helpers import free_port
 from specpilot_build.build.builder import build_engine
+from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 EMBEDDED = "cpu_c1_stories260k_ngram"
 
@@ -124,3 +126,56 @@ def test_dry_run_prints_a_gpu_engines_command_on_a_machine_without_gpu_or_sglang
         assert out.returncode == 0, out.stderr
         assert "CUDA_VISIBLE_DEVICES=0" in out.stdout and "--port 30000" in out.stdout.splitlines()[-1]
     assert "-m sglang.launch_server" in out.stdout.splitlines()[-1]
+
+
+def _time_wait_port() -> int:
+    """A loopback port whose only trace is a connection in TIME-WAIT (as `make stop` leaves behind)."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = listener.accept()
+        conn.close()  # the server side closes first: its socket ends in TIME-WAIT
+        client.recv(1)
+        client.close()
+    time.sleep(0.1)
+    return port
+
+
+def test_a_port_left_in_time_wait_is_claimed(session_data):
+    from specpilot_build.run.serve import _claim_port
+
+    port = _time_wait_port()
+    with socket.socket() as plain:  # what the claim did before: a bind without SO_REUSEADDR fails here
+        try:
+            plain.bind(("127.0.0.1", port))
+            pytest.skip("the kernel let a plain bind through; no TIME-WAIT to test against")
+        except OSError:
+            pass
+    said = []
+    _claim_port(port, said.append)  # no error: uvicorn binds with SO_REUSEADDR, so the claim does too
+    with socket.socket() as busy:  # while a real listener still refuses
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(SpecPilotError, match="in use"):
+            _claim_port(busy.getsockname()[1], said.append)
+
+
+@pytest.mark.parametrize("port", [0, 65536, 99999, -1])
+def test_a_port_outside_the_range_is_one_line(session_data, port):
+    from specpilot_build.run.serve import _claim_port
+
+    with pytest.raises(SpecPilotError, match="1..65535"):
+        _claim_port(port, lambda *a: None)
+
+
+@pytest.mark.parametrize("verb", ["serve", "stop"])
+def test_the_cli_refuses_a_bad_port_without_a_traceback(verb):
+    args = ["--engine", "0123456789ab"] if verb == "serve" else []
+    for bad in ("99999", "http"):
+        out = cli(verb, *args, "--port", bad)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        last = out.stderr.strip().splitlines()[-1]  # argparse: the usage, then one error line
+        assert last.startswith(f"specpilot {verb}: error: argument --port") and "1..65535" in last

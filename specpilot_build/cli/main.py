@@ -11,6 +11,17 @@ from specpilot_build.defaults import ARMS, DEFAULT_PORT, DEFAULT_SETTING, ORACLE
 from specpilot_build.errors import SpecPilotError, debug_enabled
 
 
+def port_number(text: str) -> int:
+    """argparse type of every --port: a TCP port 1..65535, else argparse's one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1..65535)") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is outside the port range 1..65535")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -87,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--engine", help="engine id or unique prefix")
     what.add_argument("--setting", help="build (or find) this setting's engine first")
     p.add_argument("--arm", default="final", choices=ARMS)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--gpu", type=int, default=0)
     p.add_argument("--ignore-hardware", action="store_true", help="serve even if the GPU differs (experts)")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and environment")
@@ -95,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_serve)
 
     p = verbs.add_parser("stop", help="stop exactly the recorded server process group on a port")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.set_defaults(handler=_stop)
 
     p = verbs.add_parser("bench", help="the dev splits' first turns, greedy, through the server of one engine id")
@@ -103,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="run name: writes <data>/results/<name>.json")
     p.add_argument("--limit", type=int, default=None, help="items per dataset (default: whole split)")
     p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
     p.set_defaults(handler=_bench)
@@ -134,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="results JSON path or run name")
     p.add_argument("--oracle", help="oracle engine id (default: the run's recorded oracle, built only if the "
                                     "build gives exactly that id)")
-    p.add_argument("--port", type=int, default=ORACLE_PORT)
+    p.add_argument("--port", type=port_number, default=ORACLE_PORT)
     p.add_argument("--tolerance", type=float, help="near-tie log-prob margin (default: from the dtype)")
     p.add_argument("--concurrency", type=int)
     p.set_defaults(handler=_verify)
@@ -150,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--setting", default=DEFAULT_SETTING)
     p.add_argument("--limit", type=int, default=3, help="items per dataset")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
     p.set_defaults(handler=_demo)
     return parser

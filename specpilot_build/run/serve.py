@@ -135,7 +135,12 @@ def _claim_port(port: int, say) -> None:
                                  f"(pid {existing['pid']}); `make stop PORT={port}` first")
         say(f"port {port}: removing a stale run record (pid {existing['pid']} is not running)")
         record_path(port).unlink(missing_ok=True)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise SpecPilotError(f"port {port!r} is not a TCP port number (1..65535); choose PORT=...")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As uvicorn binds: SO_REUSEADDR lets a port whose old connections linger in TIME-WAIT (`make stop`
+        # then `make serve` at once) be claimed, while a port someone listens on still fails.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:
