@@ -4,19 +4,26 @@
   last number in the text) compared numerically with the reference's '#### N'.
 - math500: the completion's answer and the reference answer parsed and compared by math-verify, in a
   separate worker process (its timeouts use SIGALRM, which needs a main thread we may not own).
-- humaneval: prompt + code + the problem's tests + check(entry_point), executed in the sandbox.
-- mbpp: code + the problem's setup code + its asserts, executed in the sandbox.
+- humaneval: the candidate program is prompt + code; the tests are the prompt (its helpers), the
+  problem's tests and check(entry_point).
+- mbpp: the candidate program is the test imports + code + the problem's setup code; the tests are the
+  imports, the setup code and the asserts, calling every name the asserts use and do not define.
   Code is the fenced block (```python ... ```) that defines the function under test, else all fenced
   blocks, else the completion as is (an unterminated fence counts to the end: truncated answers).
+  Both run with sandbox.run_tested: the candidate in one sandbox, the tests in another that reaches the
+  candidate's functions only through a pipe and decides the verdict (its exit status) without ever running
+  candidate code — no marker, nothing in the candidate's reach to copy (see sandbox.py for the argument).
 - mt-bench: counted, not auto-scored.
 Truncated answers (finish reason "length", or as many tokens as the run allowed) are counted per dataset;
 they are graded like the others.
 """
 from __future__ import annotations
 
+import ast
+import builtins
 import json
 import re
-import secrets
+import signal
 import subprocess
 import sys
 from fractions import Fraction
@@ -75,14 +82,12 @@ def grade(dataset: str, outputs: list[str], records: list[dict], limits: sandbox
     if dataset == "math500":
         return grade_math500(outputs, [record["answer"] for record in records])
     if dataset in ("humaneval", "mbpp"):
-        build = humaneval_program if dataset == "humaneval" else mbpp_program
-        # A program passes when it exits 0 *after* its last test ran: an answer that calls exit(0) before
-        # the tests must not pass, so each program ends by printing a secret the answer cannot know.
-        token = secrets.token_hex(16)
-        programs = [f"{build(text, record)}\nprint({token!r})\n" for text, record in zip(outputs, records)]
-        outcomes = sandbox.run_many(programs, limits, workers)
-        return [{"correct": o.passed and token in o.stdout, "detail": _failure_detail(o, token)}
-                for o in outcomes]
+        build = humaneval_task if dataset == "humaneval" else mbpp_task
+        # The verdict is the exit status of a tests process that never runs candidate code (sandbox.py):
+        # an answer that exits early, prints anything or fakes equality does not pass.
+        outcomes = sandbox.run_many([build(text, record) for text, record in zip(outputs, records)],
+                                    limits, workers)
+        return [{"correct": o.passed, "detail": _failure_detail(o)} for o in outcomes]
     return [{"correct": None} for _ in outputs]
 
 
@@ -224,20 +229,82 @@ def _math_verify_batch(completions: list[str], answers: list[str]) -> list[dict]
 
 # --- code ------------------------------------------------------------------------------------------
 
-def humaneval_program(completion: str, record: dict) -> str:
+def humaneval_task(completion: str, record: dict) -> sandbox.Tested:
     # The prompt's function (signature + docstring) is valid on its own: a completion that continues it
-    # and one that restates the whole function both run.
+    # and one that restates the whole function both run. The tests side runs the prompt too, for the
+    # helpers its tests use (e.g. poly, encode_cyclic); the entry point there is the remote one.
     code = extract_code(completion, record["entry_point"])
-    return f"{record['prompt']}{code}\n\n{record['test']}\n\ncheck({record['entry_point']})\n"
+    entry = record["entry_point"]
+    return sandbox.Tested(candidate=f"{record['prompt']}{code}\n",
+                          tests=f"{record['prompt']}\n\n{record['test']}\n",
+                          call=f"check({entry})\n", remote=(entry,))
 
 
-def mbpp_program(completion: str, record: dict) -> str:
+def mbpp_task(completion: str, record: dict) -> sandbox.Tested:
     tests = record["test_list"]
     name = _called_function(tests)
     imports = "\n".join(record.get("test_imports") or [])  # the sanitized split keeps its imports here
     setup = record.get("test_setup_code") or ""
     code = extract_code(completion, name)
-    return f"{imports}\n{code}\n\n{setup}\n" + "\n".join(tests) + "\n"
+    asserts = "\n".join(tests) + "\n"
+    candidate = f"{imports}\n{code}\n\n{setup}\n"
+    if not _free_names(f"{imports}\n{setup}\n"):
+        # the setup code runs on both sides: its classes (e.g. a tree's Node) build the arguments
+        tests_side = f"{imports}\n{setup}\n"
+        return sandbox.Tested(candidate=candidate, tests=tests_side, call=asserts,
+                              remote=_remote_names(tests_side, asserts, name))
+    # a setup that uses the candidate's own definitions (e.g. its Node class) runs on the candidate's side
+    # only; what the asserts take from it crosses as opaque handles, good as arguments and equal only to
+    # themselves, so that the candidate cannot supply an expected value
+    refs = tuple(sorted(_defined_names(setup) & _free_names(asserts)))
+    remote = tuple(n for n in _remote_names(imports, asserts, name) if n not in refs)
+    return sandbox.Tested(candidate=candidate, tests=f"{imports}\n", call=asserts, remote=remote, refs=refs)
+
+
+def humaneval_program(completion: str, record: dict) -> str:
+    """The candidate and its tests as one program (for reading; grading uses humaneval_task)."""
+    task = humaneval_task(completion, record)
+    return f"{task.candidate}\n\n{record['test']}\n\n{task.call}"
+
+
+def mbpp_program(completion: str, record: dict) -> str:
+    """The candidate and its tests as one program (for reading; grading uses mbpp_task)."""
+    task = mbpp_task(completion, record)
+    return f"{task.candidate}\n{task.call}"
+
+
+def _remote_names(setup: str, asserts: str, called: str | None) -> tuple[str, ...]:
+    """Names the asserts read that neither they nor the setup define, and that are not builtins (the
+    function under test is remote even when it shadows a builtin)."""
+    remote = _free_names(asserts) - _defined_names(setup)
+    if called:
+        remote.add(called)
+    return tuple(sorted(remote))
+
+
+def _defined_names(code: str) -> set[str]:
+    return _names(code)[0]
+
+
+def _free_names(code: str) -> set[str]:
+    """Names the code reads and does not define, builtins left out."""
+    defined, loaded = _names(code)
+    return {name for name in loaded - defined if not hasattr(builtins, name)}
+
+
+def _names(code: str) -> tuple[set[str], set[str]]:
+    defined: set[str] = set()
+    loaded: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else defined).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    return defined, loaded
 
 
 def extract_code(text: str, function: str | None = None) -> str:
@@ -260,12 +327,21 @@ def _called_function(tests: list[str]) -> str | None:
     return None
 
 
-def _failure_detail(outcome: sandbox.Outcome, token: str) -> str | None:
+def _failure_detail(outcome: sandbox.Outcome) -> str | None:
     if outcome.passed:
-        return None if token in outcome.stdout else "exited before its tests finished"
+        return None
     if outcome.timed_out:
         return "timed out"
+    candidate = outcome.candidate
+    if candidate is not None and candidate.returncode is not None and candidate.returncode < 0:
+        try:
+            name = signal.Signals(-candidate.returncode).name
+        except ValueError:
+            name = str(-candidate.returncode)
+        return f"the candidate was killed by {name}" + (" (CPU limit)" if name == "SIGXCPU" else "")
     lines = outcome.stderr.strip().splitlines()
+    if lines and lines[-1].startswith("the candidate exited before its tests finished"):
+        return "exited before its tests finished"
     return lines[-1][:200] if lines else f"exit status {outcome.returncode}"
 
 
