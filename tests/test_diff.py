@@ -5,10 +5,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from sglang_builds import all_builds
 from specpilot_build.cli.main import main
+from specpilot_build.config.compose import compose_setting
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,8 +31,9 @@ def run(capsys, *argv):
 
 
 def mechanisms_of(setting: str) -> list[dict]:
-    """The setting's `final` mechanisms as its YAML declares them (the diff's expected answer)."""
-    return yaml.safe_load((REPO / "conf" / "setting" / f"{setting}.yaml").read_text())["final"]["mechanisms"]
+    """The setting's `final` mechanisms as its preset lists them from conf/mechanism/ (the diff's expected answer)."""
+    declared = compose_setting(setting, "final").config["final"]["mechanisms"]
+    return [dict(body, name=name) for name, body in declared.items()]
 
 
 @pytest.mark.parametrize("setting", ["h100_c16_qwen38-27b-fp8_dflash2", "h100_c1_qwen3-8b_eagle3"])

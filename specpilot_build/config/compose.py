@@ -59,6 +59,9 @@ def _compose_key(args: list[str]) -> str:
         hasher.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     for module in ("schema.py", "compose.py"):
         hasher.update((Path(__file__).parent / module).read_bytes())
+    import specpilot_runtime.config  # its RUNTIME_OPTIONS are what a mechanism's runtime_options are checked against
+
+    hasher.update(Path(specpilot_runtime.config.__file__).read_bytes())
     return hasher.hexdigest()
 
 
@@ -72,13 +75,47 @@ def _store(path: Path, record: dict) -> None:
         pass  # a read-only data dir only costs the next compose its speed
 
 
-def from_hydra_config(cfg, choices: dict[str, str]) -> Composed:
-    """Wrap a config Hydra already composed (inside @hydra.main, e.g. a multirun job)."""
+def from_hydra_config(cfg, choices: dict[str, str], overrides: list[str] | None = None) -> Composed:
+    """Wrap a config Hydra already composed (inside @hydra.main, e.g. a multirun job), checked as
+    compose_setting checks it; `overrides` default to the job's own (HydraConfig's overrides.task)."""
     from omegaconf import OmegaConf
 
-    picked = {k.split("@")[0]: v for k, v in choices.items() if k.split("@")[0] in ("setting", *GROUPS)}
-    return Composed(setting=cfg.setting, arm=cfg.arm.name,
-                    config=OmegaConf.to_container(cfg, resolve=True), choices=picked)
+    from specpilot_build.config.schema import check_composed
+
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    _name_setting(cfg, choices)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    check_composed(config, choices, overrides)
+    return Composed(setting=cfg.setting, arm=cfg.arm.name, config=config, choices=_recorded(choices))
+
+
+def _recorded(choices: dict[str, str]) -> dict[str, str]:
+    """The choices a manifest records: the setting and the six groups. Mechanism choices are left out on
+    purpose: what each one sets is in the effective config (its name, overlay and every value it changes),
+    so recording its file name too would only let renaming a mechanism file change engine ids."""
+    return {k.split("@")[0]: v for k, v in choices.items() if k.split("@")[0] in ("setting", *GROUPS)}
+
+
+def _name_setting(cfg, choices: dict[str, str]) -> None:
+    """A preset is named by its file: `setting` is Hydra's choice for setting@_global_, never a key in it."""
+    from omegaconf import OmegaConf
+
+    name = next((v for k, v in choices.items() if k.split("@")[0] == "setting"), None)
+    if name is None:
+        raise ConfigError("config: no setting chosen (setting@_global_=<name>)")
+    if not OmegaConf.is_missing(cfg, "setting"):
+        raise ConfigError(f"{_shown(conf_dir() / 'setting' / f'{name}.yaml')}: drop the `setting:` key; "
+                          f"a setting's name is its file name")
+    cfg.setting = name
+
+
+def _shown(path: Path) -> str:
+    from specpilot_build.config.schema import shown
+
+    return shown(path)
 
 
 def _compose(overrides: list[str]):
@@ -90,7 +127,7 @@ def _compose(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from specpilot_build.config.schema import register
+    from specpilot_build.config.schema import check_composed, register
 
     register()
     GlobalHydra.instance().clear()
@@ -100,14 +137,15 @@ def _compose(overrides: list[str]):
             choices = dict(cfg.hydra.runtime.choices)
             with _open_struct(cfg):
                 del cfg["hydra"]
-            OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+            _name_setting(cfg, choices)
+            container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise ConfigError(f"config: {_one_line(exc)}") from exc
     finally:
         GlobalHydra.instance().clear()
     del HydraConfig
-    picked = {k.split("@")[0]: v for k, v in choices.items() if k.split("@")[0] in ("setting", *GROUPS)}
-    return cfg, picked
+    check_composed(container, choices, overrides)
+    return cfg, _recorded(choices)
 
 
 def _open_struct(cfg):
@@ -118,8 +156,35 @@ def _open_struct(cfg):
 def _one_line(exc: Exception) -> str:
     text = str(exc) if exc.__cause__ is None else f"{exc}\n{exc.__cause__}"
     text = re.sub(r"\w+ raised while composing config:", "", text)
+    text = re.sub(r"\nConfig search path:(\n\t.*)*", "", text)
+    # "Available options in 'g':\n\ta\n\tb" → one clause
+    text = re.sub(r"Available options in '([^']+)':((?:\n\t.*)*)",
+                  lambda m: f"available in {m.group(1)}: {', '.join(m.group(2).split())}", text)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
     text = "; ".join(keep[:2]) if keep else type(exc).__name__
+    text = re.sub(r"In '([^']+)':;?", _in_file, text).replace(": ;", ":")
     full = next((ln for ln in lines if ln.startswith("full_key:")), "")
-    return f"{text} ({full})" if full and full.split(":", 1)[1].strip() not in text else text
+    text = f"{text} ({full})" if full and full.split(":", 1)[1].strip() not in text else text
+    return text + _nearest_field(text)
+
+
+def _in_file(match: re.Match) -> str:
+    """Hydra's "In 'group/option':" as the file it means."""
+    path = conf_dir() / f"{match.group(1)}.yaml"
+    return f"{_shown(path)}:" if path.is_file() else match.group(0)
+
+
+def _nearest_field(text: str) -> str:
+    """For OmegaConf's "Key 'k' not in 'Schema'", the schema field nearest to k."""
+    import difflib
+    from dataclasses import fields, is_dataclass
+
+    from specpilot_build.config import schema
+
+    m = re.search(r"Key '([^']+)' not in '(\w+)'", text)
+    node = getattr(schema, m.group(2), None) if m else None
+    if not is_dataclass(node):
+        return ""
+    close = difflib.get_close_matches(m.group(1), [f.name for f in fields(node)], n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""

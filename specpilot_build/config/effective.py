@@ -12,8 +12,9 @@ NO_DRAFTER = {"name": "none", "algorithm": "none"}
 def effective_config(config: dict) -> dict:
     cfg = copy.deepcopy(config)
     arm = cfg["arm"]
-    mechanisms = cfg.pop("final", {}).get("mechanisms", []) if arm["applies_mechanisms"] else []
-    cfg.pop("final", None)
+    declared = (cfg.pop("final", None) or {}).get("mechanisms") or {}
+    # final.mechanisms maps each mechanism's name to what it sets, in the order the setting lists them
+    mechanisms = [dict(body, name=name) for name, body in declared.items()] if arm["applies_mechanisms"] else []
     if not arm["uses_drafter"]:
         cfg["drafter"] = dict(NO_DRAFTER)
     runtime_options: dict = {}
