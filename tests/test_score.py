@@ -47,6 +47,7 @@ def canonical(tmp_path_factory):
     return path, score.score_run(path)
 
 
+@pytest.mark.slow
 def test_every_canonical_code_solution_passes_in_the_sandbox(canonical):
     _, result = canonical
     failures = [(g["item_id"], g["detail"]) for g in result["items"] if not g["correct"]]
@@ -72,6 +73,7 @@ def test_sanitized_mbpp_records_with_test_imports_pass(tmp_path):
     assert not score.grade("mbpp", [answer], [{**record, "test_imports": []}])[0]["correct"]
 
 
+@pytest.mark.slow
 def test_score_json_is_written_next_to_the_run(canonical):
     path, result = canonical
     written = json.loads((path.parent / "canonical.score.json").read_text())
@@ -112,6 +114,7 @@ def mixed(tmp_path_factory):
     return score.score_run(path, workers=2, limits=sandbox.Limits(wall_s=30.0, cpu_s=2))
 
 
+@pytest.mark.slow
 def test_mixed_run_counts_correct_and_truncated_answers(mixed):
     datasets = mixed["datasets"]
     assert (datasets["gsm8k"]["correct"], datasets["gsm8k"]["n"], datasets["gsm8k"]["truncated"]) == (4, 6, 1)
@@ -229,3 +232,113 @@ def test_code_extraction_prefers_the_block_defining_the_function():
     assert score.extract_code(text, "add") == "def add(a, b):\n    return a + b\n"
     assert score.extract_code("def add(a, b): return a + b", "add") == "def add(a, b): return a + b"
     assert score.extract_code("```python\ndef add(a, b):\n    return a", "add") == "def add(a, b):\n    return a"
+
+
+# --- forged passes: no completion passes without passing the tests -------------------------------------
+
+# Module-level code a completion can carry: it collects every 32-hex-digit string (the shape of the secret
+# marker the grader used to append) from one place it can read, prints them, and exits 0 before the tests.
+STEAL = {
+    "own-source": "found = set(re.findall(r'[0-9a-f]{32}', open(__file__).read()))\n",
+    "code-objects": (
+        "import gc, types\n"
+        "found = set()\n"
+        "def consts(code, depth=0):\n"
+        "    for c in code.co_consts:\n"
+        "        if isinstance(c, str):\n"
+        "            found.update(re.findall(r'[0-9a-f]{32}', c))\n"
+        "        elif isinstance(c, types.CodeType) and depth < 5:\n"
+        "            consts(c, depth + 1)\n"
+        "for holder in [*gc.get_objects(), *[vars(m) for m in list(sys.modules.values())]]:\n"
+        "    values = holder.values() if isinstance(holder, dict) else [holder]\n"
+        "    for value in list(values):\n"
+        "        code = getattr(value, '__code__', value)\n"
+        "        if isinstance(code, types.CodeType):\n"
+        "            consts(code)\n"),
+    "frames": (
+        "import inspect\n"
+        "found = set()\n"
+        "for info in inspect.stack():\n"
+        "    frame = info.frame\n"
+        "    for value in [*frame.f_locals.values(), *frame.f_globals.values(), *frame.f_code.co_consts]:\n"
+        "        if hasattr(value, 'co_consts'):\n"
+        "            value = repr(value.co_consts)\n"
+        "        found.update(re.findall(r'[0-9a-f]{32}', str(value)))\n"),
+    "own-memory": (
+        "import ctypes\n"
+        "ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: its /proc/self/mem becomes its own\n"
+        "found = set()\n"
+        "with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
+        "    for line in maps:\n"
+        "        span, perms = line.split()[:2]\n"
+        "        low, high = (int(x, 16) for x in span.split('-'))\n"
+        "        if perms.startswith('r') and high - low < 1 << 26:\n"
+        "            try:\n"
+        "                mem.seek(low)\n"
+        "                found.update(m.decode() for m in re.findall(rb'[0-9a-f]{32}', mem.read(high - low)))\n"
+        "            except (OSError, ValueError, OverflowError):\n"
+        "                pass\n"),
+    "proc-cmdline-environ": (
+        "found = set()\n"
+        "for pid in ['self'] + [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    for name in ('cmdline', 'environ'):\n"
+        "        try:\n"
+        "            found.update(re.findall(r'[0-9a-f]{32}', open(f'/proc/{pid}/{name}', 'rb').read()"
+        ".decode('latin-1')))\n"
+        "        except OSError:\n"
+        "            pass\n"),
+}
+
+
+def _thief(function: str, vector: str) -> str:
+    return _fenced(f"import os, re, sys\n{function}\n{STEAL[vector]}"
+                   "print('\\n'.join(sorted(found)), flush=True)\nos._exit(0)\n")
+
+
+@pytest.mark.parametrize("vector", sorted(STEAL))
+def test_a_completion_that_prints_what_it_can_read_and_exits_0_fails(vector):
+    humaneval = {item.id: item.record for item in load_split("humaneval")}["HumanEval/0"]
+    mbpp = load_split("mbpp", 1)[0].record
+    mbpp_name = score._called_function(mbpp["test_list"])
+    wrong_humaneval = "def has_close_elements(numbers, threshold):\n    return None\n"
+    wrong_mbpp = f"def {mbpp_name}(*args):\n    return None\n"
+    results = score.grade("humaneval", [_thief(wrong_humaneval, vector)], [humaneval])
+    results += score.grade("mbpp", [_thief(wrong_mbpp, vector)], [mbpp])
+    assert [r["correct"] for r in results] == [False, False], results
+    assert [r["detail"] for r in results] == ["exited before its tests finished"] * 2
+
+
+@pytest.mark.parametrize("exit_code", ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "exit(0)",
+                                       "raise SystemExit", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)"])
+def test_exiting_early_with_status_0_fails(exit_code):
+    humaneval = {item.id: item.record for item in load_split("humaneval")}["HumanEval/0"]
+    at_module_level = _fenced(f"def has_close_elements(numbers, threshold):\n    return None\n{exit_code}\n")
+    in_the_function = _fenced("def has_close_elements(numbers, threshold):\n"
+                              + "".join(f"    {line}\n" for line in exit_code.splitlines()))
+    results = score.grade("humaneval", [at_module_level, in_the_function], [humaneval, humaneval])
+    assert [r["correct"] for r in results] == [False, False], results
+
+
+def test_an_answer_equal_to_everything_fails():
+    records = {item.id: item.record for item in load_split("humaneval")}
+    always_equal = ("class Anything(list):\n    def __eq__(self, other):\n        return True\n"
+                    "    def __ne__(self, other):\n        return False\n    __bool__ = lambda self: True\n"
+                    "    __hash__ = object.__hash__\n")
+    completions = [_fenced(f"{always_equal}def has_close_elements(numbers, threshold):\n    return Anything()\n"),
+                   _fenced(f"{always_equal}def separate_paren_groups(paren_string):\n    return Anything()\n")]
+    results = score.grade("humaneval", completions, [records["HumanEval/0"], records["HumanEval/1"]])
+    assert [r["correct"] for r in results] == [False, False], results
+
+
+def test_correct_answers_that_need_helpers_and_setup_code_pass():
+    """HumanEval/32's tests call the prompt's poly(); MBPP 367's setup builds trees of the answer's Node."""
+    humaneval = {item.id: item.record for item in load_split("humaneval")}
+    mbpp = {item.id: item.record for item in load_split("mbpp")}
+    h32, m367 = humaneval["HumanEval/32"], mbpp["367"]
+    assert "poly(" in h32["test"] and "Node(" in m367["test_setup_code"]
+    assert score.grade("humaneval", [_fenced(h32["prompt"] + h32["canonical_solution"])], [h32])[0]["correct"]
+    assert not score.grade("humaneval", ["    return 0.0\n"], [h32])[0]["correct"]
+    assert score.grade("mbpp", [_fenced(m367["code"].replace("\r\n", "\n") + "\n")], [m367])[0]["correct"]
+    wrong = "class Node:\n    def __init__(self, data):\n        self.data, self.left, self.right = data, None, None\n" \
+            "def is_tree_balanced(root):\n    return root.data == 1\n"
+    assert not score.grade("mbpp", [wrong], [m367])[0]["correct"]

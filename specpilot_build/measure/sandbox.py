@@ -67,6 +67,7 @@ import itertools
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import stat
@@ -145,12 +146,12 @@ def run_tested(task: Tested, limits: Limits = Limits()) -> Outcome:
     request_r, request_w = os.pipe()  # tests -> candidate
     reply_r, reply_w = os.pipe()  # candidate -> tests
     started: list[_Started] = []
-    try:
-        started.append(_start(iso, limits, {"mode": "candidate", "program": task.candidate},
-                              fds=(request_r, reply_w)))
+    try:  # the tests first: they make themselves non-dumpable before the candidate exists
         started.append(_start(iso, limits, {"mode": "tests", "program": task.tests, "call": task.call,
                                             "remote": list(task.remote), "refs": list(task.refs)},
                               fds=(reply_r, request_w)))
+        started.append(_start(iso, limits, {"mode": "candidate", "program": task.candidate},
+                              fds=(request_r, reply_w)))
     except BaseException:
         for run in started:
             run.finish(iso, timed_out=True)
@@ -158,7 +159,7 @@ def run_tested(task: Tested, limits: Limits = Limits()) -> Outcome:
     finally:
         for fd in (request_r, request_w, reply_r, reply_w):
             os.close(fd)
-    candidate, tests = started
+    tests, candidate = started
     returncode, timed_out = tests.wait(limits.wall_s)
     candidate_returncode, _ = candidate.wait(0.5 if not timed_out else 0)  # it ends at the pipe's EOF
     tests_outcome = tests.finish(iso, returncode=returncode, timed_out=timed_out)
@@ -336,6 +337,18 @@ class _Started:
     finished: Outcome | None = field(default=None)
 
     def wait(self, timeout: float) -> tuple[int | None, bool]:
+        """(exit status, timed out). A pidfd wakes us the moment the process ends (Popen.wait polls)."""
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        if pidfd is not None:
+            try:
+                ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout))
+            finally:
+                os.close(pidfd)
+            if not ready:
+                return None, True
         try:
             return self.proc.wait(timeout=timeout), False
         except subprocess.TimeoutExpired:
@@ -371,7 +384,7 @@ def _start(iso: Isolation, limits: Limits, task: dict, fds: tuple[int, ...] = ()
         settings = {
             "uid": -1 if uid is None else uid, "private_tmp": iso.private_tmp, "fresh_root": iso.fresh_root,
             "runtime": list(iso.runtime), "socket_guard": iso.network != "namespace",
-            "tmpfs_bytes": limits.tmpfs_bytes, "fds": list(fds),
+            "tmpfs_bytes": limits.tmpfs_bytes, "fds": list(fds), "dumpable": task["mode"] != "tests",
             "pivot_root": _PIVOT_ROOT_SYSCALL.get(os.uname().machine, -1),
             "rlimits": [["RLIMIT_CPU", limits.cpu_s], ["RLIMIT_AS", limits.memory_bytes],
                         ["RLIMIT_FSIZE", limits.file_bytes], ["RLIMIT_NPROC", process_limit],
@@ -468,8 +481,12 @@ def _tail(handle, size: int = 4000) -> str:
 # remote names bound to stubs that call the candidate ("tests"). Written for any Python 3.8+: it runs under
 # the sandbox's interpreter, which cannot import this package (nothing of the checkout is visible there).
 _LAUNCHER = r'''
-import json, os, resource, sys
+import ctypes, json, os, resource, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 cfg = json.loads(sys.argv[1])
+if not cfg["dumpable"]:
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, first thing: no ptrace, no /proc/<pid>/mem
 with open("task.json") as handle:
     task = json.load(handle)
 os.unlink("task.json")
@@ -477,11 +494,8 @@ mode, program = task["mode"], task["program"]
 task_call, task_remote, task_refs = task.get("call", ""), task.get("remote", []), task.get("refs", [])
 for name, value in cfg["rlimits"]:
     resource.setrlimit(getattr(resource, name), (value, value))
-import ctypes
-libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME = 1, 2, 4, 8, 32, 1024, 2048
 MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 4096, 16384, 1 << 18, 1 << 21
 def _b(value):
@@ -573,8 +587,8 @@ else:
     _none = (ctypes.c_uint32 * 6)()
     libc.capset(ctypes.byref(_Header(0x20080522, 0)), _none)  # _LINUX_CAPABILITY_VERSION_3: nothing left
 _check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
-if mode == "tests":
-    _check(libc.prctl(4, 0, 0, 0, 0), "not dumpable")  # PR_SET_DUMPABLE: no ptrace, no /proc/<pid>/mem
+if not cfg["dumpable"]:  # again: a change of uid resets it (to fs.suid_dumpable)
+    _check(libc.prctl(4, 0, 0, 0, 0), "not dumpable")
 if cfg["socket_guard"]:
     import socket
     def no_network(*args, **kwargs):
@@ -591,7 +605,10 @@ main = types.ModuleType("__main__")
 main.__file__ = os.path.abspath(filename)
 main.__builtins__ = builtins
 sys.modules["__main__"] = main  # pickle finds classes of the program (e.g. a test's Node) by __main__.<name>
-code = compile(program, filename, "exec")
+try:
+    code = compile(program, filename, "exec")
+except (SyntaxError, ValueError) as exc:  # raised where it counts: the candidate reports it to the tests
+    code = exc
 fds = cfg["fds"]
 del program, task, cfg, resource, uid, handle
 
@@ -618,6 +635,8 @@ def write_frame(fd, data):
 
 if mode == "program":
     del fds, read_frame, write_frame
+    if isinstance(code, BaseException):
+        raise code
     exec(code, main.__dict__)
 
 elif mode == "candidate":
@@ -627,6 +646,8 @@ elif mode == "candidate":
     def reply(message):
         write_frame(replies, json.dumps(message).encode())
     try:
+        if isinstance(code, BaseException):
+            raise code
         exec(code, main.__dict__)
     except GONE:
         reply(["gone", "exited before its tests finished"])
@@ -730,8 +751,8 @@ elif mode == "tests":
     def receive():
         try:
             frame = read_frame(replies)
-        except OSError as exc:
-            raise lost("broke the pipe: %s" % exc)
+        except BaseException as exc:  # a broken pipe, an absurd frame length (MemoryError), ...
+            raise lost("broke the pipe (%s)" % type(exc).__name__)
         if frame is None:
             raise lost("exited before its tests finished")
         try:
@@ -857,6 +878,8 @@ elif mode == "tests":
         message = receive()  # the candidate ran its definitions (or did not)
         if message != ["ready"]:
             raise lost("sent a malformed greeting")
+        if isinstance(code, BaseException):
+            raise code
         exec(code, main.__dict__)
         for name in task_remote:
             main.__dict__[name] = stub(name)
