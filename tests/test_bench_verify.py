@@ -93,7 +93,7 @@ def loop(tmp_path_factory):
         serve(engines["final"], bench_port, quiet=True)
         try:
             final_run = bench(engines["final"].id, "final", limit=1, max_new_tokens=48, port=bench_port,
-                              datasets=E2E_DATASETS, progress=False)
+                              datasets=E2E_DATASETS, progress=False, oracle_engine_id=engines["ar"].id)
         finally:
             stop(bench_port)
         # verify serves the oracle itself here (and stops it afterwards)
@@ -120,15 +120,15 @@ def test_bench_records_what_compare_score_and_verify_need(loop):
         assert r["latency_s"] > 0 and r["finish_reason"] in ("length", "stop")
         assert r["accept_length"] is not None and r["accept_length"] >= 1.0
     assert run["per_dataset"]["gsm8k"]["wall_s"] > 0 and 0 <= run["client"]["overhead_fraction"] < 1
+    assert run["oracle_engine_id"] == loop["engines"]["ar"].id  # the recorded oracle
 
 
 def test_embedded_final_and_ar_outputs_are_token_identical(loop):
     from specpilot_build.measure import compare as cmp
 
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in loop["env"].items():
-            env.setenv(key, value)
-        report = cmp.compare(str(loop["ar_run"]), str(loop["ar_run"]), str(loop["final_run"]), name="identity")
+    # compare() refuses a run passed as two arms; identity needs only the ar and final runs
+    ar, final = (json.loads(loop[key].read_text()) for key in ("ar_run", "final_run"))
+    report = cmp.speed_report({"ar": ar, "stock": ar, "final": final})
     ident = report["identity"]["final/ar"]["overall"]
     assert ident["identical"] == ident["requests"] == len(E2E_DATASETS)
     assert ident["first_difference"] is None
@@ -189,7 +189,8 @@ def test_bench_refuses_a_server_of_another_engine(loop):
             env.setenv(key, value)
         with pytest.raises(SpecPilotError, match=f"serves engine {loop['engines']['ar'].id}, not "
                                                  f"{loop['engines']['final'].id[:16]}"):
-            bench(loop["engines"]["final"].id, "wrong", limit=1, port=loop["oracle_port"], progress=False)
+            bench(loop["engines"]["final"].id, "wrong", limit=1, port=loop["oracle_port"], progress=False,
+                  oracle_engine_id=loop["engines"]["ar"].id)
 
 
 def _environ():

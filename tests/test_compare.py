@@ -6,9 +6,19 @@ import pytest
 
 from specpilot_build.measure import compare as cmp
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.measure.results import SCHEMA
+from specpilot_build.measure.prompts import prompt_digest, prompts_digest
+from specpilot_build.measure.results import SCHEMA, manifest_digest
 
 PIN = {"repo": "karpathy/tinyllamas", "revision": "0bd21da7698eaf29a0d7de3992de8a46ef624add"}
+
+
+def synthetic_manifest(arm, pin=PIN, dtype="float32", setting="syn_setting"):
+    """The parts of an engine manifest compare reads: arm, drafter, target pin, dtype, hardware, setting."""
+    return {"setting": setting, "arm": arm, "files": [],
+            "config": {"arm": {"name": arm, "uses_drafter": arm != "ar"},
+                       "drafter": {"algorithm": "none" if arm == "ar" else "ngram"},
+                       "model": {"dtype": dtype, "quantization": None}, "hardware": {"name": "cpu"}},
+            "inputs": {"checkpoints": {"model": dict(pin)}}}
 
 
 def synthetic_run(arm, rng, n=60, slowdown=1.0, datasets=("gsm8k", "mbpp"), concurrency=1, pin=PIN):
@@ -21,15 +31,18 @@ def synthetic_run(arm, rng, n=60, slowdown=1.0, datasets=("gsm8k", "mbpp"), conc
         noise = rng.lognormal(-0.02, 0.2, n)  # mean-one multiplicative noise (mean of lognormal = 1)
         latency = tokens * tpt * slowdown * noise
         for i in range(n):
-            requests.append({"dataset": dataset, "item_id": str(i), "prompt_digest": f"d{dataset}{i}",
+            requests.append({"dataset": dataset, "item_id": str(i), "prompt_digest": prompt_digest([1, i]),
                              "prompt_ids": [1, i], "output_ids": list(range(int(tokens[i]))),
                              "completion_tokens": int(tokens[i]), "latency_s": float(latency[i]),
                              "accept_length": None if arm == "ar" else 2.0, "finish_reason": "length"})
         per_dataset[dataset] = {"completion_tokens": int(tokens.sum()),
                                 "wall_s": float(latency.sum()) / concurrency}
-    return {"schema": SCHEMA, "name": f"syn-{arm}", "engine_id": arm * 8, "arm": arm, "date_utc": "2026-11-29",
+    manifest = synthetic_manifest(arm, pin)
+    engine_id = manifest_digest(manifest)
+    return {"schema": SCHEMA, "name": f"syn-{arm}", "engine_id": engine_id, "manifest_digest": f"blake3:{engine_id}",
+            "engine_manifest": manifest, "setting": manifest["setting"], "arm": arm, "date_utc": "2026-11-29",
             "target_pin": pin, "max_new_tokens": 512, "concurrency": concurrency, "requests": requests,
-            "per_dataset": per_dataset}
+            "prompts_digest": prompts_digest(requests), "per_dataset": per_dataset}
 
 
 def test_bootstrap_ci_covers_a_known_ratio_in_most_trials():
@@ -92,7 +105,7 @@ def test_compare_writes_json_and_chart(monkeypatch, tmp_path):
     paths = _write(tmp_path, {arm: synthetic_run(arm, rng) for arm in ("ar", "stock", "final")})
     report = cmp.compare(str(paths["ar"]), str(paths["stock"]), str(paths["final"]), name="cmp")
     written = json.loads((tmp_path / "data/results/cmp.json").read_text())
-    assert written["runs"]["final"]["engine_id"] == "final" * 8
+    assert written["runs"]["final"]["engine_id"] == manifest_digest(synthetic_manifest("final"))
     assert (tmp_path / "data/results/cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["speedups"]["final/ar"]["overall"]["n"] == 120
 
@@ -111,7 +124,10 @@ def test_refuses_runs_with_different_prompts(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
     rng = np.random.default_rng(6)
     runs = {arm: synthetic_run(arm, rng) for arm in ("ar", "stock", "final")}
-    runs["stock"]["requests"][61]["prompt_digest"] = "other"
+    request = runs["stock"]["requests"][61]
+    request["prompt_ids"] = [2, 1]  # a different prompt, consistently digested
+    request["prompt_digest"] = prompt_digest(request["prompt_ids"])
+    runs["stock"]["prompts_digest"] = prompts_digest(runs["stock"]["requests"])
     paths = _write(tmp_path, runs)
     with pytest.raises(SpecPilotError, match=r"different prompts \(first difference: mbpp item 1\)"):
         cmp.compare(str(paths["ar"]), str(paths["stock"]), str(paths["final"]))

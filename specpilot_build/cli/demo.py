@@ -33,12 +33,13 @@ def demo(setting: str = DEFAULT_SETTING, limit: int = 3, max_new_tokens: int = 1
         serve(engines[arm].id, port)
         try:
             runs[arm] = bench(engines[arm].id, f"demo_{setting}_{arm}", limit=limit,
-                              max_new_tokens=max_new_tokens, port=port, datasets=datasets, overwrite=True)
+                              max_new_tokens=max_new_tokens, port=port, datasets=datasets, overwrite=True,
+                              oracle_engine_id=engines["ar"].id)
         finally:
             stop(port)
         console.print(f"bench {arm:5s} → {runs[arm]} ({time.perf_counter() - started:.0f} s)")
     report = compare(str(runs["ar"]), str(runs["stock"]), str(runs["final"]), name=f"demo_{setting}_compare",
-                     console=console)
+                     console=console, overwrite=True)
     console.print(f"chart → {report['chart']} ({time.perf_counter() - started:.0f} s)")
     score = score_run(runs["final"])
     print_score(score)

@@ -3,10 +3,12 @@
 Prompts are rendered on the client (prompts.py) so every arm gets identical input ids. A request's budget is
 `max_new_tokens`, cut so that prompt + output stays below the model's context (as SGLang cuts it; it also lets
 verify force the whole output, since servers refuse inputs as long as the context). The cut is identical for
-every arm and recorded per request; a prompt that leaves no room for one new token is skipped and listed. A short warm-up pass (not counted)
-precedes the timed pass. Datasets run one after another, each with the setting's concurrency, so each has
-its own wall time (the c16 throughput of that dataset). One results JSON holds everything compare, score and
-verify need.
+every arm and recorded per request; a prompt that leaves no room for one new token is skipped and listed (in
+the results and on screen). A short warm-up pass (not counted) precedes the timed pass. Datasets run one after
+another, each with the setting's concurrency, so each has its own wall time (the c16 throughput of that
+dataset). One results JSON holds everything compare, score and verify need, and what binds it to its inputs:
+the server's /server_info as served, the engine's manifest (whose blake3 digest is the engine id) and the
+oracle's engine id and manifest (the setting's `ar` engine, built from the same pins when the run was benched).
 """
 from __future__ import annotations
 
@@ -24,16 +26,28 @@ from specpilot_build.hub.checkpoints import model_dirs
 from specpilot_build.store.engines import Engine, resolve_engine
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.measure.prompts import PromptRenderer, prompts_digest
-from specpilot_build.measure.results import SCHEMA, results_path, write_json
+from specpilot_build.measure.results import SCHEMA, manifest_record, results_path, write_json
 
 WARMUP_TOKENS = 32
 
 
 def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new_tokens: int = 2048,
           port: int = DEFAULT_PORT, datasets: list[str] | None = None, host: str = "127.0.0.1",
-          overwrite: bool = False, progress: bool = True):
-    """Bench the engine served on host:port; returns the path of the results JSON."""
+          overwrite: bool = False, progress: bool = True, oracle_engine_id: str | None = None):
+    """Bench the engine served on host:port; returns the path of the results JSON.
+
+    `oracle_engine_id`: the engine verify forces the run's tokens through, the setting's `ar` engine (the
+    caller builds or finds it: measure/ builds nothing); an ar engine is its own oracle."""
     engine = resolve_engine(engine_ref) if isinstance(engine_ref, str) else engine_ref
+    if oracle_engine_id is None:
+        if engine.manifest.get("arm") != "ar":
+            raise SpecPilotError(f"bench of the {engine.manifest.get('arm')} engine {engine.id[:12]} needs the "
+                                 "oracle's engine id (the setting's ar engine) to record")
+        oracle_engine_id = engine.id
+    oracle = engine if oracle_engine_id == engine.id else resolve_engine(oracle_engine_id)
+    if oracle.id != oracle_engine_id:
+        raise SpecPilotError(f"oracle engine {oracle_engine_id} is not in the store (found {oracle.id[:12]})")
+    engine_record, oracle_record = manifest_record(engine), manifest_record(oracle)
     out = results_path(name)
     if out.exists() and not overwrite:
         raise SpecPilotError(f"{out} exists; choose another NAME or remove it")
@@ -49,6 +63,8 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
     renderer = PromptRenderer(model_dirs(engine.manifest["inputs"]["checkpoints"], config)["model"], config["model"].get("chat_template"))
     context = config["model"].get("context_length") or renderer.context_length
     plan, skipped = plan_requests(renderer, names, limit, max_new_tokens, context)
+    for entry in (e for entries in skipped.values() for e in entries):
+        print(f"skipped {entry['dataset']} item {entry['item_id']}: {entry['reason']}", file=sys.stderr)
     if not any(plan.values()):
         raise SpecPilotError(f"no prompt fits the model's context of {context} tokens; nothing to bench")
 
@@ -76,6 +92,12 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
         "schema": SCHEMA,
         "name": name,
         "engine_id": engine.id,
+        "manifest_digest": engine_record["digest"],
+        "engine_manifest": engine_record["manifest"],
+        "oracle_engine_id": oracle.id,
+        "oracle": {"engine_id": oracle.id, "manifest_digest": oracle_record["digest"],
+                   "manifest": oracle_record["manifest"]},
+        "served": {"engine_id": served, "runtime": info.get("runtime"), "version": info.get("version")},
         "setting": config.get("setting"),
         "arm": config["arm"]["name"],
         "hardware": config.get("hardware"),
@@ -90,7 +112,8 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
         "machine": {"host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0]},
         "server_info": info,
         "datasets": {d: {"limit": limit, "requests": len(plan[d]), "sha256": dataset_pin(d)["sha256"],
-                         "skipped_too_long": skipped[d]} for d in names},
+                         "skipped_too_long": [e["item_id"] for e in skipped[d]]} for d in names},
+        "skipped": [e for d in names for e in skipped[d]],
         "prompts_digest": prompts_digest(requests),
         "warmup": warmup,
         "wall_s": totals["wall_s"],
@@ -112,7 +135,9 @@ def plan_requests(renderer: PromptRenderer, names: list[str], limit: int | None,
             prompt = renderer.prompt(dataset, item.id, item.prompt)
             budget = max_new_tokens if context is None else min(max_new_tokens, context - 1 - len(prompt.ids))
             if budget < 1:
-                skipped[dataset].append(item.id)
+                skipped[dataset].append({"dataset": dataset, "item_id": item.id, "prompt_tokens": len(prompt.ids),
+                                         "reason": f"too long for the context: {len(prompt.ids)} prompt tokens "
+                                                   f"leave no room for a new token in {context}"})
                 continue
             plan[dataset].append({"dataset": dataset, "item_id": item.id, "prompt_digest": prompt.digest,
                                   "prompt_ids": prompt.ids, "max_new_tokens": budget})

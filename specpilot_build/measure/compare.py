@@ -11,6 +11,12 @@ Method (fixed; the seed is part of it):
 - Identity: a request is identical between two arms when their output ids are equal token for token.
 Runs are comparable only when they hold the same prompts (dataset, item id, prompt digest), the same token
 budget and concurrency, and the same target model; anything else is refused.
+
+Nothing read is trusted: every prompt digest is recomputed from its `prompt_ids` and every completion count
+from its `output_ids`; each run's recorded engine manifest must hash to its engine id and name the arm it is
+passed as (ar serves no drafter, stock and final do); the three runs must be three different engines of one
+setting, target pin, dtype and hardware. A report is never overwritten unless asked (`overwrite=True`), and
+each is written with an in-toto statement binding its speedups to the three results files (attest.py).
 """
 from __future__ import annotations
 
@@ -18,8 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot_build import __version__
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.measure.results import load_results, results_dir, write_json
+from specpilot_build.measure import attest
+from specpilot_build.measure.prompts import prompt_digest, prompts_digest
+from specpilot_build.measure.results import load_results, manifest_digest, require_current, results_dir, write_json
 
 PAIRS = (("final", "stock"), ("final", "ar"), ("stock", "ar"))
 RESAMPLES = 2000
@@ -28,24 +37,133 @@ OVERALL = "overall"
 
 
 def compare(ar: str, stock: str, final: str, name: str | None = None, chart: bool = True,
-            console=None) -> dict:
-    """Compare three bench runs (paths or names); writes <results>/<name>.json and .png, prints a table."""
+            console=None, overwrite: bool = False) -> dict:
+    """Compare three bench runs (paths or names); writes <results>/<name>.json, .png and .intoto.json, prints a
+    table. Refuses to replace an existing report unless `overwrite`."""
     runs = {}
     for arm, ref in (("ar", ar), ("stock", stock), ("final", final)):
         path, data = load_results(ref)
         runs[arm] = (path, data)
+    check_arms(runs)
+    check_records(runs)
     check_comparable(runs)
-    report = speed_report({arm: data for arm, (_, data) in runs.items()})
-    report["runs"] = {arm: {"path": str(path), "name": data["name"], "engine_id": data["engine_id"],
-                            "arm": data["arm"], "date_utc": data["date_utc"]} for arm, (path, data) in runs.items()}
     name = name or f"compare_{runs['final'][1]['name']}"
     out = results_dir() / f"{name}.json"
+    if out.exists() and not overwrite:
+        raise SpecPilotError(f"{out} exists (an earlier compare); choose another NAME or pass --overwrite "
+                             "(OVERWRITE=1) to replace it")
+    report = speed_report({arm: data for arm, (_, data) in runs.items()})
+    report["runs"] = {arm: {"path": str(path), "name": data["name"], "engine_id": data["engine_id"],
+                            "manifest_digest": data.get("manifest_digest"),
+                            "oracle_engine_id": data.get("oracle_engine_id"),
+                            "arm": data["arm"], "date_utc": data["date_utc"]} for arm, (path, data) in runs.items()}
     report["json"] = str(out)
+    report["statement"] = str(attest.statement_path(out))
     if chart:
         report["chart"] = str(speedup_chart(report, out.with_suffix(".png")))
     write_json(out, report)
+    subjects = [path for path, _ in runs.values()] + [out] + ([Path(report["chart"])] if chart else [])
+    attest.write_statement(out, subjects, attest.PREDICATE_COMPARE,
+                           compare_predicate(report, {arm: data for arm, (_, data) in runs.items()}))
     print_table(report, console)
     return report
+
+
+def compare_predicate(report: dict, runs: dict) -> dict:
+    ar = runs["ar"]
+    return {"engine_ids": {arm: data["engine_id"] for arm, data in runs.items()},
+            "oracle_engine_ids": {arm: data.get("oracle_engine_id") for arm, data in runs.items()},
+            "setting": ar.get("setting"), "target_pin": ar.get("target_pin"), "dtype": _dtype(ar["engine_manifest"]),
+            "hardware": {arm: data.get("hardware") for arm, data in runs.items()},
+            "versions": {"runs": {arm: data.get("versions") for arm, data in runs.items()},
+                         "servers": {arm: data.get("served") for arm, data in runs.items()},
+                         "specpilot": __version__},
+            "concurrency": report["concurrency"], "method": {"resamples": report["resamples"], "seed": report["seed"]},
+            "speedups": {pair: {d: {"speedup": s["speedup"], "ci95": s["ci95"], "n": s["n"]}
+                                for d, s in per_dataset.items()} for pair, per_dataset in report["speedups"].items()},
+            "identity": {pair: {d: {"identical": i["identical"], "requests": i["requests"]}
+                                for d, i in per_dataset.items()} for pair, per_dataset in report["identity"].items()}}
+
+
+def check_arms(runs: dict) -> None:
+    """Each run is a different engine, of the arm it is passed as (by its manifest), all of one setting, target
+    pin, dtype and hardware; ar serves no drafter, stock and final do."""
+    seen_paths, seen_engines = {}, {}
+    for arm, (path, data) in runs.items():
+        require_current(path, data)
+        where = Path(path).resolve()
+        if where in seen_paths:
+            raise SpecPilotError(f"{path} is passed as both {seen_paths[where]} and {arm}: compare needs three "
+                                 "different runs, one per arm")
+        seen_paths[where] = arm
+        engine_id = data.get("engine_id")
+        if engine_id in seen_engines:
+            raise SpecPilotError(f"the {seen_engines[engine_id]} and {arm} runs are both of engine "
+                                 f"{str(engine_id)[:12]}: compare needs one engine per arm")
+        seen_engines[engine_id] = arm
+    for arm, (path, data) in runs.items():
+        engine_id = data.get("engine_id")
+        manifest = data.get("engine_manifest")
+        if not isinstance(manifest, dict) or manifest_digest(manifest) != engine_id \
+                or data.get("manifest_digest") != f"blake3:{engine_id}":
+            raise SpecPilotError(f"{path}: its recorded engine manifest does not hash to its engine id "
+                                 f"{str(engine_id)[:12]}; the record was altered or is not a bench run")
+        manifest_arm = manifest.get("arm")
+        if manifest_arm != arm or data.get("arm") != arm:
+            raise SpecPilotError(f"{path} is passed as the {arm} arm, but its engine {engine_id[:12]} is the "
+                                 f"{manifest_arm} arm (its manifest; the record says {data.get('arm')}): arms "
+                                 "swapped or repeated")
+        drafter = _drafter(manifest)
+        if arm == "ar" and drafter:
+            raise SpecPilotError(f"{path}: the ar engine {engine_id[:12]} serves a drafter ({drafter})")
+        if arm != "ar" and not drafter:
+            raise SpecPilotError(f"{path}: the {arm} engine {engine_id[:12]} serves no drafter")
+    traits = {arm: _traits(data["engine_manifest"]) for arm, (_, data) in runs.items()}
+    differ = []
+    for key in ("target_pin", "dtype", "quantization", "hardware", "setting"):
+        values = {arm: t[key] for arm, t in traits.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            differ.append(f"{key} (" + ", ".join(f"{arm} {v}" for arm, v in values.items()) + ")")
+    if differ:
+        raise SpecPilotError(f"the runs' engines differ in {'; '.join(differ)}: compare only arms of one "
+                             "setting, target, dtype and hardware")
+
+
+def check_records(runs: dict) -> None:
+    """Recompute what compare reads from each run's ids: prompt digests and completion counts."""
+    for arm, (path, data) in runs.items():
+        for r in data["requests"]:
+            where = f"{path} ({arm}): {r['dataset']} item {r['item_id']}"
+            recomputed = prompt_digest(r["prompt_ids"])
+            if r.get("prompt_digest") != recomputed:
+                raise SpecPilotError(f"{where}: prompt_digest {str(r.get('prompt_digest'))[:16]}… is not the "
+                                     f"sha256 of its prompt_ids ({recomputed[:16]}…)")
+            if r.get("completion_tokens") != len(r["output_ids"]):
+                raise SpecPilotError(f"{where}: completion_tokens {r.get('completion_tokens')} but "
+                                     f"{len(r['output_ids'])} output_ids")
+        if data.get("prompts_digest") != prompts_digest(data["requests"]):
+            raise SpecPilotError(f"{path} ({arm}): prompts_digest is not the digest of its requests' prompts")
+
+
+def _drafter(manifest: dict) -> str | None:
+    config = manifest.get("config") or {}
+    algorithm = (config.get("drafter") or {}).get("algorithm")
+    uses = (config.get("arm") or {}).get("uses_drafter")
+    if algorithm in (None, "none") and not uses:
+        return None
+    return algorithm or "a drafter"
+
+
+def _dtype(manifest: dict):
+    return ((manifest.get("config") or {}).get("model") or {}).get("dtype")
+
+
+def _traits(manifest: dict) -> dict:
+    config = manifest.get("config") or {}
+    pin = ((manifest.get("inputs") or {}).get("checkpoints") or {}).get("model") or {}
+    return {"setting": manifest.get("setting"), "target_pin": f"{pin.get('repo')}@{pin.get('revision')}",
+            "dtype": _dtype(manifest), "quantization": (config.get("model") or {}).get("quantization"),
+            "hardware": (config.get("hardware") or {}).get("name")}
 
 
 def check_comparable(runs: dict) -> None:

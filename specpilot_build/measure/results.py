@@ -1,14 +1,22 @@
-"""Bench results on disk: <data>/results/<name>.json, found by path or by run name."""
+"""Bench results on disk: <data>/results/<name>.json, found by path or by run name.
+
+Schema 2 records, besides the requests, what binds a run to its inputs: the engine's manifest (blake3 of its
+canonical bytes is the engine id, `manifest_digest`), the server's /server_info as served, and the oracle's
+engine id and manifest. Schema 1 files still load (score reads them); verify and compare refuse them."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
 
+import blake3
+
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
+from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json
 
-SCHEMA = "specpilot.results/1"
+SCHEMA = "specpilot.results/2"
+LEGACY_SCHEMAS = ("specpilot.results/1",)
 
 
 def results_dir() -> Path:
@@ -33,9 +41,31 @@ def load_results(ref: str | Path) -> tuple[Path, dict]:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecPilotError(f"{path}: not a JSON results file ({exc})") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or data.get("schema") not in (SCHEMA, *LEGACY_SCHEMAS):
         raise SpecPilotError(f"{path}: not a bench results file (schema is not {SCHEMA})")
     return path, data
+
+
+def require_current(path: Path, data: dict) -> None:
+    """Refuse a results file of an older schema: it lacks what verify and compare check."""
+    if data.get("schema") != SCHEMA:
+        raise SpecPilotError(f"{path}: results schema {data.get('schema')} records no engine manifest, server "
+                             f"info or oracle id ({SCHEMA} does); bench the run again")
+
+
+def manifest_record(engine) -> dict:
+    """An engine's manifest as it is on disk, and its digest (blake3 of manifest.json's bytes, the engine id)."""
+    raw = (engine.path / MANIFEST_NAME).read_bytes()
+    digest = blake3.blake3(raw).hexdigest()
+    if digest != engine.id:
+        raise SpecPilotError(f"engine {engine.id[:12]}: {MANIFEST_NAME} hashes to {digest[:12]}, not its id; "
+                             f"`specpilot engine verify {engine.id[:12]}`")
+    return {"digest": f"blake3:{digest}", "manifest": json.loads(raw)}
+
+
+def manifest_digest(manifest: dict) -> str:
+    """The digest a recorded manifest hashes to (its engine id when it is the manifest as written)."""
+    return blake3.blake3(canonical_json(manifest)).hexdigest()
 
 
 def write_json(path: Path, data: dict) -> Path:
