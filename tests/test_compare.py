@@ -40,7 +40,8 @@ def synthetic_run(arm, rng, n=60, slowdown=1.0, datasets=("gsm8k", "mbpp"), conc
     manifest = synthetic_manifest(arm, pin)
     engine_id = manifest_digest(manifest)
     return {"schema": SCHEMA, "name": f"syn-{arm}", "engine_id": engine_id, "manifest_digest": f"blake3:{engine_id}",
-            "engine_manifest": manifest, "setting": manifest["setting"], "arm": arm, "date_utc": "2026-11-29",
+            "engine_manifest": manifest, "server_info": {"engine_id": engine_id}, "setting": manifest["setting"],
+            "arm": arm, "date_utc": "2026-11-29",
             "target_pin": pin, "max_new_tokens": 512, "concurrency": concurrency, "requests": requests,
             "prompts_digest": prompts_digest(requests), "per_dataset": per_dataset}
 

@@ -229,7 +229,9 @@ def _as_engine(data, engine, name):
     """A results record re-labelled as another engine's (what compare must judge by the manifest)."""
     record = manifest_record(engine)
     data.update(name=name, engine_id=engine.id, manifest_digest=record["digest"], engine_manifest=record["manifest"],
-                arm=record["manifest"]["arm"], setting=record["manifest"]["setting"])
+                arm=record["manifest"]["arm"], setting=record["manifest"]["setting"],
+                server_info=dict(data["server_info"], engine_id=engine.id),
+                served=dict(data["served"], engine_id=engine.id))
     return data
 
 
@@ -261,6 +263,17 @@ def test_compare_refuses_a_changed_prompt_token(trust, arms):
     path, _ = _tampered(trust, "c_stock_prompt", edit)
     with pytest.raises(SpecPilotError, match=r"gsm8k item .*: prompt_digest .* is not the sha256 of its prompt_ids"):
         cmp.compare(arms["ar"], str(path), arms["final"], name="c_prompt", chart=False)
+
+
+@pytest.mark.slow
+def test_compare_refuses_a_record_relabelled_without_its_server(trust, arms):
+    def edit(data):
+        record = manifest_record(trust["engines"]["stock"])  # manifest and id swapped in, server_info left
+        data.update(engine_id=trust["engines"]["stock"].id, manifest_digest=record["digest"],
+                    engine_manifest=record["manifest"], arm="stock")
+    path, _ = _tampered(trust, "c_relabel", edit)
+    with pytest.raises(SpecPilotError, match="its server reported .* in server_info; the record was altered"):
+        cmp.compare(arms["ar"], str(path), arms["final"], name="c_relabel", chart=False)
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import attest
 from specpilot_build.measure.prompts import prompt_digest, prompts_digest
 from specpilot_build.measure.results import load_results, manifest_digest, require_current, results_dir, write_json
+from specpilot_build.run import client
 
 PAIRS = (("final", "stock"), ("final", "ar"), ("stock", "ar"))
 RESAMPLES = 2000
@@ -108,6 +109,10 @@ def check_arms(runs: dict) -> None:
                 or data.get("manifest_digest") != f"blake3:{engine_id}":
             raise SpecPilotError(f"{path}: its recorded engine manifest does not hash to its engine id "
                                  f"{str(engine_id)[:12]}; the record was altered or is not a bench run")
+        served = client.served_engine_id(data.get("server_info") or {})
+        if served != engine_id:
+            raise SpecPilotError(f"{path}: it records engine {str(engine_id)[:12]}, but its server reported "
+                                 f"{str(served)[:12]} in server_info; the record was altered")
         manifest_arm = manifest.get("arm")
         if manifest_arm != arm or data.get("arm") != arm:
             raise SpecPilotError(f"{path} is passed as the {arm} arm, but its engine {engine_id[:12]} is the "
