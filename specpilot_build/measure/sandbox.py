@@ -77,7 +77,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -145,11 +145,20 @@ def run_tested(task: Tested, limits: Limits = Limits()) -> Outcome:
     iso = isolation()
     request_r, request_w = os.pipe()  # tests -> candidate
     reply_r, reply_w = os.pipe()  # candidate -> tests
+    # Without a PID namespace of its own the candidate could see the tests process; it is started only once
+    # the tests have made themselves non-dumpable (their first line), which they signal on a third pipe.
+    shared_pids = "--pid" not in iso.namespace_flags
+    signal_r, signal_w = os.pipe() if shared_pids else (-1, -1)
     started: list[_Started] = []
-    try:  # the tests first: they make themselves non-dumpable before the candidate exists
+    try:
         started.append(_start(iso, limits, {"mode": "tests", "program": task.tests, "call": task.call,
                                             "remote": list(task.remote), "refs": list(task.refs)},
-                              fds=(reply_r, request_w)))
+                              fds=(reply_r, request_w, *((signal_w,) if shared_pids else ()))))
+        if shared_pids:
+            os.close(signal_w)
+            signal_w = -1
+            if select.select([signal_r], [], [], limits.wall_s)[0]:
+                os.read(signal_r, 1)
         started.append(_start(iso, limits, {"mode": "candidate", "program": task.candidate},
                               fds=(request_r, reply_w)))
     except BaseException:
@@ -157,8 +166,9 @@ def run_tested(task: Tested, limits: Limits = Limits()) -> Outcome:
             run.finish(iso, timed_out=True)
         raise
     finally:
-        for fd in (request_r, request_w, reply_r, reply_w):
-            os.close(fd)
+        for fd in (request_r, request_w, reply_r, reply_w, signal_r, signal_w):
+            if fd >= 0:
+                os.close(fd)
     tests, candidate = started
     returncode, timed_out = tests.wait(limits.wall_s)
     candidate_returncode, _ = candidate.wait(0.5 if not timed_out else 0)  # it ends at the pipe's EOF
@@ -334,7 +344,6 @@ class _Started:
     uid: int | None
     out: object
     err: object
-    finished: Outcome | None = field(default=None)
 
     def wait(self, timeout: float) -> tuple[int | None, bool]:
         """(exit status, timed out). A pidfd wakes us the moment the process ends (Popen.wait polls)."""
@@ -487,6 +496,9 @@ libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ul
 cfg = json.loads(sys.argv[1])
 if not cfg["dumpable"]:
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, first thing: no ptrace, no /proc/<pid>/mem
+    if len(cfg["fds"]) > 2:  # the parent waits for this before it starts the candidate
+        os.write(cfg["fds"][2], b"1")
+        os.close(cfg["fds"][2])
 with open("task.json") as handle:
     task = json.load(handle)
 os.unlink("task.json")
@@ -609,7 +621,7 @@ try:
     code = compile(program, filename, "exec")
 except (SyntaxError, ValueError) as exc:  # raised where it counts: the candidate reports it to the tests
     code = exc
-fds = cfg["fds"]
+fds = cfg["fds"][:2]
 del program, task, cfg, resource, uid, handle
 
 
@@ -654,7 +666,7 @@ elif mode == "candidate":
         raise
     except BaseException as exc:
         traceback.print_exc()
-        reply(["gone", "its program failed: " + "".join(traceback.format_exception_only(type(exc), exc)).strip()[-300:]])
+        reply(["gone", "failed to run: " + "".join(traceback.format_exception_only(type(exc), exc)).strip()[-300:]])
         os._exit(1)
     reply(["ready"])
     handles = {}
