@@ -2,7 +2,7 @@
 
 Containment, the strongest the OS allows (probed once per process by trying it; `isolation()` reports it
 and `Isolation.describe()` names what is missing):
-- its own session / process group, and its own PID namespace when `unshare` may create one: the wall
+- its own session / process group, and its own PID (and IPC) namespace when `unshare` may create one: the wall
   timeout kills the group, and ending the namespace's first process ends every process inside it, even
   one that called setsid();
 - rlimits: CPU seconds, address space, file size, number of processes, open files, no core dumps;
@@ -204,6 +204,8 @@ def isolation() -> Isolation:
         ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"],
         ["--pid", "--fork", "--kill-child"],
     ]
+    # each with its own System V IPC / message queue namespace first, where the kernel allows one
+    candidates = [flags for plain in candidates for flags in (plain + ["--ipc"], plain)]
     base = Isolation((), "python-guard", False, drop_uid, python,
                      notes=("unshare is not installed",) if not shutil.which("unshare") else ())
     if shutil.which("unshare"):
