@@ -7,7 +7,9 @@
 - humaneval: the candidate program is prompt + code; the tests are the prompt (its helpers), the
   problem's tests and check(entry_point).
 - mbpp: the candidate program is the test imports + code + the problem's setup code; the tests are the
-  imports, the setup code and the asserts, calling every name the asserts use and do not define.
+  imports, the setup code and the asserts, calling every name the asserts use and do not define. A setup
+  that needs the candidate's own definitions (task 367 builds trees of the answer's Node) runs on the
+  candidate's side only, and the asserts get what it built as opaque handles (arguments, never values).
   Code is the fenced block (```python ... ```) that defines the function under test, else all fenced
   blocks, else the completion as is (an unterminated fence counts to the end: truncated answers).
   Both run with sandbox.run_tested: the candidate in one sandbox, the tests in another that reaches the
@@ -259,18 +261,6 @@ def mbpp_task(completion: str, record: dict) -> sandbox.Tested:
     refs = tuple(sorted(_defined_names(setup) & _free_names(asserts)))
     remote = tuple(n for n in _remote_names(imports, asserts, name) if n not in refs)
     return sandbox.Tested(candidate=candidate, tests=f"{imports}\n", call=asserts, remote=remote, refs=refs)
-
-
-def humaneval_program(completion: str, record: dict) -> str:
-    """The candidate and its tests as one program (for reading; grading uses humaneval_task)."""
-    task = humaneval_task(completion, record)
-    return f"{task.candidate}\n\n{record['test']}\n\n{task.call}"
-
-
-def mbpp_program(completion: str, record: dict) -> str:
-    """The candidate and its tests as one program (for reading; grading uses mbpp_task)."""
-    task = mbpp_task(completion, record)
-    return f"{task.candidate}\n{task.call}"
 
 
 def _remote_names(setup: str, asserts: str, called: str | None) -> tuple[str, ...]:
