@@ -211,6 +211,18 @@ def test_a_token_appended_at_the_context_limit_fails_that_request_only(trust):
 
 
 @pytest.mark.slow
+def test_a_request_the_oracle_refuses_fails_alone(trust):
+    data = _load(trust["final_run"])
+    data["requests"][0]["output_ids"].append(1)  # 512 ids: the oracle answers 400
+    url = f"http://127.0.0.1:{trust['oracle_port']}"
+    report = vf.force_tokens(data, url, vf.dtype_tolerance("float32"), 1, progress=False, context=None)
+    [failure] = report["failures"]
+    assert (failure["dataset"], failure["field"]) == ("gsm8k", "oracle") and "400" in failure["message"]
+    other = next(c for c in report["requests"] if c["dataset"] == "mt-bench")
+    assert other["verified"] == other["tokens"] > 0 and report["verdict"] == "not verified"
+
+
+@pytest.mark.slow
 def test_the_default_oracle_is_the_recorded_id_or_names_the_pin_that_differs(trust):
     from specpilot_build.cli.main import _default_oracle
 
