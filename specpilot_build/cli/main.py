@@ -60,20 +60,41 @@ def build_parser() -> argparse.ArgumentParser:
                                      "bench and verify by its id.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    engine = verbs.add_parser("engine", help="build an engine, or inspect the store (build, verify, show, ls)")
+    engine = verbs.add_parser("engine", help="build an engine, or inspect and maintain the store (build, verify, "
+                              "show, ls, fsck, rm, gc)")
     store = engine.add_subparsers(dest="engine_verb", required=True, metavar="ACTION")
     p = store.add_parser("build", help="build (or find) the engine of a setting and arm; prints id and path")
     p.add_argument("--setting", default=DEFAULT_SETTING)
     p.add_argument("--arm", default="final", choices=ARMS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter.num_draft_tokens=6")
     p.set_defaults(handler=_engine_build)
-    p = store.add_parser("verify", help="re-hash an engine against its manifest; non-zero exit on any difference")
+    from specpilot_build.store.maintain import EXIT_CODES_HELP
+    p = store.add_parser("verify", help="re-hash an engine and compare its whole listing with its manifest; "
+                         "--repair mends it", epilog=EXIT_CODES_HELP)
     p.add_argument("engine")
+    p.add_argument("--repair", action="store_true", help="re-link damaged files from good objects, re-make damaged "
+                   "objects from the pinned base wheel, the checkout or a rebuild; name what cannot be mended")
     p.set_defaults(handler=_engine_verify)
     p = store.add_parser("show", help="setting, arm, pins, mechanisms and size of an engine")
     p.add_argument("engine")
     p.set_defaults(handler=_engine_show)
-    store.add_parser("ls", help="list the engines in the store").set_defaults(handler=_engine_ls)
+    store.add_parser("ls", help="list the engines in the store (damaged directories with the reason)"
+                     ).set_defaults(handler=_engine_ls)
+    p = store.add_parser("fsck", help="hash every object and check every engine in the store; counts printed",
+                         epilog=EXIT_CODES_HELP)
+    p.add_argument("--repair", action="store_true", help="delete damaged objects, reset modes, repair engines")
+    p.set_defaults(handler=_engine_fsck)
+    p = store.add_parser("rm", help="remove engines (damaged ones too); refuses one being served or in "
+                         "engines/.roots", epilog=EXIT_CODES_HELP)
+    p.add_argument("engines", nargs="+", help="engine ids or unique prefixes")
+    p.add_argument("--force", action="store_true", help="remove even an engine being served or listed as a root")
+    p.set_defaults(handler=_engine_rm)
+    p = store.add_parser("gc", help="remove unreferenced objects, stale temporary trees, dangling index entries",
+                         epilog=EXIT_CODES_HELP)
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument("--engines", action="store_true", help="also remove every engine that is neither served (a live "
+                   "run record) nor listed in engines/.roots (one id per line)")
+    p.set_defaults(handler=_engine_gc)
 
     p = verbs.add_parser("sweep", help="build many setting x arm engines as one Hydra multirun; summary table")
     p.add_argument("--settings", required=True, help="comma-separated setting names")
@@ -177,16 +198,80 @@ def _engine_build(args) -> int:
 
 
 def _engine_verify(args) -> int:
+    from specpilot_build.build.repair import repair_engine
     from specpilot_build.store.engines import check_engine, resolve_engine
+    from specpilot_build.store.maintain import EXIT_DAMAGED
 
     engine = resolve_engine(args.engine)
+    if args.repair:
+        report = repair_engine(engine)
+        for line in report.repaired:
+            print(f"{engine.id[:12]}: repaired {line}")
+        for line in report.unrepairable:
+            print(f"{engine.id[:12]}: cannot repair {line}")
+        if report.unrepairable:
+            print(f"engine {engine.id[:12]}: {len(report.unrepairable)} difference(s) could not be repaired; remove "
+                  f"it with `specpilot engine rm {engine.id[:12]}` and build its setting again")
+        else:
+            print(f"engine {engine.id[:12]}: {len(report.found)} difference(s) repaired; "
+                  f"{len(engine.manifest['files'])} files match the manifest")
+        return report.exit_code
     problems = check_engine(engine)
     for line in problems:
         print(f"{engine.id[:12]}: {line}")
     if problems:
-        print(f"engine {engine.id[:12]}: {len(problems)} file(s) differ from its manifest")
-        return 1
+        print(f"engine {engine.id[:12]}: {len(problems)} file(s) differ from its manifest; "
+              f"`specpilot engine verify --repair {engine.id[:12]}` mends them")
+        return EXIT_DAMAGED
     print(f"engine {engine.id[:12]}: {len(engine.manifest['files'])} files match the manifest")
+    return 0
+
+
+def _engine_fsck(args) -> int:
+    from specpilot_build.build.repair import fsck
+
+    report = fsck(repair=args.repair)
+    for line in report.objects_bad + report.objects_mode:
+        print(line)
+    for eid, lines in report.engines_bad.items():
+        for line in lines:
+            print(f"{eid[:12]}: {line}")
+    for damaged in report.damaged:
+        print(f"{damaged.id[:12]}: {damaged.advice()}")
+    for repair in report.repairs:
+        for line in repair.unrepairable:
+            print(f"{repair.engine.id[:12]}: cannot repair {line}")
+    print(f"checked {report.objects} objects ({len(report.objects_bad)} damaged, {len(report.objects_mode)} with "
+          f"a wrong mode, {report.temporaries} temporaries) and {report.engines + len(report.damaged)} engines "
+          f"({len(report.engines_bad)} with differing files, {len(report.damaged)} damaged directories) "
+          f"in {report.seconds:.2f} s" + (f"; repaired {len(report.repairs)} engines" if args.repair else ""))
+    if report.exit_code == 1:
+        print("`specpilot engine fsck --repair` (or `engine verify --repair <id>`) mends them")
+    return report.exit_code
+
+
+def _engine_rm(args) -> int:
+    from specpilot_build.store.maintain import remove_engine
+
+    for ref in args.engines:
+        print(f"removed {remove_engine(ref, force=args.force)}")
+    return 0
+
+
+def _engine_gc(args) -> int:
+    from specpilot_build.store.maintain import gc
+
+    report = gc(dry_run=args.dry_run, engines=args.engines)
+    verb = "would remove" if args.dry_run else "removed"
+    for eid in report.engines:
+        print(f"{verb} engine {eid}")
+    for path in report.temporaries + report.index_entries:
+        print(f"{verb} {path}")
+    for eid, why in report.kept.items():
+        print(f"kept engine {eid[:12]}: {why}")
+    print(f"{verb} {len(report.engines)} engines, {report.objects} unreferenced objects "
+          f"({report.object_bytes:,} bytes), {len(report.temporaries)} temporaries, "
+          f"{len(report.index_entries)} dangling index entries")
     return 0
 
 
@@ -228,15 +313,21 @@ def _runtime_line(rt: dict) -> str:
 def _engine_ls(args) -> int:
     from rich.table import Table
 
-    from specpilot_build.store.engines import list_engines
+    from specpilot_build.store.engines import scan_store
 
     table = Table("engine", "setting", "arm", "files", "bytes")
     full = not sys.stdout.isatty()  # a pipe or a file gets whole ids
-    for engine in list_engines():
+    engines, damaged = scan_store()
+    for engine in engines:
         m = engine.manifest
         table.add_row(engine.id if full else engine.id[:12], m["setting"], m["arm"], str(len(m["files"])),
                       f"{sum(f['size'] for f in m['files']):,}")
+    for bad in damaged:
+        table.add_row(bad.id if full else bad.id[:12], f"[red]damaged[/]: {bad.reason}", "-", "-", "-")
     console().print(table)
+    if damaged:
+        print(f"{len(damaged)} damaged engine director{'y' if len(damaged) == 1 else 'ies'}: "
+              f"`specpilot engine rm <id>` removes one")
     return 0
 
 

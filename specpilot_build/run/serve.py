@@ -46,7 +46,8 @@ def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignor
     problems = check_engine(engine)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; … {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise SpecPilotError(f"engine {engine.id[:12]} differs from its manifest, refusing to serve it: {shown}")
+        raise SpecPilotError(f"engine {engine.id[:12]} differs from its manifest, refusing to serve it: {shown}; "
+                             f"`specpilot engine verify --repair {engine.id[:12]}` mends it")
     cfg = engine.config
     if dry_run:  # printing the command needs neither the GPU, nor SGLang's dependencies, nor the weights
         models = model_dirs(engine.manifest["inputs"]["checkpoints"], cfg, fetch=False)
