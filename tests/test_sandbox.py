@@ -454,6 +454,7 @@ def answer():
     assert not outcome.passed and "AssertionError" in outcome.stderr
 
 
+@pytest.mark.slow
 def test_tested_runs_leave_nothing_behind():
     program = ("import subprocess\n"
                "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
@@ -463,3 +464,20 @@ def test_tested_runs_leave_nothing_behind():
     assert not outcome.passed
     _machine_healthy(outcome)
     _machine_healthy(outcome.candidate)
+
+
+def test_without_namespaces_it_degrades_and_says_so(monkeypatch):
+    """Where unshare may create nothing: no fresh root, said in describe(); verdicts stay right."""
+    monkeypatch.setattr(sandbox, "_unshare_works", lambda flags: False)
+    sandbox.isolation.cache_clear()
+    try:
+        iso = sandbox.isolation()
+        assert iso.namespace_flags == () and not iso.fresh_root and not iso.private_tmp
+        description = iso.describe()
+        assert "process group only" in description and "host files visible" in description
+        assert "unshare may create no namespace here" in description
+        assert _tested("def add(a, b):\n    return a + b\n").passed
+        assert not _tested("def add(a, b):\n    return a - b\n").passed
+        assert not _tested("import os\nos._exit(0)\n").passed
+    finally:
+        sandbox.isolation.cache_clear()
