@@ -71,3 +71,14 @@ def test_a_launcher_without_its_extra_names_the_extra():
     assert "pip install -e '.[slurm]'" in out.stderr
     unknown = cli("sweep", "--settings", "cpu_c1_stories260k_ngram", "--arms", "ar", "--launcher", "k8s")
     assert unknown.returncode == 2 and "local" in unknown.stderr and "slurm" in unknown.stderr
+
+
+def test_a_wrong_group_option_lists_the_valid_ones_without_internal_schema_names():
+    for override, group, valid in (("hardware=h101", "hardware", ("cpu", "h100", "h200", "rtx-pro-6000")),
+                                   ("arm=fianl", "arm", ("ar", "stock", "final"))):
+        out = cli("engine", "build", override)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) <= 2
+        listed = out.stderr.split(f"available in {group}:")[1].strip()
+        assert sorted(name.strip() for name in listed.split(",")) == sorted(valid)
+        assert "_schema" not in out.stderr

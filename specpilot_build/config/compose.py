@@ -159,7 +159,7 @@ def _one_line(exc: Exception) -> str:
     text = re.sub(r"\nConfig search path:(\n\t.*)*", "", text)
     # "Available options in 'g':\n\ta\n\tb" → one clause
     text = re.sub(r"Available options in '([^']+)':((?:\n\t.*)*)",
-                  lambda m: f"available in {m.group(1)}: {', '.join(m.group(2).split())}", text)
+                  lambda m: f"available in {m.group(1)}: {', '.join(_options(m.group(2)))}", text)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
     text = "; ".join(keep[:2]) if keep else type(exc).__name__
@@ -167,6 +167,11 @@ def _one_line(exc: Exception) -> str:
     full = next((ln for ln in lines if ln.startswith("full_key:")), "")
     text = f"{text} ({full})" if full and full.split(":", 1)[1].strip() not in text else text
     return text + _nearest_field(text)
+
+
+def _options(listing: str) -> list[str]:
+    """A group's options as Hydra lists them, without the schema nodes SpecPilot registers (internal names)."""
+    return [name for name in listing.split() if not name.endswith("_schema")]
 
 
 def _in_file(match: re.Match) -> str:
