@@ -404,7 +404,7 @@ def _start(iso: Isolation, limits: Limits, task: dict, fds: tuple[int, ...] = ()
         argv = ["unshare", *iso.namespace_flags, "--"] if iso.namespace_flags else []
         # -S: no site import (it costs as much as the rest of the start-up); the standard library is there
         argv += [iso.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(settings)]
-        out, err = open(scratch / "stdout", "wb+"), open(scratch / "stderr", "wb+")
+        out, err = open(scratch / "stdout", "wb+"), open(scratch / "stderr", "wb+")  # noqa: SIM115 (closed by finish)
         proc = subprocess.Popen(argv, cwd=workdir, env=_environment(workdir), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err, start_new_session=True, close_fds=True, pass_fds=fds)
     except BaseException:
