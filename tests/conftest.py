@@ -1,6 +1,22 @@
-"""Shared fixtures: every test session gets its own data directory and engine store."""
+"""The one home of what test modules share: paths, the pinned data mirror, the session's data directory and
+engine store, the SGLang builds, and the tiers (markers).
+
+Test modules cannot import this file; they ask for its fixtures by name. Plain helper modules beside it hold
+functions only (`reference_runtime_helpers`, `sglang_builds`, `fake_hub`).
+
+Tiers (registered in pyproject.toml, `--strict-markers`):
+- `sglang`: builds SGLang engines from the pinned wheel; every test that uses the `builds` fixture gets it here.
+- `gpu`: needs CUDA (and still skips without it).
+- `slow`: serves real servers, runs end-to-end loops, or takes more than about 2 s on a 2-core machine; every
+  `sglang` test is also `slow`.
+`make test-fast` runs `-m "not slow and not gpu and not sglang"`; `make test` runs everything.
+
+The pinned data mirror is ../shared beside the checkout. Without it, every test that needs it (through the
+`shared`, `stories_dir`, `llama2c_dir` or `golden` fixtures) is skipped with the reason; collection never fails.
+"""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -9,7 +25,44 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
 OUTER_DATA = Path(os.environ.get("SPECPILOT_DATA") or Path.home() / "specpilot_data")
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is not here (the pinned data mirror ../shared beside the checkout is missing)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    """The checkout under test."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    """The pinned data mirror, ../shared beside the checkout (datasets/, models/, docs/); skips without it."""
+    return _need(SHARED)
+
+
+@pytest.fixture(scope="session")
+def stories_dir(shared) -> Path:
+    """The stories260K model directory of the mirror (HF files, llama2c/ originals, golden_greedy.json)."""
+    return _need(STORIES)
+
+
+@pytest.fixture(scope="session")
+def llama2c_dir(stories_dir) -> Path:
+    """stories260K's llama2.c originals in the mirror (stories260K.bin, tok512.bin), as karpathy/tinyllamas has them."""
+    return _need(stories_dir / "llama2c")
+
+
+@pytest.fixture(scope="session")
+def golden(stories_dir) -> dict:
+    """llama2.c's own greedy continuation of the stories260K prompt: prompt, prompt_ids, sequence_ids, text."""
+    return json.loads(_need(stories_dir / "golden_greedy.json").read_text())
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,3 +83,19 @@ def session_data(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory, session_data):
+    """Every SGLang setting built as `stock` and `final`, once per session (see sglang_builds.Builds)."""
+    from sglang_builds import Builds
+
+    return Builds(tmp_path_factory.getbasetemp() / "sglang-builds")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the SGLang builds is `sglang` and `slow`, whichever module it is in."""
+    for item in items:
+        if "builds" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.sglang)
+            item.add_marker(pytest.mark.slow)

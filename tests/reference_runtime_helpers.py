@@ -1,8 +1,10 @@
-"""Test helpers for the reference runtime: an engine config.json in a temp dir, and a real server process."""
+"""Test helpers for the reference runtime: an engine config.json in a temp dir, and a real server process.
+
+Functions only: the model directory (conftest's `stories_dir` fixture) is passed in, so importing this module needs
+nothing from ../shared."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -10,11 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parent.parent
-RUNTIME_DIR = REPO / "runtimes" / "reference"
-MODEL_DIR = REPO.parent / "shared" / "models" / "stories260K"
-GOLDEN = json.loads((MODEL_DIR / "golden_greedy.json").read_text())
 
 
 def engine_config(arm: str = "final", *, algorithm: str | None = None, k: int = 8, max_n: int = 6,
@@ -48,12 +45,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(engine_dir: Path, engine_id: str, port: int, extra: list[str] = ()) -> subprocess.Popen:
-    """Start the server exactly as `make serve` does (the launch contract)."""
-    env = dict(os.environ, PYTHONPATH=str(RUNTIME_DIR))
+def launch(engine_dir: Path, engine_id: str, port: int, model_dir: Path, extra: list[str] = ()) -> subprocess.Popen:
+    """Start the server exactly as `make serve` does (the launch contract), from the installed specpilot_runtime."""
     argv = [sys.executable, "-m", "specpilot_runtime.server", "--engine", str(engine_dir), "--engine-id",
-            engine_id, "--model", str(MODEL_DIR), "--host", "127.0.0.1", "--port", str(port), *extra]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            engine_id, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 600) -> str:
@@ -81,11 +77,11 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by transformers' own generate (an independent reference)."""
     import torch
 
-    model = hf_model()
+    model = hf_model(model_dir)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=2, pad_token_id=2)
@@ -95,12 +91,12 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 _HF = {}
 
 
-def hf_model():
-    if "model" not in _HF:
+def hf_model(model_dir: Path):
+    if model_dir not in _HF:
         from transformers import AutoModelForCausalLM
 
-        _HF["model"] = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR)).eval()
-    return _HF["model"]
+        _HF[model_dir] = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    return _HF[model_dir]
 
 
 STORY_PROMPTS = [

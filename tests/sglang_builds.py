@@ -1,10 +1,11 @@
-"""Every SGLang setting built as `stock` and `final` once per test session (shared by the SGLang test modules).
+"""Every SGLang setting built as `stock` and `final`: the functions behind conftest's session fixture `builds`
+(and benchmarks/build_speed.py's test lock).
 
 Settings whose checkpoints are not pinned in lockfiles/ (the seed's six) are built with a test lock: the real
-lock plus fake-but-well-formed 40-hex revisions for the missing repos."""
+lock plus fake-but-well-formed 40-hex revisions for the missing repos. Settings and lock are read where the
+builder reads them (`conf_dir()`, `lockfiles_dir()`)."""
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
@@ -14,23 +15,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specpilot_build.build.builder import build_engine
+from specpilot_build.locations import conf_dir, lockfiles_dir
 from specpilot_build.store.engines import Engine
 
-REPO = Path(__file__).resolve().parent.parent
 ARMS = ("stock", "final")
 
 
 def sglang_settings() -> list[str]:
-    return sorted(p.stem for p in (REPO / "conf" / "setting").glob("*.yaml")
+    return sorted(p.stem for p in (conf_dir() / "setting").glob("*.yaml")
                   if re.search(r"override /runtime: sglang\b", p.read_text()))
 
 
 def repos_of(setting: str) -> list[str]:
-    text = (REPO / "conf" / "setting" / f"{setting}.yaml").read_text()
+    text = (conf_dir() / "setting" / f"{setting}.yaml").read_text()
     repos = []
     for group in ("model", "drafter"):
         option = re.search(rf"override /{group}: (\S+)", text).group(1)
-        data = (REPO / "conf" / group / f"{option}.yaml").read_text()
+        data = (conf_dir() / group / f"{option}.yaml").read_text()
         repos.append(re.search(r"^repo: (\S+)", data, re.M).group(1))
     return repos
 
@@ -41,7 +42,7 @@ def fake_revision(repo: str) -> str:
 
 def write_test_lock(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    real = REPO / "lockfiles"
+    real = lockfiles_dir()
     shutil.copyfile(real / "runtimes.toml", directory / "runtimes.toml")
     text = (real / "checkpoints.toml").read_text()
     pinned = tomllib.loads(text)
@@ -78,8 +79,3 @@ class Builds:
 
     def env(self):
         return environment(SPECPILOT_ENGINES=str(self.store), SPECPILOT_LOCKFILES=str(self.lock))
-
-
-@functools.cache
-def all_builds(root: Path) -> Builds:
-    return Builds(root)

@@ -109,6 +109,7 @@ def loop(tmp_path_factory):
             stop(oracle_port)
 
 
+@pytest.mark.slow
 def test_bench_records_what_compare_score_and_verify_need(loop):
     run = json.loads(loop["final_run"].read_text())
     assert run["engine_id"] == loop["engines"]["final"].id and run["arm"] == "final"
@@ -123,6 +124,7 @@ def test_bench_records_what_compare_score_and_verify_need(loop):
     assert run["oracle_engine_id"] == loop["engines"]["ar"].id  # the recorded oracle
 
 
+@pytest.mark.slow
 def test_embedded_final_and_ar_outputs_are_token_identical(loop):
     from specpilot_build.measure import compare as cmp
 
@@ -134,6 +136,7 @@ def test_embedded_final_and_ar_outputs_are_token_identical(loop):
     assert ident["first_difference"] is None
 
 
+@pytest.mark.slow
 def test_final_run_verifies_lossless_with_every_token_checked(loop):
     report = loop["first_verify"]
     run = json.loads(loop["final_run"].read_text())
@@ -145,6 +148,7 @@ def test_final_run_verifies_lossless_with_every_token_checked(loop):
     assert written["verdict"] == "lossless"
 
 
+@pytest.mark.slow
 def test_one_changed_token_is_a_real_mismatch_at_exactly_that_place(loop):
     run = json.loads(loop["final_run"].read_text())
     request, position = 1, 17
@@ -169,6 +173,7 @@ def test_one_changed_token_is_a_real_mismatch_at_exactly_that_place(loop):
     assert f"position {position}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_run_of_another_target_is_refused(loop):
     run = json.loads(loop["final_run"].read_text())
     run["target_pin"] = {"repo": "Qwen/Qwen3-8B", "revision": "b968826d9c46dd6066d109eabc6255188de91218"}
@@ -181,6 +186,7 @@ def test_a_run_of_another_target_is_refused(loop):
             vf.verify(str(other), oracle=loop["engines"]["ar"].id, port=loop["oracle_port"], progress=False)
 
 
+@pytest.mark.slow
 def test_bench_refuses_a_server_of_another_engine(loop):
     from specpilot_build.measure.bench import bench
 

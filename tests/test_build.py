@@ -14,15 +14,15 @@ import pytest
 
 from specpilot_build.build.builder import build_engine
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import REPO_ROOT
 from specpilot_build.store.manifest import engine_id
 from specpilot_build.store.engines import check_engine, list_engines, resolve_engine
 
-REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = "cpu_c1_stories260k_ngram"
 SOURCES = ["conf", "lockfiles", "runtimes", "specpilot_build", "kernels", "overlays"]
 
 
-def cli(*args, env=None, cwd=REPO, umask=None, timeout=300):
+def cli(*args, env=None, cwd=REPO_ROOT, umask=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout,
                           preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
@@ -75,8 +75,8 @@ def test_the_cli_prints_the_id_and_path(store):
 def clone_sources(clone: Path) -> Path:
     """The builder's inputs copied to `clone` (a checkout elsewhere); build there with clone_env(clone)."""
     for name in SOURCES:
-        if (REPO / name).exists():
-            shutil.copytree(REPO / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+        if (REPO_ROOT / name).exists():
+            shutil.copytree(REPO_ROOT / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
     return clone
 
 
@@ -195,7 +195,7 @@ def test_bad_input_is_a_short_error_and_writes_nothing(store, args, words):
 
 def _wheel_lock(tmp_path: Path, sha256: str | None = None) -> Path:
     lock = tmp_path / "lock"
-    shutil.copytree(REPO / "lockfiles", lock)
+    shutil.copytree(REPO_ROOT / "lockfiles", lock)
     if sha256:
         text = (lock / "runtimes.toml").read_text()
         import re
@@ -228,10 +228,12 @@ def test_a_wheel_whose_hash_differs_from_the_lock_is_refused(store, tmp_path, se
     assert engine_dirs(store) == []
 
 
+@pytest.mark.sglang
+@pytest.mark.slow
 def test_two_builds_at_once_give_one_engine(store):
     procs = [subprocess.Popen([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting",
                                "h100_c1_qwen3-8b_dflash", "--arm", "ar"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO) for _ in range(2)]
+                              stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     ids = {o[0].split()[0] for o in outs}
@@ -242,9 +244,11 @@ def test_two_builds_at_once_give_one_engine(store):
     assert leftovers == []
 
 
+@pytest.mark.slow
+@pytest.mark.sglang
 def test_an_interrupted_build_leaves_no_engine(store):
     proc = subprocess.Popen([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting",
-                             "h100_c1_qwen3-8b_dflash", "--arm", "ar"], cwd=REPO,
+                             "h100_c1_qwen3-8b_dflash", "--arm", "ar"], cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline and not any((store / ".tmp").glob("*/python")):
@@ -256,6 +260,7 @@ def test_an_interrupted_build_leaves_no_engine(store):
     assert list((store / ".tmp").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_sweep_runs_a_hydra_multirun_and_prints_a_summary(store, session_data):
     out = cli("sweep", "--settings", f"{EMBEDDED},cpu_c16_stories260k_ngram", "--arms", "ar,final")
     assert out.returncode == 0, out.stderr
@@ -266,4 +271,4 @@ def test_sweep_runs_a_hydra_multirun_and_prints_a_summary(store, session_data):
     assert build_engine(EMBEDDED, "final").engine.id in {r["id"] for r in rows}
     for row in rows:
         assert row["id"][:12] in out.stdout
-    assert not (REPO / "multirun").exists() and not (REPO / "outputs").exists()
+    assert not (REPO_ROOT / "multirun").exists() and not (REPO_ROOT / "outputs").exists()

@@ -6,7 +6,6 @@ transformers, and the stories260K files in ../shared/models/stories260K/llama2c 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -20,13 +19,8 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_lock
 
-SHARED = REPO_ROOT.parent / "shared"
-STORIES = SHARED / "models" / "stories260K"
-MIRROR = STORIES / "llama2c"
 TINY = "karpathy/tinyllamas"
 TINY_FILES = ("stories260K/stories260K.bin", "stories260K/tok512.bin")
-
-pytestmark = pytest.mark.skipif(not MIRROR.is_dir(), reason="../shared/models/stories260K is not here")
 
 
 def _isolate(mp: pytest.MonkeyPatch, root: Path) -> Path:
@@ -49,36 +43,36 @@ def tiny_pin() -> CheckpointPin:
 
 
 @pytest.fixture(scope="module")
-def stories(tmp_path_factory, tiny_pin):
+def stories(tmp_path_factory, tiny_pin, llama2c_dir):
     """stories260K materialized once from the mirror into a fresh cache: (converted dir, HF cache)."""
     root = tmp_path_factory.mktemp("stories")
     with pytest.MonkeyPatch.context() as mp:
         cache = _isolate(mp, root)
-        yield materialize(TINY, tiny_pin, source_format="llama2c", mirror=MIRROR), cache
+        yield materialize(TINY, tiny_pin, source_format="llama2c", mirror=llama2c_dir), cache
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_lock_carries_the_pins_of_pins_md():
+def test_lock_carries_the_pins_of_pins_md(shared):
     """Every revision in ../shared/docs/pins.md is in the lock, and stories260K's file hashes too."""
     pins = load_lock(REPO_ROOT / "lockfiles").checkpoints
-    table = _pins_md()
+    table = _pins_md(shared)
     assert len(table) == 10
     for repo, revision in table.items():
         assert pins[repo].revision == revision, repo
-    text = (SHARED / "docs" / "pins.md").read_text()
+    text = (shared / "docs" / "pins.md").read_text()
     listed = dict(re.findall(r"`(stories260K/[\w.]+)` [\d,]+ bytes, sha256 ([0-9a-f]{64})", text))
     assert {f.path: f.sha256 for f in pins[TINY].files} == listed
 
 
-def test_mirror_gives_the_converted_model_that_reproduces_golden_greedy(stories):
+@pytest.mark.slow
+def test_mirror_gives_the_converted_model_that_reproduces_golden_greedy(stories, golden):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir, _ = stories
-    golden = json.loads((STORIES / "golden_greedy.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert tokenizer(golden["prompt"])["input_ids"] == golden["prompt_ids"]
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -112,29 +106,29 @@ def test_files_sit_in_the_hub_cache_layout_the_real_client_resolves(stories, tin
     assert not report.warnings
 
 
-def test_present_and_verified_means_no_work(stories, tiny_pin, monkeypatch):
+def test_present_and_verified_means_no_work(stories, tiny_pin, monkeypatch, llama2c_dir):
     model_dir, cache = stories
     before = {p: p.stat().st_mtime_ns for p in [*model_dir.iterdir(), *(cache.rglob("blobs/*"))]}
     import specpilot_build.hub.checkpoints as checkpoints
 
     hashed = []
     monkeypatch.setattr(checkpoints, "sha256_of", lambda path, **kw: hashed.append(path))
-    assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=MIRROR) == model_dir
+    assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=llama2c_dir) == model_dir
     assert hashed == []  # the stamps prove the files unchanged since they were verified
     assert {p: p.stat().st_mtime_ns for p in before} == before
 
 
-def test_hf_format_returns_the_snapshot(hub, tiny_pin):
-    path = materialize(TINY, tiny_pin, source_format="hf", files=[TINY_FILES[1]], mirror=MIRROR)
+def test_hf_format_returns_the_snapshot(hub, tiny_pin, llama2c_dir):
+    path = materialize(TINY, tiny_pin, source_format="hf", files=[TINY_FILES[1]], mirror=llama2c_dir)
     assert path == snapshot_dir(hub, TINY, tiny_pin.revision)
     assert sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()) == [TINY_FILES[1]]
 
 
-def test_a_flipped_byte_in_the_mirror_is_refused_and_nothing_stays(hub, tiny_pin, tmp_path):
+def test_a_flipped_byte_in_the_mirror_is_refused_and_nothing_stays(hub, tiny_pin, tmp_path, llama2c_dir):
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     for name in ("stories260K.bin", "tok512.bin"):
-        data = bytearray((MIRROR / name).read_bytes())
+        data = bytearray((llama2c_dir / name).read_bytes())
         if name == "stories260K.bin":
             data[1000] ^= 0x01
         (mirror / name).write_bytes(bytes(data))
@@ -150,22 +144,22 @@ def test_a_flipped_byte_in_the_mirror_is_refused_and_nothing_stays(hub, tiny_pin
         (Path(os.environ["SPECPILOT_DATA"]) / "converted").rglob("*.safetensors"))
 
 
-def test_a_corrupt_cache_entry_is_replaced_from_the_mirror(hub, tiny_pin):
-    materialize(TINY, tiny_pin, source_format="hf", mirror=MIRROR)
+def test_a_corrupt_cache_entry_is_replaced_from_the_mirror(hub, tiny_pin, llama2c_dir):
+    materialize(TINY, tiny_pin, source_format="hf", mirror=llama2c_dir)
     pointer = snapshot_dir(hub, TINY, tiny_pin.revision) / TINY_FILES[0]
     blob = pointer.resolve()
     data = bytearray(blob.read_bytes())
     data[5] ^= 0xFF
     blob.write_bytes(bytes(data))
-    materialize(TINY, tiny_pin, source_format="hf", mirror=MIRROR)
+    materialize(TINY, tiny_pin, source_format="hf", mirror=llama2c_dir)
     assert _sha256(pointer) == {f.path: f.sha256 for f in tiny_pin.files}[TINY_FILES[0]]
 
 
-def test_a_changed_converted_file_is_rebuilt(stories, tiny_pin):
+def test_a_changed_converted_file_is_rebuilt(stories, tiny_pin, llama2c_dir):
     model_dir, _ = stories
     config = model_dir / "config.json"
     config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 65'))
-    assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=MIRROR) == model_dir
+    assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=llama2c_dir) == model_dir
     assert _sha256(config) == {f.path: f.sha256 for f in tiny_pin.converted}["config.json"]
 
 
@@ -183,16 +177,17 @@ def test_an_unpinned_repo_is_refused_naming_make_lock(hub):
         materialize("Qwen/Qwen3.8-27B", None)
 
 
-def _pins_md() -> dict[str, str]:
-    text = (SHARED / "docs" / "pins.md").read_text()
+def _pins_md(shared: Path) -> dict[str, str]:
+    text = (shared / "docs" / "pins.md").read_text()
     return dict(re.findall(r"^\| ([\w.-]+/[\w.-]+)[^|]* \| ([0-9a-f]{40}) \|$", text, re.M))
 
 
-def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned():
+@pytest.mark.slow
+def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned(shared):
     from specpilot_build.hub.checkpoints import checkpoint_requests
     from specpilot_build.config.compose import compose_setting, list_settings
 
-    pins, known = load_lock(REPO_ROOT / "lockfiles").checkpoints, _pins_md()
+    pins, known = load_lock(REPO_ROOT / "lockfiles").checkpoints, _pins_md(shared)
     pinned_gpu_settings = []
     for setting in list_settings():
         for req in checkpoint_requests(compose_setting(setting).config):
@@ -204,10 +199,10 @@ def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned():
     assert pinned_gpu_settings
 
 
-def test_make_models_for_the_embedded_default(hub, tiny_pin, capsys):
+def test_make_models_for_the_embedded_default(hub, tiny_pin, capsys, llama2c_dir):
     from specpilot_build.cli.main import main
 
-    assert main(["models", "--setting", "cpu_c1_stories260k_ngram", "--mirror", str(MIRROR)]) == 0
+    assert main(["models", "--setting", "cpu_c1_stories260k_ngram", "--mirror", str(llama2c_dir)]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     model_dir = Path(line.split()[-1])
     assert line.startswith(f"model    {TINY}@{tiny_pin.revision[:12]}")
@@ -229,18 +224,18 @@ def test_make_models_for_a_real_gpu_pin_fails_offline_with_one_line(tmp_path, se
     assert not [p for p in (tmp_path / "hub").rglob("*") if p.is_file()]
 
 
-def test_a_conversion_that_differs_from_the_lock_is_refused_and_not_kept(hub, tiny_pin):
+def test_a_conversion_that_differs_from_the_lock_is_refused_and_not_kept(hub, tiny_pin, llama2c_dir):
     wrong = tuple(PinnedFile(path=f.path, size=f.size, sha256="0" * 64) if f.path == "tokenizer.json" else f
                   for f in tiny_pin.converted)
     pin = CheckpointPin(repo=TINY, revision=tiny_pin.revision, files=tiny_pin.files, converted=wrong)
     with pytest.raises(SpecPilotError, match="converted tokenizer.json differs from the lock"):
-        materialize(TINY, pin, source_format="llama2c", mirror=MIRROR)
+        materialize(TINY, pin, source_format="llama2c", mirror=llama2c_dir)
     converted = Path(os.environ["SPECPILOT_DATA"]) / "converted"
     assert not [p for p in converted.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
 
 
 @pytest.mark.parametrize("variable", ["HF_HOME", "none"])
-def test_the_cache_follows_hf_home_else_the_data_dir(monkeypatch, tmp_path, tiny_pin, variable):
+def test_the_cache_follows_hf_home_else_the_data_dir(monkeypatch, tmp_path, tiny_pin, variable, llama2c_dir):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HF_HOME", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -248,6 +243,6 @@ def test_the_cache_follows_hf_home_else_the_data_dir(monkeypatch, tmp_path, tiny
     if variable == "HF_HOME":
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     expected = tmp_path / ("hf-home/hub" if variable == "HF_HOME" else "data/huggingface/hub")
-    path = materialize(TINY, tiny_pin, files=[TINY_FILES[1]], mirror=MIRROR)
+    path = materialize(TINY, tiny_pin, files=[TINY_FILES[1]], mirror=llama2c_dir)
     assert path == snapshot_dir(expected, TINY, tiny_pin.revision)
     assert (path / TINY_FILES[1]).is_file()

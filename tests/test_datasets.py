@@ -4,19 +4,16 @@ import hashlib
 import http.server
 import json
 import threading
-from pathlib import Path
 
 import pytest
 
 from specpilot_build.measure import datasets
 from specpilot_build.errors import SpecPilotError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-
 
 @pytest.fixture
-def mirror(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECPILOT_MIRROR", str(SHARED))
+def mirror(monkeypatch, tmp_path, shared):
+    monkeypatch.setenv("SPECPILOT_MIRROR", str(shared))
     monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
     monkeypatch.delenv("SPECPILOT_LOCKFILES", raising=False)
 
@@ -53,10 +50,10 @@ def test_split_is_deterministic_and_nested(mirror):
     assert small != ["0", "1", "2", "3", "4"]  # a shuffled order, not file order
 
 
-def test_mismatching_mirror_file_is_refused_by_name(monkeypatch, tmp_path):
+def test_mismatching_mirror_file_is_refused_by_name(monkeypatch, tmp_path, shared):
     bad = tmp_path / "mirror" / "datasets" / "mt-bench"
     bad.mkdir(parents=True)
-    original = (SHARED / "datasets/mt-bench/question.jsonl").read_bytes()
+    original = (shared / "datasets/mt-bench/question.jsonl").read_bytes()
     (bad / "question.jsonl").write_bytes(original.replace(b"Hawaii", b"Hawai'i"))
     monkeypatch.setenv("SPECPILOT_MIRROR", str(tmp_path / "mirror"))
     monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
@@ -89,9 +86,9 @@ def _test_lock(tmp_path, url, sha256):
     return locks
 
 
-def test_download_from_the_pinned_url_fills_the_cache(monkeypatch, tmp_path, loopback_server):
+def test_download_from_the_pinned_url_fills_the_cache(monkeypatch, tmp_path, loopback_server, shared):
     root, base = loopback_server
-    content = (SHARED / "datasets/mt-bench/question.jsonl").read_bytes()
+    content = (shared / "datasets/mt-bench/question.jsonl").read_bytes()
     (root / "q.jsonl").write_bytes(content)
     monkeypatch.setenv("SPECPILOT_LOCKFILES", str(_test_lock(tmp_path, f"{base}/q.jsonl",
                                                               hashlib.sha256(content).hexdigest())))

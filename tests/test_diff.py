@@ -2,20 +2,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from sglang_builds import all_builds
 from specpilot_build.cli.main import main
 from specpilot_build.config.compose import compose_setting
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory):
-    return all_builds(tmp_path_factory.getbasetemp() / "sglang-builds")
 
 
 @pytest.fixture

@@ -12,17 +12,11 @@ from safetensors.numpy import load_file
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.llama2c import OUTPUT_FILES, convert, rotate_half_rows
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-STORIES = SHARED / "models" / "stories260K"
-LLAMA2C = STORIES / "llama2c"
-
-pytestmark = pytest.mark.skipif(not LLAMA2C.is_dir(), reason="../shared/models/stories260K is not here")
-
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
+def converted(tmp_path_factory, llama2c_dir) -> Path:
     out = tmp_path_factory.mktemp("conv") / "stories260K"
-    convert(LLAMA2C / "stories260K.bin", LLAMA2C / "tok512.bin", out)
+    convert(llama2c_dir / "stories260K.bin", llama2c_dir / "tok512.bin", out)
     return out
 
 
@@ -30,45 +24,45 @@ def test_writes_exactly_the_hf_files(converted):
     assert sorted(p.name for p in converted.iterdir()) == sorted(OUTPUT_FILES)
 
 
-def test_tensors_equal_the_reference_conversion(converted):
-    ours, reference = load_file(converted / "model.safetensors"), load_file(STORIES / "model.safetensors")
+def test_tensors_equal_the_reference_conversion(converted, stories_dir):
+    ours, reference = load_file(converted / "model.safetensors"), load_file(stories_dir / "model.safetensors")
     assert sorted(ours) == sorted(reference)
     for name, tensor in reference.items():
         assert ours[name].dtype == tensor.dtype and np.array_equal(ours[name], tensor), name
 
 
-def test_config_agrees_with_the_reference(converted):
-    ours, reference = (json.loads((d / "config.json").read_text()) for d in (converted, STORIES))
+def test_config_agrees_with_the_reference(converted, stories_dir):
+    ours, reference = (json.loads((d / "config.json").read_text()) for d in (converted, stories_dir))
     assert ours == reference
     for name in ("generation_config.json", "special_tokens_map.json"):
-        assert json.loads((converted / name).read_text()) == json.loads((STORIES / name).read_text())
+        assert json.loads((converted / name).read_text()) == json.loads((stories_dir / name).read_text())
 
 
-def test_conversion_is_byte_identical_across_runs(converted, tmp_path):
+def test_conversion_is_byte_identical_across_runs(converted, tmp_path, llama2c_dir):
     again = tmp_path / "again"
-    convert(LLAMA2C / "stories260K.bin", LLAMA2C / "tok512.bin", again)
+    convert(llama2c_dir / "stories260K.bin", llama2c_dir / "tok512.bin", again)
     for name in OUTPUT_FILES:
         assert (again / name).read_bytes() == (converted / name).read_bytes(), name
 
 
-def _texts() -> list[str]:
+def _texts(shared: Path) -> list[str]:
     texts = ["Once upon a time", " Once upon a time", "Lily's mom said, \"Lily, let's go to the park.\"",
              "line one\nline two\n\n\ttabbed", "café naïve — “quotes” … 日本語 🙂", "x" * 50, "a  b", "12345 + 67 = 890"]
-    for line in (SHARED / "datasets" / "mt-bench" / "question.jsonl").read_text().splitlines()[:40]:
+    for line in (shared / "datasets" / "mt-bench" / "question.jsonl").read_text().splitlines()[:40]:
         texts.extend(json.loads(line)["turns"])
-    for line in (SHARED / "datasets" / "gsm8k" / "test.jsonl").read_text().splitlines()[:40]:
+    for line in (shared / "datasets" / "gsm8k" / "test.jsonl").read_text().splitlines()[:40]:
         row = json.loads(line)
         texts.extend([row["question"], row["answer"]])
-    with gzip.open(SHARED / "datasets" / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
+    with gzip.open(shared / "datasets" / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
         texts.extend(json.loads(line)["prompt"] for line in list(fh)[:10])
     return texts
 
 
-def test_tokenizer_behaves_like_the_reference(converted):
+def test_tokenizer_behaves_like_the_reference(converted, stories_dir, shared):
     from transformers import AutoTokenizer
 
-    ours, reference = AutoTokenizer.from_pretrained(converted), AutoTokenizer.from_pretrained(STORIES)
-    texts = _texts()
+    ours, reference = AutoTokenizer.from_pretrained(converted), AutoTokenizer.from_pretrained(stories_dir)
+    texts = _texts(shared)
     assert len(texts) > 150
     for text in texts:
         ids = ours(text)["input_ids"]
@@ -77,10 +71,9 @@ def test_tokenizer_behaves_like_the_reference(converted):
     assert ours.bos_token_id == 1 and ours.eos_token_id == 2 and ours.unk_token_id == 0
 
 
-def test_golden_prompt_ids(converted):
+def test_golden_prompt_ids(converted, golden):
     from transformers import AutoTokenizer
 
-    golden = json.loads((STORIES / "golden_greedy.json").read_text())
     assert AutoTokenizer.from_pretrained(converted)(golden["prompt"])["input_ids"] == golden["prompt_ids"]
 
 
@@ -111,16 +104,16 @@ def test_rotate_half_rows_preserves_attention_scores():
     assert not np.allclose(scores_llama2c, (hf_rope(wq @ x_q, angles_q) * hf_rope(wk @ x_k, angles_k)).sum(-1))
 
 
-def test_truncated_checkpoint_is_refused_naming_it(tmp_path):
+def test_truncated_checkpoint_is_refused_naming_it(tmp_path, llama2c_dir):
     bad = tmp_path / "short.bin"
-    bad.write_bytes((LLAMA2C / "stories260K.bin").read_bytes()[:-4])
+    bad.write_bytes((llama2c_dir / "stories260K.bin").read_bytes()[:-4])
     with pytest.raises(SpecPilotError, match="short.bin"):
-        convert(bad, LLAMA2C / "tok512.bin", tmp_path / "out")
+        convert(bad, llama2c_dir / "tok512.bin", tmp_path / "out")
 
 
-def test_tokenizer_of_another_vocab_is_refused(tmp_path):
-    raw = (LLAMA2C / "tok512.bin").read_bytes()
+def test_tokenizer_of_another_vocab_is_refused(tmp_path, llama2c_dir):
+    raw = (llama2c_dir / "tok512.bin").read_bytes()
     cut = tmp_path / "tok_cut.bin"
     cut.write_bytes(raw[:len(raw) // 2])
     with pytest.raises(SpecPilotError, match="tok_cut.bin"):
-        convert(LLAMA2C / "stories260K.bin", cut, tmp_path / "out")
+        convert(llama2c_dir / "stories260K.bin", cut, tmp_path / "out")

@@ -14,12 +14,9 @@ from specpilot_build.hub.lock import lock_repos, write_lockfile
 from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
 from specpilot_build.locations import REPO_ROOT
 
-MIRROR = REPO_ROOT.parent / "shared" / "models" / "stories260K" / "llama2c"
 C1, C2 = "1" * 40, "2" * 40
 BIN, TOK = "stories260K/stories260K.bin", "stories260K/tok512.bin"
 README = b"# a tiny test model\n"
-
-pytestmark = pytest.mark.skipif(not MIRROR.is_dir(), reason="../shared/models/stories260K is not here")
 
 
 def sha256(data: bytes) -> str:
@@ -27,8 +24,8 @@ def sha256(data: bytes) -> str:
 
 
 @pytest.fixture
-def files() -> dict[str, bytes]:
-    return {BIN: (MIRROR / "stories260K.bin").read_bytes(), TOK: (MIRROR / "tok512.bin").read_bytes(),
+def files(llama2c_dir) -> dict[str, bytes]:
+    return {BIN: (llama2c_dir / "stories260K.bin").read_bytes(), TOK: (llama2c_dir / "tok512.bin").read_bytes(),
             "README.md": README}
 
 

@@ -1,24 +1,20 @@
 """Prompt rendering on the client: plain text for models without a chat template, the template otherwise."""
 import json
 import shutil
-from pathlib import Path
 
 from specpilot_build.measure.prompts import PromptRenderer, prompt_digest
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
-
-def test_plain_text_model_gets_bos_plus_text_like_llama2c():
-    golden = json.loads((STORIES / "golden_greedy.json").read_text())
-    renderer = PromptRenderer(STORIES)
+def test_plain_text_model_gets_bos_plus_text_like_llama2c(stories_dir, golden):
+    renderer = PromptRenderer(stories_dir)
     assert not renderer.uses_chat_template
     assert renderer.render(golden["prompt"]) == golden["prompt_ids"]  # llama2.c's own encoding
     assert renderer.context_length == 512
 
 
-def test_chat_template_is_applied_once_without_a_second_bos(tmp_path):
+def test_chat_template_is_applied_once_without_a_second_bos(tmp_path, stories_dir):
     model = tmp_path / "model"
-    shutil.copytree(STORIES, model)
+    shutil.copytree(stories_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
                                "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")

@@ -8,33 +8,29 @@ import threading
 import pytest
 import torch
 
-from reference_runtime_helpers import (GOLDEN, MODEL_DIR, RUNTIME_DIR, STORY_PROMPTS, engine_config,
-                                       hf_greedy, hf_model, write_engine)
-
-sys.path.insert(0, str(RUNTIME_DIR))
-from specpilot_runtime.config import RuntimeConfigError, parse_engine_config  # noqa: E402
-from specpilot_runtime.drafters import (DraftModelDrafter, NgramIndex, NoDrafter, PromptLookup,  # noqa: E402
-                                        SharedNgramCache)
-from specpilot_runtime.engine import Engine  # noqa: E402
-from specpilot_runtime.model import LeanLlama, load_hf_model  # noqa: E402
+from reference_runtime_helpers import STORY_PROMPTS, engine_config, hf_greedy, hf_model, write_engine
+from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
+from specpilot_runtime.drafters import DraftModelDrafter, NgramIndex, NoDrafter, PromptLookup, SharedNgramCache
+from specpilot_runtime.engine import Engine
+from specpilot_runtime.model import LeanLlama, load_hf_model
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def hf():
-    return hf_model()
+def hf(stories_dir):
+    return hf_model(stories_dir)
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(stories_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    return AutoTokenizer.from_pretrained(str(stories_dir))
 
 
-def test_lean_forward_matches_transformers_logits(hf):
-    ids = GOLDEN["sequence_ids"]
+def test_lean_forward_matches_transformers_logits(hf, golden):
+    ids = golden["sequence_ids"]
     with torch.no_grad():
         reference = hf(torch.tensor([ids])).logits
     lean = LeanLlama(hf, num_slots=1, max_tokens_per_step=4, device="cpu")
@@ -44,8 +40,8 @@ def test_lean_forward_matches_transformers_logits(hf):
     assert torch.allclose(torch.cat(steps, dim=1)[0], reference[0, 150:198], atol=1e-4)
 
 
-def test_batched_forward_equals_one_sequence_at_a_time(hf):
-    ids = GOLDEN["sequence_ids"]
+def test_batched_forward_equals_one_sequence_at_a_time(hf, golden):
+    ids = golden["sequence_ids"]
     lean = LeanLlama(hf, num_slots=3, max_tokens_per_step=4, device="cpu")
     for slot, length in enumerate((40, 7, 90)):
         lean.forward(torch.tensor([ids[:length]]), [slot], [0])
@@ -68,7 +64,7 @@ def _engine(hf, tokenizer, drafter, k: int, max_running: int = 1) -> Engine:
 
 
 @pytest.mark.parametrize("name", ["none", "prompt_lookup", "shared_cache", "draft_model"])
-def test_every_drafter_reproduces_llama2c_golden_output(hf, tokenizer, name):
+def test_every_drafter_reproduces_llama2c_golden_output(hf, tokenizer, name, golden):
     drafters = {
         "none": lambda: NoDrafter(),
         "prompt_lookup": lambda: PromptLookup(1, 4),
@@ -76,32 +72,34 @@ def test_every_drafter_reproduces_llama2c_golden_output(hf, tokenizer, name):
         "draft_model": lambda: DraftModelDrafter(LeanLlama(hf, 1, 6, "cpu")),
     }
     engine = _engine(hf, tokenizer, drafters[name](), k=5 if name != "none" else 0)
-    prompt = GOLDEN["prompt_ids"]
-    result = _run(engine, prompt, len(GOLDEN["sequence_ids"]) - len(prompt))
-    assert prompt + result["output_ids"] == GOLDEN["sequence_ids"]
-    assert result["text"] == GOLDEN["decoded_text_without_bos"][len(GOLDEN["prompt"]):]
+    prompt = golden["prompt_ids"]
+    result = _run(engine, prompt, len(golden["sequence_ids"]) - len(prompt))
+    assert prompt + result["output_ids"] == golden["sequence_ids"]
+    assert result["text"] == golden["decoded_text_without_bos"][len(golden["prompt"]):]
 
 
-def test_target_as_its_own_draft_model_accepts_every_proposal(hf, tokenizer):
+def test_target_as_its_own_draft_model_accepts_every_proposal(hf, tokenizer, golden):
     engine = _engine(hf, tokenizer, DraftModelDrafter(LeanLlama(hf, 1, 5, "cpu")), k=4)
-    meta = _run(engine, GOLDEN["prompt_ids"], 101)["meta_info"]
+    meta = _run(engine, golden["prompt_ids"], 101)["meta_info"]
     assert meta["spec_draft_token_num"] > 0
     assert meta["spec_accept_token_num"] == meta["spec_draft_token_num"]
     assert meta["spec_accept_length"] == 5.0  # 1 + 100 tokens = prefill + 20 full steps of 4 + 1
 
 
-def test_shared_cache_learns_across_requests_and_stays_exact(hf, tokenizer):
+@pytest.mark.slow
+def test_shared_cache_learns_across_requests_and_stays_exact(hf, tokenizer, stories_dir):
     engine = _engine(hf, tokenizer, SharedNgramCache(1, 16, 100_000), k=8)
     prompts = [tokenizer(p)["input_ids"] for p in STORY_PROMPTS[:4]]
     first = [_run(engine, p, 120) for p in prompts]
     again = [_run(engine, p, 120) for p in prompts]
     for prompt, a, b in zip(prompts, first, again):
-        assert a["output_ids"] == b["output_ids"] == hf_greedy(prompt, 120)
+        assert a["output_ids"] == b["output_ids"] == hf_greedy(stories_dir, prompt, 120)
     # The second pass finds its continuation in the cache: most steps accept all 8 proposals (+1).
     assert all(r["meta_info"]["spec_accept_length"] > 6 for r in again)
 
 
-def test_batched_engine_serves_concurrent_requests_exactly(hf, tokenizer):
+@pytest.mark.slow
+def test_batched_engine_serves_concurrent_requests_exactly(hf, tokenizer, stories_dir):
     engine = _engine(hf, tokenizer, PromptLookup(1, 3), k=4, max_running=4)
     prompts = [tokenizer(p)["input_ids"] for p in STORY_PROMPTS[:6]]
     results, threads = {}, []
@@ -112,15 +110,15 @@ def test_batched_engine_serves_concurrent_requests_exactly(hf, tokenizer):
     for thread in threads:
         thread.join()
     for i, prompt in enumerate(prompts):
-        assert results[i]["output_ids"] == hf_greedy(prompt, 60 + 7 * i)
+        assert results[i]["output_ids"] == hf_greedy(stories_dir, prompt, 60 + 7 * i)
 
 
-def test_logprobs_match_transformers(hf, tokenizer):
+def test_logprobs_match_transformers(hf, tokenizer, golden):
     engine = _engine(hf, tokenizer, PromptLookup(1, 3), k=3)
-    ids = GOLDEN["sequence_ids"][:30]
+    ids = golden["sequence_ids"][:30]
     meta = _run(engine, ids, 5, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)["meta_info"]
     with torch.no_grad():
-        reference = torch.log_softmax(hf(torch.tensor([GOLDEN["sequence_ids"][:35]])).logits[0], -1)
+        reference = torch.log_softmax(hf(torch.tensor([golden["sequence_ids"][:35]])).logits[0], -1)
     assert meta["input_token_logprobs"][0] == (None, ids[0], None)
     for pos in range(1, 30):
         logprob, token, _ = meta["input_token_logprobs"][pos]
@@ -128,7 +126,7 @@ def test_logprobs_match_transformers(hf, tokenizer):
         top1, top2 = meta["input_top_logprobs"][pos]
         assert top1[1] == int(reference[pos - 1].argmax()) and top1[0] >= top2[0]
     for i, (logprob, token, _) in enumerate(meta["output_token_logprobs"]):
-        assert token == GOLDEN["sequence_ids"][30 + i]
+        assert token == golden["sequence_ids"][30 + i]
         assert abs(logprob - float(reference[29 + i, token])) < 1e-4
 
 
@@ -142,9 +140,9 @@ def test_ngram_index_proposes_what_followed_the_longest_match():
     assert index.lookup([42], 4) == []
 
 
-def test_bfloat16_forward_is_as_close_to_float32_as_transformers_bfloat16(hf):
-    ids = torch.tensor([GOLDEN["sequence_ids"][:200]])
-    hf16 = load_hf_model(MODEL_DIR, "bfloat16", "cpu")
+def test_bfloat16_forward_is_as_close_to_float32_as_transformers_bfloat16(hf, golden, stories_dir):
+    ids = torch.tensor([golden["sequence_ids"][:200]])
+    hf16 = load_hf_model(stories_dir, "bfloat16", "cpu")
     lean = LeanLlama(hf16, 1, 1, "cpu")
     assert lean.k_cache.dtype == torch.bfloat16
     with torch.no_grad():
@@ -168,12 +166,13 @@ def test_config_reads_builder_keys():
     assert cfg.runtime_options == {"shared_ngram_cache": True}
 
 
-def test_server_refuses_bad_config_in_one_line(tmp_path):
+@pytest.mark.slow
+def test_server_refuses_bad_config_in_one_line(tmp_path, stories_dir):
     engine = write_engine(tmp_path / "eng", engine_config("final", runtime_options={"warp_drive": 1}))
     proc = subprocess.run(
         [sys.executable, "-m", "specpilot_runtime.server", "--engine", str(engine), "--engine-id", "x",
-         "--model", str(MODEL_DIR), "--port", "1"],
-        env={"PYTHONPATH": str(RUNTIME_DIR), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+         "--model", str(stories_dir), "--port", "1"],
+        env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "runtime_options.warp_drive" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -189,22 +188,22 @@ def test_eos_ends_generation_unless_ignore_eos(tokenizer):
     assert request.stop_token_ids == set()
 
 
-def test_runtime_starts_a_draft_model_engine_from_an_engine_dir(tmp_path):
+def test_runtime_starts_a_draft_model_engine_from_an_engine_dir(tmp_path, golden, stories_dir):
     from specpilot_runtime.runtime import load_runtime
 
     engine_dir = write_engine(tmp_path / "eng", engine_config("stock", algorithm="draft_model", k=3))
-    runtime = load_runtime(str(engine_dir), "id-draft", str(MODEL_DIR), str(MODEL_DIR), None)
+    runtime = load_runtime(str(engine_dir), "id-draft", str(stories_dir), str(stories_dir), None)
     assert runtime.limits.eos_token_ids == {2}
-    result = _run(runtime.engine, GOLDEN["prompt_ids"], 41)
-    assert GOLDEN["prompt_ids"] + result["output_ids"] == GOLDEN["sequence_ids"][:46]
+    result = _run(runtime.engine, golden["prompt_ids"], 41)
+    assert golden["prompt_ids"] + result["output_ids"] == golden["sequence_ids"][:46]
     info = runtime.server_info()
     assert (info["engine_id"], info["speculative_algorithm"], info["avg_spec_accept_length"]) == \
         ("id-draft", "draft_model", 4.0)  # its own draft: every step accepts all 3 proposals + 1
 
 
-def test_runtime_refuses_draft_model_without_its_checkpoint(tmp_path):
+def test_runtime_refuses_draft_model_without_its_checkpoint(tmp_path, stories_dir):
     from specpilot_runtime.runtime import load_runtime
 
     engine_dir = write_engine(tmp_path / "eng", engine_config("stock", algorithm="draft_model", k=3))
     with pytest.raises(RuntimeConfigError, match="--draft-model"):
-        load_runtime(str(engine_dir), "x", str(MODEL_DIR), None, None)
+        load_runtime(str(engine_dir), "x", str(stories_dir), None, None)

@@ -17,6 +17,7 @@ from reference_runtime_helpers import free_port
 from specpilot_build.build.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
+
 EMBEDDED = "cpu_c1_stories260k_ngram"
 
 
@@ -38,6 +39,7 @@ def alive(pid: int) -> bool:
     return stat.split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_serve_runs_exactly_the_engine_and_stop_is_idempotent(session_data, golden):
     engine = build_engine(EMBEDDED, "ar").engine
     port = free_port()
@@ -75,6 +77,7 @@ def test_a_tampered_engine_is_refused_before_anything_starts(tmp_path, monkeypat
     assert record(session_data, port) is None and not (session_data / "runs" / f"{port}.log").exists()
 
 
+@pytest.mark.slow
 def test_a_killed_server_leaves_a_stale_record_the_next_serve_detects(session_data):
     engine = build_engine(EMBEDDED, "ar").engine
     port = free_port()
@@ -119,6 +122,7 @@ def test_the_hardware_gate_refuses_a_gpu_setting_without_its_gpu():
     assert out.returncode == 2 and "NVIDIA H200" in out.stderr and "--ignore-hardware" in out.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_prints_a_gpu_engines_command_on_a_machine_without_gpu_or_sglang():
     """Printing the command needs neither the GPU (hardware gate) nor SGLang's dependencies nor the weights."""
     for setting in ("h200_c1_stories260k_ngram", "h200_c1_qwen3-8b_dflash"):

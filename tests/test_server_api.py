@@ -13,8 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from reference_runtime_helpers import (GOLDEN, STORY_PROMPTS, engine_config, free_port, launch, stop, wait_healthy,
+from reference_runtime_helpers import (STORY_PROMPTS, engine_config, free_port, launch, stop, wait_healthy,
                                        write_engine)
+
+pytestmark = pytest.mark.slow  # every test talks to the three servers the module starts
 
 SERVERS = {
     "ar": engine_config("ar"),
@@ -24,13 +26,13 @@ SERVERS = {
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, stories_dir):
     root = tmp_path_factory.mktemp("engines")
     procs = {}
     try:
         for name, config in SERVERS.items():
             port = free_port()
-            procs[name] = (launch(write_engine(root / name, config), f"id-{name}", port), port)
+            procs[name] = (launch(write_engine(root / name, config), f"id-{name}", port, stories_dir), port)
         with ThreadPoolExecutor(len(procs)) as pool:
             urls = dict(zip(procs, pool.map(lambda pp: wait_healthy(*pp), procs.values())))
         yield urls
@@ -51,13 +53,13 @@ def greedy_ids(url: str, prompt: str | list[int], max_new_tokens: int) -> list[i
 
 
 @pytest.mark.parametrize("name", list(SERVERS))
-def test_golden_prompt_ids_give_llama2c_continuation(servers, name):
-    prompt, sequence = GOLDEN["prompt_ids"], GOLDEN["sequence_ids"]
+def test_golden_prompt_ids_give_llama2c_continuation(servers, name, golden):
+    prompt, sequence = golden["prompt_ids"], golden["sequence_ids"]
     r = generate(servers[name], input_ids=prompt,
                  sampling_params={"max_new_tokens": len(sequence) - len(prompt), "temperature": 0})
     body = r.json()
     assert prompt + body["output_ids"] == sequence
-    assert body["text"] == GOLDEN["decoded_text_without_bos"][len(GOLDEN["prompt"]):]
+    assert body["text"] == golden["decoded_text_without_bos"][len(golden["prompt"]):]
     meta = body["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": len(sequence) - len(prompt)}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), len(sequence) - len(prompt))
@@ -88,9 +90,9 @@ def test_sixteen_concurrent_requests_all_correct(servers):
     assert asyncio.run(all_at_once()) == expected
 
 
-def test_token_forcing_recipe_scores_every_forced_token(servers):
+def test_token_forcing_recipe_scores_every_forced_token(servers, golden):
     """verify's recipe: input = prompt + continuation, no new tokens, top-2 logprobs from the last prompt token."""
-    prompt, sequence = GOLDEN["prompt_ids"], GOLDEN["sequence_ids"][:60]
+    prompt, sequence = golden["prompt_ids"], golden["sequence_ids"][:60]
     r = generate(servers["final"], input_ids=sequence, sampling_params={"max_new_tokens": 0, "temperature": 0},
                  return_logprob=True, logprob_start_len=len(prompt) - 1, top_logprobs_num=2)
     meta = r.json()["meta_info"]
@@ -108,26 +110,26 @@ def test_token_forcing_recipe_scores_every_forced_token(servers):
     assert whole["input_top_logprobs"][0] is None and len(whole["input_token_logprobs"]) == 8
 
 
-def test_output_logprobs_agree_with_forced_scoring(servers):
-    prompt = GOLDEN["prompt_ids"]
+def test_output_logprobs_agree_with_forced_scoring(servers, golden):
+    prompt = golden["prompt_ids"]
     out = generate(servers["final"], input_ids=prompt, sampling_params={"max_new_tokens": 20, "temperature": 0},
                    return_logprob=True, top_logprobs_num=2).json()
     forced = generate(servers["ar"], input_ids=prompt + out["output_ids"], sampling_params={"max_new_tokens": 0},
                       return_logprob=True, logprob_start_len=len(prompt)).json()["meta_info"]
     ours = out["meta_info"]["output_token_logprobs"]
-    assert [t[1] for t in ours] == out["output_ids"] == GOLDEN["sequence_ids"][5:25]
+    assert [t[1] for t in ours] == out["output_ids"] == golden["sequence_ids"][5:25]
     assert [t[0] for t in ours] == pytest.approx([t[0] for t in forced["input_token_logprobs"]], abs=1e-4)
 
 
-def test_stop_token_ids_and_stop_strings(servers):
-    prompt, sequence = GOLDEN["prompt_ids"], GOLDEN["sequence_ids"]
+def test_stop_token_ids_and_stop_strings(servers, golden):
+    prompt, sequence = golden["prompt_ids"], golden["sequence_ids"]
     newline_at = sequence.index(13)
     body = generate(servers["final"], input_ids=prompt,
                     sampling_params={"max_new_tokens": 150, "stop_token_ids": [13]}).json()
     assert prompt + body["output_ids"] == sequence[: newline_at + 1]
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": 13}
     body = generate(servers["ar"], input_ids=prompt, sampling_params={"max_new_tokens": 150, "stop": ["ball"]}).json()
-    golden_text = GOLDEN["decoded_text_without_bos"][len(GOLDEN["prompt"]):]
+    golden_text = golden["decoded_text_without_bos"][len(golden["prompt"]):]
     assert body["text"] == golden_text[: golden_text.index("ball")]
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": "ball"}
 
@@ -205,7 +207,7 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize("path,body", MALFORMED, ids=[f"{p}-{i}" for i, (p, _) in enumerate(MALFORMED)])
-def test_malformed_request_is_a_4xx_and_the_server_stays_healthy(servers, path, body):
+def test_malformed_request_is_a_4xx_and_the_server_stays_healthy(servers, path, body, golden):
     url = servers["final_c16"]
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
@@ -214,7 +216,7 @@ def test_malformed_request_is_a_4xx_and_the_server_stays_healthy(servers, path, 
     message = payload["message"] if path.startswith("/v1/") else payload["error"]["message"]
     assert message
     assert httpx.get(url + "/health").status_code == 200
-    assert greedy_ids(url, GOLDEN["prompt_ids"], 3) == GOLDEN["sequence_ids"][5:8]
+    assert greedy_ids(url, golden["prompt_ids"], 3) == golden["sequence_ids"][5:8]
 
 
 def test_health_and_info_endpoints(servers):
@@ -236,8 +238,8 @@ def test_max_new_tokens_zero_returns_no_tokens(servers):
     assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
 
 
-def test_per_request_accept_statistics(servers):
-    meta = generate(servers["final"], input_ids=GOLDEN["prompt_ids"],
+def test_per_request_accept_statistics(servers, golden):
+    meta = generate(servers["final"], input_ids=golden["prompt_ids"],
                     sampling_params={"max_new_tokens": 196}).json()["meta_info"]
     # The golden story was served before (earlier tests): the shared cache proposes it back.
     assert meta["spec_accept_length"] > 3

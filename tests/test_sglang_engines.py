@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_builds import ARMS, all_builds, sglang_settings
+from sglang_builds import ARMS, sglang_settings
 from specpilot_build.build.launch_check import check_launch_args, compile_engines
 from specpilot_build.locations import data_dir
 from specpilot_build.store.engines import disk_usage
@@ -21,11 +21,6 @@ from specpilot_build.store.engines import Engine
 
 CASES = [(s, a) for s in sglang_settings() for a in ARMS]
 HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"
-
-
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory):
-    return all_builds(tmp_path_factory.getbasetemp() / "sglang-builds")
 
 
 @pytest.fixture(scope="session")

@@ -14,39 +14,35 @@ import httpx
 import pytest
 import torch
 
-from reference_runtime_helpers import GOLDEN, MODEL_DIR, RUNTIME_DIR, STORY_PROMPTS, engine_config, free_port
-from sglang_builds import all_builds, sglang_settings
+from reference_runtime_helpers import STORY_PROMPTS, engine_config, free_port
+from sglang_builds import sglang_settings
 from specpilot_build.build.builder import build_engine
 from specpilot_build.build.launch_check import check_launch_args
+from specpilot_build.locations import KERNELS_DIR
 from specpilot_build.run.serve import serve, stop
 from specpilot_build.store.engines import Engine
+from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
+from specpilot_runtime.model import LeanLlama, load_hf_model
 
-REPO = Path(__file__).resolve().parent.parent
-KERNEL = REPO / "kernels" / "w12"
+KERNEL = KERNELS_DIR / "w12"
 OVERLAY_MODULE = "python/sglang/srt/layers/quantization/w12.py"
 W12_SGLANG_SETTINGS = {"h100_c1_qwen38-27b_dflash2", "h100_c1_qwen38-27b_dspark",
                        "rtx-pro-6000_c1_muse-glimmer-30b_dflash2", "h100_c1_qwen3-8b_dflash",
                        "h100_c1_qwen3-8b_eagle3", "h200_c1_qwen3-8b_dflash"}
 CPU_SETTING = "cpu_c1_stories260k-bf16_ngram"
 
-for path in (RUNTIME_DIR, REPO / "kernels"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-from specpilot_runtime.config import RuntimeConfigError, parse_engine_config  # noqa: E402
-from specpilot_runtime.model import LeanLlama, load_hf_model  # noqa: E402
-
 
 # --- reference runtime ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def hf_bf16():
-    return load_hf_model(MODEL_DIR, "bfloat16", "cpu")
+def hf_bf16(stories_dir):
+    return load_hf_model(stories_dir, "bfloat16", "cpu")
 
 
-def test_the_w12_lean_forward_equals_the_bf16_forward_bit_for_bit_on_cpu(hf_bf16):
+def test_the_w12_lean_forward_equals_the_bf16_forward_bit_for_bit_on_cpu(hf_bf16, golden):
     import w12
 
-    ids = GOLDEN["sequence_ids"]
+    ids = golden["sequence_ids"]
     plain = LeanLlama(hf_bf16, num_slots=3, max_tokens_per_step=4, device="cpu")
     packed = LeanLlama(hf_bf16, num_slots=3, max_tokens_per_step=4, device="cpu", w12=True)
     assert all(isinstance(w, w12.W12Tensor) for weights in packed.layers for w in weights)
@@ -60,16 +56,17 @@ def test_the_w12_lean_forward_equals_the_bf16_forward_bit_for_bit_on_cpu(hf_bf16
         assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
-def test_on_cuda_the_w12_forward_runs_the_fused_gemm_and_is_as_close_to_float32_as_bf16(monkeypatch):
+def test_on_cuda_the_w12_forward_runs_the_fused_gemm_and_is_as_close_to_float32_as_bf16(monkeypatch, stories_dir, golden):
     import w12.gemm
 
     fused_rows = []
     real_fused = w12.gemm.fused_gemm
     monkeypatch.setattr(w12.gemm, "fused_gemm", lambda x, p, c=None: fused_rows.append(x.shape[0]) or real_fused(x, p, c))
-    ids = GOLDEN["sequence_ids"][:201]
-    exact = LeanLlama(load_hf_model(MODEL_DIR, "float32", "cpu"), 1, 4, "cpu")
-    hf_cuda = load_hf_model(MODEL_DIR, "bfloat16", "cuda")
+    ids = golden["sequence_ids"][:201]
+    exact = LeanLlama(load_hf_model(stories_dir, "float32", "cpu"), 1, 4, "cpu")
+    hf_cuda = load_hf_model(stories_dir, "bfloat16", "cuda")
     plain = LeanLlama(hf_cuda, 1, 4, "cuda")
     packed = LeanLlama(hf_cuda, 1, 4, "cuda", w12=True)
     logits = {}
@@ -93,12 +90,13 @@ def test_w12_needs_a_bf16_model():
     assert parse_engine_config(config).quantization == "w12"
 
 
-def test_a_served_w12_engine_gives_the_bf16_ar_engines_greedy_tokens(session_data):
+@pytest.mark.slow
+def test_a_served_w12_engine_gives_the_bf16_ar_engines_greedy_tokens(session_data, stories_dir, golden):
     ar, final = build_engine(CPU_SETTING, "ar").engine, build_engine(CPU_SETTING, "final").engine
     assert (final.path / "kernels" / "w12" / "format.py").read_bytes() == (KERNEL / "format.py").read_bytes()
     assert not (ar.path / "kernels").exists()
     assert final.config["model"]["quantization"] == "w12" and ar.config["model"]["quantization"] is None
-    prompts = [GOLDEN["prompt_ids"]] + [_encode(p) for p in STORY_PROMPTS[1:4]]
+    prompts = [golden["prompt_ids"]] + [_encode(stories_dir, p) for p in STORY_PROMPTS[1:4]]
     outputs, infos = {}, {}
     for engine in (ar, final):
         port = free_port()
@@ -118,18 +116,13 @@ def test_a_served_w12_engine_gives_the_bf16_ar_engines_greedy_tokens(session_dat
     assert outputs[final.id] == outputs[ar.id]
 
 
-def _encode(text: str) -> list[int]:
+def _encode(model_dir: Path, text: str) -> list[int]:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR))(text)["input_ids"]
+    return AutoTokenizer.from_pretrained(str(model_dir))(text)["input_ids"]
 
 
 # --- SGLang ---------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory):
-    return all_builds(tmp_path_factory.getbasetemp() / "sglang-builds")
-
 
 def test_w12_is_in_the_final_arm_of_the_bf16_c1_sglang_settings_only(builds):
     with_w12 = {s for s in sglang_settings() if (builds.engines[s, "final"].path / "kernels" / "w12").is_dir()}
@@ -205,10 +198,10 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_the_overlay_method_encodes_a_real_layer_at_load_and_computes_it_exactly(builds):
+def test_the_overlay_method_encodes_a_real_layer_at_load_and_computes_it_exactly(builds, stories_dir):
     engine = builds.engines["h100_c1_qwen38-27b_dflash2", "final"]
     env = {**os.environ, "PYTHONPATH": f"{engine.path}/python:{engine.path}/kernels", "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RUN_OVERLAY_METHOD, str(MODEL_DIR / "model.safetensors")],
+    proc = subprocess.run([sys.executable, "-c", _RUN_OVERLAY_METHOD, str(stories_dir / "model.safetensors")],
                           capture_output=True, text=True, env=env, timeout=300, cwd=engine.path)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, proc.stderr[-2000:]

@@ -12,6 +12,8 @@ from w12.format import decode_planes
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.slow  # one Triton-interpreter subprocess runs every case (tens of seconds on 2 cores)
+
 HERE = Path(__file__).resolve().parent
 BF16_ULP = 2.0 ** -7          # one unit in the last place, relative (8 significant bits)
 

@@ -6,7 +6,7 @@ import torch
 import w12
 from w12.gemm import Config, decode_on_device, default_config, fused_gemm
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def llm_like(n, k, seed):

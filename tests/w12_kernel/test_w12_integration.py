@@ -1,6 +1,5 @@
 """The API a runtime uses: apply_w12 on the real stories260K model, W12Linear, w12.cat."""
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -8,14 +7,12 @@ import torch
 import w12
 from w12.format import decode_planes
 
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
-
 
 @pytest.fixture(scope="module")
-def stories_bf16():
+def stories_bf16(stories_dir):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.bfloat16).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.bfloat16).eval()
 
 
 def test_apply_w12_keeps_the_model_output_bit_for_bit(stories_bf16):
