@@ -143,6 +143,23 @@ def test_a_damaged_sglang_member_does_not_spread_to_the_next_build_and_is_re_ext
     assert cli("engine", "fsck").returncode == 0
 
 
+def test_a_patched_file_is_re_made_by_a_same_id_rebuild_and_otherwise_named_as_unrepairable(store, sglang_wheel):
+    patched = "python/sglang/srt/entrypoints/http_server.py"  # written by the engine-id overlay's patch
+    final = build_engine(SGLANG, "final").engine
+    other = build_engine(SGLANG, "final", ["batching.concurrency=2"]).engine   # an override: another head
+    assert entry(other, patched) == entry(final, patched)
+    e = entry(final, patched)
+    damage(object_path(store, e["blake3"], e["exec"]), "flip")                # both engines hold it
+    out = cli("engine", "verify", "--repair", other.id)
+    assert out.returncode == 4 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert f"cannot repair {patched}" in out.stdout and "gives another engine" in out.stdout
+    assert f"engine rm {other.id[:12]}" in out.stdout
+    out = cli("engine", "verify", "--repair", final.id, timeout=300)
+    assert out.returncode == 0 and "a rebuild of its setting" in out.stdout, out.stdout + out.stderr
+    assert check_engine(final) == []
+    assert cli("engine", "verify", "--repair", other.id).returncode == 0 and check_engine(other) == []
+
+
 # --- the index is a cache -------------------------------------------------------------------------------------
 
 def test_a_forged_index_entry_is_ignored_and_the_right_engine_built(store, tmp_path):
