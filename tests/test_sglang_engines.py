@@ -15,6 +15,7 @@ import pytest
 from sglang_builds import ARMS, sglang_settings
 from specpilot_build.build.launch_check import check_launch_args, compile_engines
 from specpilot_build.locations import data_dir
+from specpilot_build.build.builder import build_engine
 from specpilot_build.store.engines import disk_usage
 from specpilot_build.store.manifest import digest_file
 from specpilot_build.store.engines import Engine
@@ -75,17 +76,16 @@ def test_a_flag_sglang_does_not_know_is_rejected_by_the_check(launch_results):
 
 
 @pytest.mark.parametrize("setting", sglang_settings())
-def test_final_adds_the_engine_id_overlay_and_tuned_arguments_to_stock(builds, setting):
+def test_every_arm_carries_the_engine_id_overlay_and_final_adds_tuned_arguments(builds, setting):
     stock, final = builds.engines[setting, "stock"], builds.engines[setting, "final"]
-    stock_server = (stock.path / HTTP_SERVER).read_text()
-    final_server = (final.path / HTTP_SERVER).read_text()
-    assert "SPECPILOT_ENGINE_ID" not in stock_server
-    assert final_server.count('"engine_id": os.environ.get("SPECPILOT_ENGINE_ID")') == 2
-    records = final.manifest["base"]["overlays"]
-    assert records[0]["name"] == "engine-id"  # later overlays (w12 in the bf16 settings): test_w12_integration
-    record = records[0]
-    assert record["files"] == [{"path": HTTP_SERVER, "before": digest_file(stock.path / HTTP_SERVER),
-                                "after": digest_file(final.path / HTTP_SERVER)}]
+    for engine in (stock, final):  # the engine-id overlay is part of the SGLang base, applied first
+        server = (engine.path / HTTP_SERVER).read_text()
+        assert server.count('"engine_id": os.environ.get("SPECPILOT_ENGINE_ID")') == 2
+        [record] = [r for r in engine.manifest["base"]["overlays"] if r["name"] == "engine-id"]
+        assert engine.manifest["base"]["overlays"][0] == record  # applied first
+        assert [f["path"] for f in record["files"]] == [HTTP_SERVER]
+        assert record["files"][0]["before"] != record["files"][0]["after"]
+    assert stock.manifest["base"]["overlays"][0]["files"][0]["after"] == digest_file(stock.path / HTTP_SERVER)
     stock_argv = json.loads((stock.path / "launch.json").read_bytes())["argv"]
     final_argv = json.loads((final.path / "launch.json").read_bytes())["argv"]
     assert "--cuda-graph-max-bs-decode" in final_argv and "--cuda-graph-max-bs-decode" not in stock_argv
@@ -162,9 +162,12 @@ def _endpoint(engine: Engine, name: str):
 
 
 @pytest.mark.parametrize("endpoint", ["server_info", "model_info"])
-def test_the_final_engine_reports_the_engine_id_it_was_served_as(builds, monkeypatch, endpoint):
-    stock = builds.engines["h100_c1_qwen3-8b_dflash", "stock"]
-    final = builds.engines["h100_c1_qwen3-8b_dflash", "final"]
-    monkeypatch.setenv("SPECPILOT_ENGINE_ID", final.id)
-    assert asyncio.run(_endpoint(final, endpoint)())["engine_id"] == final.id
-    assert "engine_id" not in asyncio.run(_endpoint(stock, endpoint)())
+def test_every_arm_reports_the_engine_id_it_was_served_as(builds, monkeypatch, endpoint):
+    """The engine-id overlay belongs to the SGLang base: ar, stock and final all report their id (and so
+    can be served and used as verify's oracle)."""
+    with builds.env():
+        ar = build_engine("h100_c1_qwen3-8b_dflash", "ar").engine
+    for engine in (ar, builds.engines["h100_c1_qwen3-8b_dflash", "stock"],
+                   builds.engines["h100_c1_qwen3-8b_dflash", "final"]):
+        monkeypatch.setenv("SPECPILOT_ENGINE_ID", engine.id)
+        assert asyncio.run(_endpoint(engine, endpoint)())["engine_id"] == engine.id

@@ -34,7 +34,7 @@ def effective_config(config: dict) -> dict:
 
 
 # Where overlays come from, in application order: later layers see (and may patch) earlier layers' output.
-OVERLAY_SOURCES = ("hardware", "model", "drafter", "batching", "mechanisms")
+OVERLAY_SOURCES = ("runtime", "hardware", "model", "drafter", "batching", "mechanisms")
 
 
 def overlays_in_order(cfg: dict) -> list[str]:

@@ -81,6 +81,7 @@ class Runtime:
     name: str = MISSING  # "reference" | "sglang"
     launch_args: Dict[str, Any] = field(default_factory=dict)  # SGLang args every arm of this runtime gets
     prune: Optional[Dict[str, Any]] = None  # wheel pruning rules (prune.py); None keeps every member
+    overlays: List[str] = field(default_factory=list)  # overlays every arm of this runtime gets, applied first
 
 
 # Ranges of the reference runtime's options (their names and types are its own: specpilot_runtime.config).
