@@ -78,7 +78,7 @@ E2E_DATASETS = ["gsm8k", "mt-bench"]
 
 
 @pytest.fixture(scope="module")
-def loop(tmp_path_factory):
+def loop(tmp_path_factory, shared):
     """Engines of the embedded setting, a final run benched on the real runtime, and a running ar oracle."""
     from specpilot_build.measure.bench import bench
     from specpilot_build.build.builder import build_engine

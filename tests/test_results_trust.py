@@ -24,7 +24,7 @@ MAX_NEW = 600  # above stories260K's 512-token context: every request's budget i
 
 
 @pytest.fixture(scope="module")
-def trust(tmp_path_factory):
+def trust(tmp_path_factory, shared):
     from specpilot_build.build.builder import build_engine
     from specpilot_build.measure.bench import bench
     from specpilot_build.run.serve import serve, stop
@@ -103,7 +103,7 @@ def test_bench_records_server_manifest_oracle_and_every_request_field(trust):
     assert report["verified"] == report["tokens"] == sum(r["completion_tokens"] for r in run["requests"])
 
 
-def test_prompts_too_long_for_the_context_are_listed_with_the_reason():
+def test_prompts_too_long_for_the_context_are_listed_with_the_reason(shared):
     from specpilot_build.measure.bench import plan_requests
     from specpilot_build.measure.prompts import Prompt
 

@@ -29,7 +29,7 @@ def _fenced(code: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def canonical(tmp_path_factory):
+def canonical(tmp_path_factory, shared):
     """A results file whose answers are the upstream canonical solutions of every HumanEval problem and
     every MBPP test-split problem; one in ten restated as a fenced markdown answer, the way chat models write."""
     requests = []
@@ -57,11 +57,9 @@ def test_every_canonical_code_solution_passes_in_the_sandbox(canonical):
     assert result["datasets"]["mbpp"]["n"] == 500 and result["datasets"]["mbpp"]["accuracy"] == 1.0
 
 
-def test_sanitized_mbpp_records_with_test_imports_pass(tmp_path):
+def test_sanitized_mbpp_records_with_test_imports_pass(tmp_path, shared):
     """The sanitized MBPP split keeps its imports in `test_imports` (e.g. `import math` for isclose)."""
-    from specpilot_build.locations import mirror_dir
-
-    rows = json.loads((mirror_dir() / "datasets" / "mbpp" / "sanitized-mbpp.json").read_text())
+    rows = json.loads((shared / "datasets" / "mbpp" / "sanitized-mbpp.json").read_text())
     with_imports = [row for row in rows if row["test_imports"]]
     assert len(with_imports) == 13
     results = score.grade("mbpp", [row["code"] for row in with_imports], with_imports)
@@ -83,7 +81,7 @@ def test_score_json_is_written_next_to_the_run(canonical):
 
 
 @pytest.fixture(scope="module")
-def mixed(tmp_path_factory):
+def mixed(tmp_path_factory, shared):
     gsm8k = load_split("gsm8k", 6)
     math500 = load_split("math500", 6)
     humaneval = {item.id: item.record for item in load_split("humaneval")}
@@ -115,7 +113,7 @@ def mixed(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_mixed_run_counts_correct_and_truncated_answers(mixed):
+def test_mixed_run_counts_correct_and_truncated_answers(mixed, shared):
     datasets = mixed["datasets"]
     assert (datasets["gsm8k"]["correct"], datasets["gsm8k"]["n"], datasets["gsm8k"]["truncated"]) == (4, 6, 1)
     assert (datasets["math500"]["correct"], datasets["math500"]["truncated"]) == (5, 1)  # truncation is not failure
@@ -127,7 +125,7 @@ def test_mixed_run_counts_correct_and_truncated_answers(mixed):
     assert details[load_split("mbpp", 3)[1].id] == "exited before its tests finished"
 
 
-def test_cli_prints_the_table_and_writes_the_score(tmp_path, capsys):
+def test_cli_prints_the_table_and_writes_the_score(tmp_path, capsys, shared):
     from specpilot_build.cli.main import main
 
     item = load_split("gsm8k", 1)[0]
@@ -139,7 +137,7 @@ def test_cli_prints_the_table_and_writes_the_score(tmp_path, capsys):
     assert (tmp_path / "tiny.score.json").is_file()
 
 
-def test_unknown_item_is_a_user_error(tmp_path):
+def test_unknown_item_is_a_user_error(tmp_path, shared):
     path = _write_run(tmp_path / "bad.json", [_request("humaneval", "HumanEval/999", "pass")])
     with pytest.raises(SpecPilotError, match="HumanEval/999"):
         score.score_run(path)
@@ -154,7 +152,7 @@ def test_missing_run_exits_with_a_one_line_error(tmp_path, capsys):
 
 # --- answer extraction -------------------------------------------------------------------------------
 
-def test_gsm8k_final_number_from_every_reference_solution():
+def test_gsm8k_final_number_from_every_reference_solution(shared):
     wrong = []
     for item in load_split("gsm8k"):
         answer = item.record["answer"]
@@ -192,7 +190,7 @@ EQUIVALENT_FORMS = [("so $\\boxed{0.5}$", "\\frac{1}{2}", True), ("thus \\boxed{
 
 
 @pytest.fixture(scope="module")
-def math500_grades():
+def math500_grades(shared):
     """One math-verify worker for all cases: 40 reference solutions against their own answers, then against
     their neighbour's answers, then hand-written equivalent forms."""
     items = load_split("math500", 40)
@@ -296,7 +294,7 @@ def _thief(function: str, vector: str) -> str:
 
 
 @pytest.mark.parametrize("vector", sorted(STEAL))
-def test_a_completion_that_prints_what_it_can_read_and_exits_0_fails(vector):
+def test_a_completion_that_prints_what_it_can_read_and_exits_0_fails(vector, shared):
     humaneval = {item.id: item.record for item in load_split("humaneval")}["HumanEval/0"]
     mbpp = load_split("mbpp", 1)[0].record
     mbpp_name = score._called_function(mbpp["test_list"])
@@ -310,7 +308,7 @@ def test_a_completion_that_prints_what_it_can_read_and_exits_0_fails(vector):
 
 @pytest.mark.parametrize("exit_code", ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "exit(0)",
                                        "raise SystemExit", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)"])
-def test_exiting_early_with_status_0_fails(exit_code):
+def test_exiting_early_with_status_0_fails(exit_code, shared):
     humaneval = {item.id: item.record for item in load_split("humaneval")}["HumanEval/0"]
     at_module_level = _fenced(f"def has_close_elements(numbers, threshold):\n    return None\n{exit_code}\n")
     in_the_function = _fenced("def has_close_elements(numbers, threshold):\n"
@@ -319,7 +317,7 @@ def test_exiting_early_with_status_0_fails(exit_code):
     assert [r["correct"] for r in results] == [False, False], results
 
 
-def test_an_answer_equal_to_everything_fails():
+def test_an_answer_equal_to_everything_fails(shared):
     records = {item.id: item.record for item in load_split("humaneval")}
     always_equal = ("class Anything(list):\n    def __eq__(self, other):\n        return True\n"
                     "    def __ne__(self, other):\n        return False\n    __bool__ = lambda self: True\n"
@@ -330,7 +328,7 @@ def test_an_answer_equal_to_everything_fails():
     assert [r["correct"] for r in results] == [False, False], results
 
 
-def test_correct_answers_that_need_helpers_and_setup_code_pass():
+def test_correct_answers_that_need_helpers_and_setup_code_pass(shared):
     """HumanEval/32's tests call the prompt's poly(); MBPP 367's setup builds trees of the answer's Node."""
     humaneval = {item.id: item.record for item in load_split("humaneval")}
     mbpp = {item.id: item.record for item in load_split("mbpp")}

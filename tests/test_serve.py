@@ -78,7 +78,7 @@ def test_a_tampered_engine_is_refused_before_anything_starts(tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_a_killed_server_leaves_a_stale_record_the_next_serve_detects(session_data):
+def test_a_killed_server_leaves_a_stale_record_the_next_serve_detects(session_data, shared):
     engine = build_engine(EMBEDDED, "ar").engine
     port = free_port()
     assert cli("serve", "--engine", engine.id, "--port", str(port)).returncode == 0
@@ -96,7 +96,7 @@ def test_a_killed_server_leaves_a_stale_record_the_next_serve_detects(session_da
         cli("stop", "--port", str(port))
 
 
-def test_a_port_in_use_is_a_clear_error(session_data):
+def test_a_port_in_use_is_a_clear_error(session_data, shared):
     engine = build_engine(EMBEDDED, "ar").engine
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
