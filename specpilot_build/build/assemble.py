@@ -7,9 +7,10 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from specpilot_build.build.inputs import BuildInputs
-from specpilot_build.build.launch import launch_spec
+from specpilot_build.build.launch import flag_origins, launch_spec, sglang_flags
 from specpilot_build.build.overlay import apply_overlays
 from specpilot_build.build.prune import select_members
+from specpilot_build.build.sglang_flags import check_launch_args, flag_table
 from specpilot_build.build.runtime_base import (
     copy_files,
     copy_source_dir,
@@ -35,6 +36,10 @@ def assemble_tree(tree: Path, inputs: BuildInputs, store: Path) -> tuple[dict, d
         copy_source_dir(local_runtime_dir(pin), tree / "runtime")
         record = {"kind": "directory", "dir": pin.dir}
     record["overlays"] = apply_overlays(tree, list(inputs.overlays), cfg)
+    if isinstance(pin, WheelPin):  # every launch flag and value against this SGLang's own parser
+        table = flag_table(tree / "python", pin.sha256, list(inputs.overlays))
+        check_launch_args(sglang_flags(cfg), table, flag_origins(cfg, inputs.composed.config.get("final")),
+                          pin.version)
     for kernel in inputs.kernels:
         copy_files(list(kernel.files), tree / "kernels" / kernel.name)
     (tree / "config.json").write_bytes(canonical_json(cfg) + b"\n")

@@ -4,6 +4,8 @@ Placeholders: {python} {engine} {engine_id} {model} {draft_model} {host} {port}.
 from __future__ import annotations
 
 REFERENCE_MODULE = "specpilot_runtime.server"
+DRAFTER_FLAGS = {"num_steps": "speculative-num-steps", "eagle_topk": "speculative-eagle-topk",
+                 "num_draft_tokens": "speculative-num-draft-tokens"}
 
 
 def launch_spec(cfg: dict) -> dict:
@@ -21,9 +23,9 @@ def _reference(cfg: dict) -> dict:
     return {"runtime": "reference", "argv": argv, "env": env}
 
 
-def sglang_args(cfg: dict) -> list[str]:
-    """SGLang server arguments (without model path, host and port). Stock arms keep SGLang's defaults
-    (max running requests, CUDA-graph sizes, block sizes); `final` mechanisms add tuned values."""
+def sglang_flags(cfg: dict) -> dict:
+    """SGLang server arguments (flag without `--` → value; without model path, host and port). Stock arms keep
+    SGLang's defaults (max running requests, CUDA-graph sizes, block sizes); `final` mechanisms add tuned values."""
     model, drafter = cfg["model"], cfg["drafter"]
     args: dict = {"dtype": model["dtype"]}
     if model.get("quantization"):
@@ -32,13 +34,16 @@ def sglang_args(cfg: dict) -> list[str]:
         args["speculative-algorithm"] = drafter["algorithm"]
         if drafter.get("repo"):
             args["speculative-draft-model-path"] = "{draft_model}"
-        for key, flag in (("num_steps", "speculative-num-steps"), ("eagle_topk", "speculative-eagle-topk"),
-                          ("num_draft_tokens", "speculative-num-draft-tokens")):
+        for key, flag in DRAFTER_FLAGS.items():
             if drafter.get(key) is not None:
                 args[flag] = drafter[key]
     args.update(cfg["runtime"].get("launch_args", {}))
+    return args
+
+
+def sglang_args(cfg: dict) -> list[str]:
     argv: list[str] = []
-    for flag, value in args.items():
+    for flag, value in sglang_flags(cfg).items():
         if value is True:
             argv.append(f"--{flag}")
         elif value is False or value is None:
@@ -48,6 +53,19 @@ def sglang_args(cfg: dict) -> list[str]:
         else:
             argv += [f"--{flag}", str(value)]
     return argv
+
+
+def flag_origins(cfg: dict, composed_final: dict | None) -> dict[str, str]:
+    """Where each SGLang flag of `sglang_flags(cfg)` was set: a config field or a final-arm mechanism."""
+    where = {"dtype": "model.dtype", "quantization": "model.quantization",
+             "speculative-algorithm": "drafter.algorithm", "speculative-draft-model-path": "drafter.repo"}
+    where.update({flag: f"drafter.{key}" for key, flag in DRAFTER_FLAGS.items()})
+    for name, body in ((composed_final or {}).get("mechanisms") or {}).items():
+        for flag in (body or {}).get("launch_args") or {}:
+            where[flag] = f"mechanism '{name}' (final.mechanisms.{name}.launch_args)"
+        if ((body or {}).get("model") or {}).get("quantization"):
+            where["quantization"] = f"mechanism '{name}' (final.mechanisms.{name}.model.quantization)"
+    return where
 
 
 def _sglang(cfg: dict) -> dict:
