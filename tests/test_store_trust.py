@@ -28,7 +28,7 @@ SERVER_ARGS = "python/sglang/srt/server_args.py"
 
 def cli(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=REPO, timeout=timeout)
+                          env={**os.environ, **(env or {})}, cwd=REPO, timeout=timeout, check=False)
 
 
 @pytest.fixture

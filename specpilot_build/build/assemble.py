@@ -10,13 +10,13 @@ from specpilot_build.build.inputs import BuildInputs
 from specpilot_build.build.launch import flag_origins, launch_spec, sglang_flags
 from specpilot_build.build.overlay import apply_overlays
 from specpilot_build.build.prune import select_members
-from specpilot_build.build.sglang_flags import check_launch_args, flag_table
 from specpilot_build.build.runtime_base import (
     copy_files,
     copy_source_dir,
     local_runtime_dir,
     wheel_file,
 )
+from specpilot_build.build.sglang_flags import check_launch_args, flag_table
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.lockfile import WheelPin
 from specpilot_build.store.engines import put_object
