@@ -82,3 +82,12 @@ def test_a_wrong_group_option_lists_the_valid_ones_without_internal_schema_names
         listed = out.stderr.split(f"available in {group}:")[1].strip()
         assert sorted(name.strip() for name in listed.split(",")) == sorted(valid)
         assert "_schema" not in out.stderr
+
+
+def test_a_sweep_override_with_several_values_builds_one_engine_per_value():
+    out = cli("sweep", "--settings", "cpu_c1_stories260k_ngram", "--arms", "stock", "drafter.num_draft_tokens=4,6")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│ cpu_c1_stories260k_ngram")]
+    assert len(rows) == 2 and len({row.split()[5] for row in rows}) == 2  # two different engine ids
+    bad = cli("sweep", "--settings", "cpu_c1_stories260k_ngram", "--arms", "stock", "drafter.num_draft_tokens=4,-6")
+    assert bad.returncode == 2 and "drafter.num_draft_tokens" in bad.stderr and "-6" in bad.stderr

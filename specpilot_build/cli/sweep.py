@@ -5,6 +5,7 @@ build.json into its job directory; the summary callback reads those files when t
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 import time
@@ -73,9 +74,8 @@ def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: 
     if launcher:
         _check_launcher(launcher)
         hydra_args.append(f"hydra/launcher={launcher}")
-    for setting in settings.split(","):  # compose everything first: a typo is one line, before any job runs
-        for arm in arms.split(","):
-            compose_setting(setting, arm, [o for o in overrides if not o.startswith("hydra")])
+    for job in _jobs(settings, arms, overrides):  # compose every job first: a typo is one line, before any job
+        compose_setting(*job)
     register()
     saved = sys.argv
     sys.argv = ["specpilot-sweep", *hydra_args]
@@ -91,6 +91,20 @@ def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: 
     if failed:
         raise SpecPilotError(f"{len(failed)} of {len(rows)} sweep jobs failed: " + "; ".join(failed))
     return rows
+
+
+def _jobs(settings: str, arms: str, overrides: list[str]) -> list[tuple[str, str, list[str]]]:
+    """Every (setting, arm, overrides) the multirun will launch, sweep overrides (`key=a,b`) expanded."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    axes = []
+    for override in OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("hydra")]):
+        key = override.input_line.split("=", 1)[0]
+        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else \
+            [override.get_value_element_as_str()]
+        axes.append([f"{key}={value}" for value in values])
+    return [(s, a, list(combo)) for s in settings.split(",") for a in arms.split(",")
+            for combo in itertools.product(*axes)]
 
 
 LAUNCHER_EXTRAS = {"slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm")}
