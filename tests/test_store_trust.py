@@ -122,6 +122,8 @@ def sglang_wheel():
     return pin
 
 
+@pytest.mark.slow
+@pytest.mark.sglang
 def test_a_damaged_sglang_member_does_not_spread_to_the_next_build_and_is_re_extracted(store, sglang_wheel):
     ar = build_engine(SGLANG, "ar").engine
     clean = entry(ar, SERVER_ARGS)
@@ -143,6 +145,8 @@ def test_a_damaged_sglang_member_does_not_spread_to_the_next_build_and_is_re_ext
     assert cli("engine", "fsck").returncode == 0
 
 
+@pytest.mark.slow
+@pytest.mark.sglang
 def test_a_patched_file_is_re_made_by_a_same_id_rebuild_and_otherwise_named_as_unrepairable(store, sglang_wheel):
     patched = "python/sglang/srt/entrypoints/http_server.py"  # written by the engine-id overlay's patch
     final = build_engine(SGLANG, "final").engine
@@ -320,6 +324,7 @@ def test_a_lockfile_wheel_filename_that_is_a_path_is_refused(store, tmp_path, fi
 
 # --- one damaged directory does not break the store view --------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_damaged_engine_directory_is_listed_and_every_verb_says_what_to_do(store):
     engine = build_engine(EMBEDDED, "ar").engine
     bad_json, no_manifest = store / ("ab" * 32), store / ("cd" * 32)
