@@ -134,6 +134,7 @@ def test_a_kernels_ship_list_naming_a_missing_file_is_refused(tmp_path, monkeypa
         assemble.kernel_files("w13")
 
 
+@pytest.mark.slow
 def test_flipping_one_byte_in_any_file_is_named_by_engine_verify(store):
     engine = build_engine(EMBEDDED, "stock").engine
     for entry in engine.manifest["files"]:

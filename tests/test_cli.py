@@ -4,17 +4,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+import pytest
 
 from specpilot_build.build.builder import build_engine
+from specpilot_build.locations import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 VERBS = ("engine", "sweep", "lock", "models", "serve", "stop", "bench", "compare", "score", "verify", "diff", "demo")
 
 
 def cli(*args, stdout=subprocess.PIPE, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], stdout=stdout,
-                          stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=timeout,
+                          stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
 
@@ -40,7 +41,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     b = build_engine("cpu_c1_stories260k_ngram", "final").engine
     # `specpilot diff A B | head -1`: the reader leaves after one line
     proc = subprocess.run(f"{sys.executable} -m specpilot_build.cli diff --files {a.id} {b.id} | head -c 1",
-                          shell=True, capture_output=True, text=True, cwd=REPO, timeout=120)
+                          shell=True, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
 
 
@@ -52,6 +53,7 @@ def test_a_bug_is_one_line_without_debug_and_a_traceback_with_it(tmp_path):
     assert len(quiet.stderr.strip().splitlines()) <= 2 and quiet.stderr.startswith("error: ")
 
 
+@pytest.mark.slow
 def test_a_sweep_with_a_failed_job_exits_non_zero_naming_it():
     # The seed's settings are not pinned in lockfiles/: their builds fail, every job still composes.
     out = cli("sweep", "--settings", "cpu_c1_stories260k_ngram,h100_c1_qwen38-27b_dflash2", "--arms", "ar")
@@ -84,6 +86,7 @@ def test_a_wrong_group_option_lists_the_valid_ones_without_internal_schema_names
         assert "_schema" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_sweep_override_with_several_values_builds_one_engine_per_value():
     out = cli("sweep", "--settings", "cpu_c1_stories260k_ngram", "--arms", "stock", "drafter.num_draft_tokens=4,6")
     assert out.returncode == 0, out.stderr

@@ -4,6 +4,7 @@ functions too, and runs in well under a second."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ NEVER = {"run": {"build", "config"}, "measure": {"build", "config"}}
 NO_SYS_PATH = ("specpilot_build", "kernels", "runtimes", "benchmarks", "tests")
 
 
+@functools.cache
 def modules(repo: Path) -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its own name, from its __init__.py)."""
     found = {}
@@ -58,6 +60,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[tuple[str, int]]:
     return {(m, line) for m, line in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
 
 
+@functools.cache
 def graph(repo: Path) -> dict[str, dict[str, int]]:
     """module -> {imported module: first line}, package modules only."""
     mods = modules(repo)

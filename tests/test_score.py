@@ -203,11 +203,13 @@ def math500_grades(shared):
     return answers, shifted, grades[:40], grades[40:80], grades[80:]
 
 
+@pytest.mark.slow
 def test_math500_reference_solutions_match_their_answers(math500_grades):
     _, _, own, _, _ = math500_grades
     assert own == [True] * 40
 
 
+@pytest.mark.slow
 def test_math500_other_answers_do_not_match(math500_grades):
     answers, shifted, _, others, _ = math500_grades
     distinct = [i for i in range(40) if shifted[i] != answers[i]]
@@ -215,6 +217,7 @@ def test_math500_other_answers_do_not_match(math500_grades):
     assert [others[i] for i in distinct] == [False] * len(distinct)
 
 
+@pytest.mark.slow
 def test_math500_equivalent_forms(math500_grades):
     assert math500_grades[4] == [expected for _, _, expected in EQUIVALENT_FORMS]
 
