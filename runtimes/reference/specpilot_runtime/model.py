@@ -16,6 +16,21 @@ Logits match transformers' within float tolerance (tested); greedy tokens match 
 The cache holds `num_slots` sequences. A forward scores a batch of B sequences, each with T new tokens
 starting at its own position. Padded query rows may write past a sequence's end; that is harmless because
 a query only reads keys at or before its own position, and those were all written by real tokens.
+
+Batch invariance (what SGLang calls deterministic inference): a position's logits do not depend on how many
+tokens are scored with it, so the prefill that scores a whole sequence at once (the oracle that verify forces
+tokens through) gives, bit for bit, the logits that prefill and verify steps gave chunk by chunk, whatever the
+drafter proposed and whatever else was in the batch. On CPU (MKL) a product of a single row runs another
+kernel (GEMV) than one of two or more rows, whose rows come out the same whatever their number; that alone
+made a position's float32 logits differ by up to 1.4e-5 (benchmarks/tolerance.md). So no product here has a
+single row: a one-token step scores its token twice (a copy of the query at the same position, which writes
+nothing; two sequences in a batch pad their step to two tokens instead), and a one-row logit projection
+projects a copy beside it. The attention's probs @ values product also reduced in another order over more
+keys (a short prefill against a whole sequence, or past 256 keys), so attention spans whole blocks of
+KEY_BLOCK keys, the keys past a query masked to exact zeros, and that product runs block by block with the
+partial results added in a fixed order (`_attend`); softmax gives the same result over more masked keys
+(measured). tests/test_batch_invariance.py checks all of it on stories260K: verify chunks of 1..k tokens,
+rejected drafts, short prompts, sequences past 256 tokens, and a second sequence in the batch.
 """
 from __future__ import annotations
 
@@ -26,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+KEY_BLOCK = 256  # attention runs in whole blocks of this many keys (batch invariance, see the docstring)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,8 +86,8 @@ class LeanLlama:
         self._take_weights(hf_model)
         if w12:
             self._encode_w12()
-        # Room past the context for padded query rows of a verify step.
-        self.cache_length = s.context_length + max_tokens_per_step + 1
+        # Whole key blocks (batch invariance), with room past the context for padded query rows of a verify step.
+        self.cache_length = -(-(s.context_length + max_tokens_per_step + 1) // KEY_BLOCK) * KEY_BLOCK
         self.k_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, self.cache_length,
                                    dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, self.cache_length, s.head_dim,
@@ -171,11 +187,20 @@ class LeanLlama:
         if batch == 1:
             x = self._layers_one(tokens[0], slots[0], starts[0])[None]
         else:
-            x = self._layers_batch(tokens, slots, starts)
+            if steps == 1:  # batch invariance: two rows per sequence (the second is masked from the first)
+                tokens = tokens.repeat(1, 2)
+            x = self._layers_batch(tokens, slots, starts)[:, :steps]
         if logit_rows is not None:
             x = x[:, logit_rows]
         flat = self._normalise(x.reshape(-1, x.shape[-1]), self.final_norm)
-        return self.mm(flat, self.lm_head).view(*x.shape[:-1], -1).float()
+        rows = flat.shape[0]
+        if rows == 1:  # batch invariance: no one-row product
+            flat = flat.repeat(2, 1)
+        return self.mm(flat, self.lm_head)[:rows].view(*x.shape[:-1], -1).float()
+
+    def _key_length(self, end: int) -> int:
+        """Keys an attention step spans: `end` rounded up to whole blocks of KEY_BLOCK, the rest masked."""
+        return -(-end // KEY_BLOCK) * KEY_BLOCK
 
     def _layers_one(self, tokens: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         s = self.shape
@@ -184,32 +209,37 @@ class LeanLlama:
         group = nh // nkv
         end = start + steps
         cos, sin = self.cos[start:end], self.sin[start:end]
-        mask = None
-        if steps > 1:  # query row (t, g) sees keys 0 .. start + t
-            mask = torch.ones(steps, end, dtype=torch.bool, device=self.device).tril(start)
-            mask = torch.zeros(steps * group, end, dtype=self.dtype, device=self.device).masked_fill_(
+        keys = self._key_length(end)
+        if steps == 1:  # the query sees keys 0 .. start, of `keys`
+            mask = torch.zeros(keys, dtype=self.dtype, device=self.device)
+            mask[end:] = float("-inf")
+        else:  # query row (t, g) sees keys 0 .. start + t
+            mask = torch.ones(steps, keys, dtype=torch.bool, device=self.device).tril(start)
+            mask = torch.zeros(steps * group, keys, dtype=self.dtype, device=self.device).masked_fill_(
                 ~mask.repeat_interleave(group, dim=0), float("-inf"))
+        # Batch invariance: one token is scored as two identical rows (same position, same keys), so that
+        # every product has at least two rows; only the first writes the cache, only the first is returned.
+        rows = 2 if steps == 1 else steps
         caches = self.slot_views[slot]
-        x = F.embedding(tokens, self.embed)
+        x = F.embedding(tokens.expand(rows) if steps == 1 else tokens, self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
-            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(steps, 2 * nh + 3 * nkv, hd)
+            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(rows, 2 * nh + 3 * nkv, hd)
             qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv:] * sin
             kc, vc = caches[i]
-            kc[:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
-            vc[:, start:end] = qkv[:, nh + nkv: nh + 2 * nkv].transpose(0, 1)
-            q = qk[:, :nh].reshape(steps, nkv, group, hd).transpose(0, 1).reshape(nkv, steps * group, hd)
-            scores = torch.bmm(q, kc[:, :, :end])
+            kc[:, :, start:end] = qk[:steps, nh:].permute(1, 2, 0)
+            vc[:, start:end] = qkv[:steps, nh + nkv: nh + 2 * nkv].transpose(0, 1)
+            q = qk[:, :nh].reshape(rows, nkv, group, hd).transpose(0, 1).reshape(nkv, rows * group, hd)
+            scores = torch.bmm(q, kc[:, :, :keys])
             if not self.folded:
                 scores = scores * self.q_scale
-            if mask is not None:
-                scores += mask
-            o = torch.bmm(self._softmax(scores), vc[:, :end])
-            o = o.view(nkv, steps, group * hd).transpose(0, 1).reshape(steps, nh * hd)
+            scores += mask
+            o = _attend(self._softmax(scores), vc[:, :keys])
+            o = o.view(nkv, rows, group * hd).transpose(0, 1).reshape(rows, nh * hd)
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
             x = x + self.mm(F.silu(gate) * up, w_down)
-        return x
+        return x[:steps]
 
     def _layers_batch(self, tokens: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:
         s = self.shape
@@ -220,7 +250,7 @@ class LeanLlama:
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(steps, device=self.device)
         flat_positions = positions.reshape(-1)
         cos, sin = self.cos[flat_positions], self.sin[flat_positions]
-        key_len = max(starts) + steps
+        key_len = self._key_length(max(starts) + steps)
         keys = torch.arange(key_len, device=self.device)
         visible = (keys[None, None, :] <= positions[:, :, None]).repeat_interleave(group, dim=1)[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
@@ -248,12 +278,23 @@ class LeanLlama:
             if not self.folded:
                 scores = scores * self.q_scale
             scores += mask
-            o = torch.matmul(self._softmax(scores), values_i)  # [B, kv, T*group, hd]
+            o = _attend(self._softmax(scores), values_i)  # [B, kv, T*group, hd]
             o = o.view(batch, nkv, steps, group * hd).transpose(1, 2).reshape(batch * steps, nh * hd)
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
             x = x + self.mm(F.silu(gate) * up, w_down)
         return x.view(batch, steps, -1)
+
+
+def _attend(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs [..., R, L] @ values [..., L, hd], L whole blocks of KEY_BLOCK keys, reduced block by block in
+    order: one product of fixed shape per block, then the partial results added first to last. A single
+    product over all L keys would let the BLAS split the reduction where it likes (it does, past 256 keys), so a
+    query's output would change with the number of masked keys after it; masked blocks add exact zeros here."""
+    out = torch.matmul(probs[..., :KEY_BLOCK], values[..., :KEY_BLOCK, :])
+    for lo in range(KEY_BLOCK, probs.shape[-1], KEY_BLOCK):
+        out = out + torch.matmul(probs[..., lo:lo + KEY_BLOCK], values[..., lo:lo + KEY_BLOCK, :])
+    return out
 
 
 def _w12_projection(w12):
