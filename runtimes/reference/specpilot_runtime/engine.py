@@ -5,6 +5,13 @@ drafter's proposals in one forward pass (sequences padded to the same length and
 prefix of proposals equal to the target's argmax is accepted, followed by the target's own next token.
 The KV cache is rolled back simply by moving the sequence's cache length, so the output is the target's
 greedy decoding by construction, whatever the drafter proposes.
+
+CPU time per request (`meta_info.cpu_s`): the CPU time of the engine thread (time.thread_time, nanosecond
+clock) spent on the request: its prefill, and per decode step an equal share of the batched work (drafting,
+the forward, argmax) among the sequences in that step plus the request's own bookkeeping (acceptance,
+logprobs, stop checks, detokenising, the drafter's updates). It excludes the HTTP thread (parsing, JSON) and
+the time a request waits; with torch running more than one intra-op thread (/server_info `num_threads`),
+the other threads' share of a forward is not in it either (the reference runtime runs small models on one).
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import heapq
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +54,8 @@ class Sequence:
     decode_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    cpu_s: float = 0.0  # engine-thread CPU time charged to this request so far
+    cpu_since: float | None = None  # thread_time when this request's own (uncharged) work began
     finish_reason: dict | None = None
     text: str = ""
     streamed_upto: int = 0
@@ -122,7 +132,7 @@ class Engine:
                 continue
             seq = Sequence(request, heapq.heappop(self.free_slots), list(request.input_ids), len(request.input_ids))
             self.running.append(seq)
-            self._guarded([seq], lambda seqs: self._prefill(seqs[0]))
+            self._guarded([seq], lambda seqs: self._own_work(seqs[0], self._prefill))
 
     def _guarded(self, seqs: list[Sequence], work) -> None:
         try:
@@ -133,6 +143,15 @@ class Engine:
                 if seq in self.running:
                     self._release(seq)
                     seq.request.emit("error", f"internal error: {exc}")
+
+    @staticmethod
+    def _own_work(seq: Sequence, work) -> None:
+        """Run work(seq), charging its engine-thread CPU time to seq (to the result too, if it finishes)."""
+        seq.cpu_since = time.thread_time()
+        work(seq)
+        if seq.cpu_since is not None:
+            seq.cpu_s += time.thread_time() - seq.cpu_since
+            seq.cpu_since = None
 
     # ---------------------------------------------------------------- prefill
     def _prefill(self, seq: Sequence) -> None:
@@ -177,6 +196,7 @@ class Engine:
         running = sorted(self.running, key=lambda s: s.slot)
         if not running:
             return
+        shared_since = time.thread_time()
         proposals = []
         for seq in running:
             budget = min(self.num_draft_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1)
@@ -187,19 +207,24 @@ class Engine:
         logits = model.forward(torch.tensor(rows, device=model.device), [s.slot for s in running],
                                [s.cache_len for s in running])
         targets = logits.argmax(dim=-1).tolist()
+        share = (time.thread_time() - shared_since) / len(running)  # the batched work, in equal shares
         for b, (seq, proposal) in enumerate(zip(running, proposals)):
-            accepted = 0
-            while accepted < len(proposal) and proposal[accepted] == targets[b][accepted]:
-                accepted += 1
-            new_tokens = proposal[:accepted] + [targets[b][accepted]]
-            seq.cache_len += accepted + 1
-            seq.verify_ct += 1
-            seq.draft_tokens += len(proposal)
-            seq.accepted_tokens += accepted
-            self.verify_steps += 1
-            self.draft_tokens += len(proposal)
-            self.accepted_tokens += accepted
-            self._append(seq, new_tokens, logits[b, : accepted + 1], decoded=True)
+            seq.cpu_s += share
+            self._own_work(seq, lambda seq: self._accept(seq, proposal, targets[b], logits[b]))
+
+    def _accept(self, seq: Sequence, proposal: list[int], targets: list[int], logits: torch.Tensor) -> None:
+        accepted = 0
+        while accepted < len(proposal) and proposal[accepted] == targets[accepted]:
+            accepted += 1
+        new_tokens = proposal[:accepted] + [targets[accepted]]
+        seq.cache_len += accepted + 1
+        seq.verify_ct += 1
+        seq.draft_tokens += len(proposal)
+        seq.accepted_tokens += accepted
+        self.verify_steps += 1
+        self.draft_tokens += len(proposal)
+        self.accepted_tokens += accepted
+        self._append(seq, new_tokens, logits[: accepted + 1], decoded=True)
 
     def _append(self, seq: Sequence, new_tokens: list[int], logits: torch.Tensor, decoded: bool = False) -> None:
         """Append tokens one by one until a stop condition (`decoded`: they come from a decode step)."""
@@ -269,6 +294,10 @@ class Engine:
 
     def _result(self, seq: Sequence) -> dict:
         req = seq.request
+        if seq.cpu_since is not None:  # finished during its own work: charge it up to now
+            now = time.thread_time()
+            seq.cpu_s += now - seq.cpu_since
+            seq.cpu_since = None
         meta = {
             "prompt_tokens": seq.prompt_len,
             "completion_tokens": len(seq.output_ids),
@@ -279,6 +308,7 @@ class Engine:
             "spec_accept_token_num": seq.accepted_tokens,
             "spec_draft_token_num": seq.draft_tokens,
             "spec_accept_rate": seq.accepted_tokens / seq.draft_tokens if seq.draft_tokens else 0.0,
+            "cpu_s": seq.cpu_s,
         }
         if req.return_logprob:
             meta.update(

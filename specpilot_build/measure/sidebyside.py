@@ -1,0 +1,296 @@
+"""Arms side by side: bench ar, stock and final interleaved, so that load on a shared machine hits them alike.
+
+The three engines are served at once, one port each (the caller serves them: cli/demo.py). The requests are
+those bench sends (same plan, same budgets, same warm-up per arm), cut into rounds of `concurrency` requests
+(one request at c1). Each round goes to all three arms, one arm after another, in rotating order: round 0
+ar, stock, final; round 1 stock, final, ar; round 2 final, ar, stock; ... So every arm runs each prompt
+within a few seconds of the others, and each arm is first, second and third equally often. An arm runs alone
+while it is measured (the other two servers idle); with concurrency c, a round ends when its c requests are
+answered, and the round's wall time (including its tail) counts for every arm alike.
+
+Each arm gets one results file in bench's format (bench.py), so compare, score and verify read it unchanged;
+a request's `latency_s` and a dataset's `wall_s` are measured as bench measures them. Added:
+- per request `cpu_s`: the server's CPU time for that request as the server reports it (the reference
+  runtime: engine-thread CPU time, `meta_info.cpu_s`; see runtimes/reference/specpilot_runtime/engine.py for
+  what it counts). Null when the server does not report it (SGLang).
+- `side_by_side`: the arms and ports, the rotation, and per round the order and, when the server runs on this
+  machine, the whole server process's CPU time over the round (utime + stime of /proc/<pid>/stat, every
+  thread, HTTP included; clock ticks of 1/CLK_TCK s, usually 10 ms): a coarser cross-check of `cpu_s`.
+`cpu_speedups` gives the CPU-time speedups beside compare's wall-time ones: the ratio of tokens per server
+CPU-second, with compare's paired bootstrap (same resamples and seed).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from specpilot_build.defaults import ARMS
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.hub.checkpoints import model_dirs
+from specpilot_build.measure import bench as bench_mod
+from specpilot_build.measure.compare import OVERALL, PAIRS, RESAMPLES, SEED, _aligned, ratio_of_sums_ci
+from specpilot_build.measure.datasets import BENCHMARKS, dataset_pin
+from specpilot_build.measure.prompts import PromptRenderer, prompts_digest
+from specpilot_build.measure.results import SCHEMA, load_results, manifest_record, results_path, write_json
+from specpilot_build.run import client
+from specpilot_build.store.engines import Engine, resolve_engine
+
+SCHEMA_SIDE_BY_SIDE = "specpilot.side_by_side/1"
+
+
+def rotation(round_index: int, arms=ARMS) -> tuple[str, ...]:
+    """The order of the arms in round i: ar, stock, final; then stock, final, ar; then final, ar, stock; ..."""
+    k = round_index % len(arms)
+    return tuple(arms[k:]) + tuple(arms[:k])
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a process (all its threads), in seconds; None when it cannot be read here."""
+    if not pid:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], ports: dict[str, int],
+                       limit: int | None = None, max_new_tokens: int = 2048, datasets: list[str] | None = None,
+                       host: str = "127.0.0.1", pids: dict[str, int] | None = None, overwrite: bool = False,
+                       progress: bool = True) -> dict[str, Path]:
+    """Bench the three arms served on host:ports[arm] interleaved; returns {arm: results path}.
+
+    `pids`: the server processes (serve()'s run records), for the process-CPU cross-check; optional."""
+    engines = {arm: resolve_engine(e) if isinstance(e, str) else e for arm, e in engines.items()}
+    if set(engines) != set(ARMS) or set(names) != set(ARMS) or set(ports) != set(ARMS):
+        raise SpecPilotError(f"side-by-side bench needs exactly the arms {', '.join(ARMS)}")
+    if len(set(ports.values())) != len(ARMS):
+        raise SpecPilotError(f"side-by-side bench needs three different ports, got {ports}")
+    pids = pids or {}
+    oracle = engines["ar"]
+    outs = {arm: results_path(names[arm]) for arm in ARMS}
+    for arm, out in outs.items():
+        if out.exists() and not overwrite:
+            raise SpecPilotError(f"{out} exists; choose another NAME or remove it")
+    urls = {arm: f"http://{host}:{ports[arm]}" for arm in ARMS}
+    infos = {}
+    for arm in ARMS:
+        infos[arm] = client.server_info(urls[arm])
+        served = client.served_engine_id(infos[arm])
+        if served != engines[arm].id:
+            raise SpecPilotError(f"the server on port {ports[arm]} serves engine {served or '(unnamed)'}, not the "
+                                 f"{arm} engine {engines[arm].id[:16]}")
+
+    concurrency = {arm: int(engines[arm].config["batching"]["concurrency"]) for arm in ARMS}
+    if len(set(concurrency.values())) != 1:
+        raise SpecPilotError(f"the arms' concurrencies differ ({concurrency}); side by side needs one")
+    concurrency = concurrency["ar"]
+    plans = {}
+    for arm in ARMS:
+        config = engines[arm].config
+        names_ = list(datasets or config.get("datasets") or BENCHMARKS)
+        renderer = PromptRenderer(model_dirs(engines[arm].manifest["inputs"]["checkpoints"], config)["model"],
+                                  config["model"].get("chat_template"))
+        context = config["model"].get("context_length") or renderer.context_length
+        plan, skipped = bench_mod.plan_requests(renderer, names_, limit, max_new_tokens, context)
+        plans[arm] = (names_, renderer, context, plan, skipped)
+    reference = plans["ar"]
+    for arm in ARMS:
+        if plans[arm][3] != reference[3]:
+            raise SpecPilotError(f"the {arm} engine renders other prompts or budgets than the ar engine "
+                                 "(tokenizer, chat template or context differ); the arms are not comparable")
+    names_, _, _, plan, skipped = reference
+    for entry in (e for entries in skipped.values() for e in entries):
+        print(f"skipped {entry['dataset']} item {entry['item_id']}: {entry['reason']}", file=sys.stderr)
+    if not any(plan.values()):
+        raise SpecPilotError("no prompt fits the model's context; nothing to bench")
+
+    date = dt.datetime.now(dt.timezone.utc)
+    warmups = {arm: bench_mod._warm_up(urls[arm], plan, concurrency) for arm in ARMS}
+    rounds = [(dataset, entries[i:i + concurrency]) for dataset, entries in plan.items()
+              for i in range(0, len(entries), concurrency)]
+    answers = {arm: {} for arm in ARMS}  # arm -> (dataset, item_id) -> Answer
+    walls = {arm: {} for arm in ARMS}
+    gaps = {arm: {} for arm in ARMS}
+    client_cpu = {arm: 0.0 for arm in ARMS}
+    round_log = []
+    total = sum(len(entries) for _, entries in rounds) * len(ARMS)
+    with client.progress_bar(progress, total, label="bench ar|stock|final") as advance:
+        for index, (dataset, entries) in enumerate(rounds):
+            order = rotation(index)
+            bodies = [bench_mod.generate_body(e["prompt_ids"], e["max_new_tokens"]) for e in entries]
+            record = {"round": index, "dataset": dataset, "items": [e["item_id"] for e in entries],
+                      "order": list(order), "wall_s": {}, "process_cpu_s": {}}
+            for arm in order:
+                before = process_cpu_s(pids.get(arm))
+                done = client.post_all(urls[arm], bodies, concurrency, on_answer=advance)
+                after = process_cpu_s(pids.get(arm))
+                for entry, answer in zip(entries, done.answers):
+                    answers[arm][(dataset, entry["item_id"])] = answer
+                walls[arm][dataset] = walls[arm].get(dataset, 0.0) + done.wall_s
+                gaps[arm][dataset] = gaps[arm].get(dataset, 0.0) + done.client_gap_s
+                client_cpu[arm] += done.client_cpu_s
+                record["wall_s"][arm] = done.wall_s
+                record["process_cpu_s"][arm] = None if before is None or after is None else after - before
+            round_log.append(record)
+
+    paths = {}
+    for arm in ARMS:
+        engine = engines[arm]
+        info = infos[arm]
+        requests = []
+        for dataset, entries in plan.items():
+            for entry in entries:
+                answer = answers[arm][(dataset, entry["item_id"])]
+                row = bench_mod.request_record(entry, answer)
+                cpu = (answer.body.get("meta_info") or {}).get("cpu_s")
+                row["cpu_s"] = float(cpu) if isinstance(cpu, (int, float)) else None
+                requests.append(row)
+        results = _results(engine, oracle, info, names[arm], names_, plans[arm], limit, max_new_tokens,
+                           concurrency, date, warmups[arm], requests, walls[arm], gaps[arm], client_cpu[arm])
+        process = [r["process_cpu_s"][arm] for r in round_log]
+        results["side_by_side"] = {
+            "schema": SCHEMA_SIDE_BY_SIDE,
+            "method": __doc__.strip().split("\n\n")[1].replace("\n", " "),
+            "arms": {a: {"name": names[a], "engine_id": engines[a].id, "port": ports[a]} for a in ARMS},
+            "round_size": concurrency,
+            "rounds": round_log,
+            "server_cpu_s": _sum_or_none([r["cpu_s"] for r in requests]),
+            "process_cpu_s": _sum_or_none(process),
+            "process_cpu_method": "utime+stime of /proc/<server pid>/stat over each round, all threads",
+            "clock_ticks_per_s": os.sysconf("SC_CLK_TCK"),
+        }
+        paths[arm] = write_json(results_path(names[arm]), results)
+    return paths
+
+
+def _results(engine: Engine, oracle: Engine, info: dict, name: str, names: list[str], planned: tuple,
+             limit, max_new_tokens: int, concurrency: int, date, warmup: dict, requests: list[dict],
+             walls: dict, gaps: dict, client_cpu_s: float) -> dict:
+    """A results record in bench's format (bench.bench builds the same keys)."""
+    _, renderer, context, plan, skipped = planned
+    engine_record, oracle_record = manifest_record(engine), manifest_record(oracle)
+    config = engine.config
+    per_dataset = {d: {"requests": len(plan[d]), "wall_s": walls[d],
+                       "completion_tokens": sum(r["completion_tokens"] for r in requests if r["dataset"] == d),
+                       "client_gap_s": gaps[d]} for d in plan if plan[d]}
+    wall, gap_s = sum(walls.values()), sum(gaps.values())
+    slots = max(1, concurrency)
+    return {
+        "schema": SCHEMA,
+        "name": name,
+        "engine_id": engine.id,
+        "manifest_digest": engine_record["digest"],
+        "engine_manifest": engine_record["manifest"],
+        "oracle_engine_id": oracle.id,
+        "oracle": {"engine_id": oracle.id, "manifest_digest": oracle_record["digest"],
+                   "manifest": oracle_record["manifest"]},
+        "served": {"engine_id": client.served_engine_id(info), "runtime": info.get("runtime"),
+                   "version": info.get("version")},
+        "setting": config.get("setting"),
+        "arm": config["arm"]["name"],
+        "hardware": config.get("hardware"),
+        "model": {k: config["model"].get(k) for k in ("name", "repo", "dtype", "quantization")},
+        "target_pin": dict(engine.model_pin),
+        "concurrency": concurrency,
+        "max_new_tokens": max_new_tokens,
+        "context_length": context,
+        "chat_template": renderer.uses_chat_template,
+        "date_utc": date.isoformat(timespec="seconds"),
+        "versions": bench_mod._versions(info),
+        "machine": {"host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0]},
+        "server_info": info,
+        "datasets": {d: {"limit": limit, "requests": len(plan[d]), "sha256": dataset_pin(d)["sha256"],
+                         "skipped_too_long": [e["item_id"] for e in skipped[d]]} for d in names},
+        "skipped": [e for d in names for e in skipped[d]],
+        "prompts_digest": prompts_digest(requests),
+        "warmup": warmup,
+        "wall_s": wall,
+        "per_dataset": per_dataset,
+        "client": {"gap_s": gap_s, "cpu_s": client_cpu_s,
+                   "overhead_fraction": gap_s / (slots * wall) if wall else 0.0,
+                   "cpu_fraction": client_cpu_s / wall if wall else 0.0},
+        "requests": requests,
+    }
+
+
+def _sum_or_none(values):
+    return None if not values or any(v is None for v in values) else float(sum(values))
+
+
+# --- CPU-time speedups ----------------------------------------------------------------------------------------
+
+def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
+    """Speedups in tokens per server CPU-second, per dataset and overall, with compare's paired bootstrap CI
+    (ratio of sums over the same prompts, 2000 resamples, seed 20261129); plus the whole-process CPU ratio
+    (no interval: it is measured per round) and the wall-time ratio of the same runs. Needs `cpu_s` on every
+    request (a side-by-side run of a server that reports it)."""
+    runs = {}
+    for arm, ref in (("ar", ar), ("stock", stock), ("final", final)):
+        path, data = load_results(ref)
+        missing = [f"{r['dataset']}/{r['item_id']}" for r in data["requests"] if r.get("cpu_s") is None]
+        if missing:
+            raise SpecPilotError(f"{path}: requests {', '.join(missing[:5])} record no server CPU time (cpu_s); "
+                                 "bench the arms side by side on a server that reports it")
+        runs[arm] = data
+    datasets = sorted({r["dataset"] for r in runs["ar"]["requests"]})
+    aligned = {arm: _aligned(data, runs["ar"]) for arm, data in runs.items()}
+    for arm in runs:
+        for d in datasets:
+            if [r["prompt_ids"] for r in aligned[arm][d]] != [r["prompt_ids"] for r in aligned["ar"][d]]:
+                raise SpecPilotError(f"the {arm} run holds other prompts than the ar run in {d}")
+    rng = np.random.default_rng(SEED)
+    draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d])))
+             for d in datasets}
+    speedups = {}
+    for num, den in PAIRS:
+        key = f"{num}/{den}"
+        speedups[key] = {}
+        for dataset in datasets + [OVERALL]:
+            parts = datasets if dataset == OVERALL else [dataset]
+
+            def column(arm, field):
+                return [np.array([r[field] for r in aligned[arm][d]], dtype=float) for d in parts]
+
+            point, low, high = ratio_of_sums_ci(column(num, "cpu_s"), column(num, "completion_tokens"),
+                                                column(den, "cpu_s"), column(den, "completion_tokens"),
+                                                [draws[d] for d in parts])
+            speedups[key][dataset] = {"n": sum(len(aligned[num][d]) for d in parts), "speedup": point,
+                                      "ci95": [low, high]}
+        process = {arm: (runs[arm].get("side_by_side") or {}).get("process_cpu_s") for arm in (num, den)}
+        tokens = {arm: sum(r["completion_tokens"] for r in runs[arm]["requests"]) for arm in (num, den)}
+        speedups[key][OVERALL]["process_cpu_speedup"] = (
+            (tokens[num] / process[num]) / (tokens[den] / process[den])
+            if all(process.values()) else None)
+    cpu = {arm: float(sum(r["cpu_s"] for r in data["requests"])) for arm, data in runs.items()}
+    return {"schema": "specpilot.cpu_speedups/1", "datasets": datasets, "speedups": speedups,
+            "server_cpu_s": cpu, "resamples": RESAMPLES, "seed": SEED,
+            "tokens": {arm: sum(r["completion_tokens"] for r in data["requests"]) for arm, data in runs.items()}}
+
+
+def print_cpu_table(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="speedup in tokens per server CPU-second [95% paired bootstrap CI]")
+    table.add_column("dataset", no_wrap=True)
+    for pair in report["speedups"]:
+        table.add_column(pair, justify="right", no_wrap=True)
+    for dataset in report["datasets"] + [OVERALL]:
+        row = [dataset]
+        for pair, per_dataset in report["speedups"].items():
+            s = per_dataset[dataset]
+            row.append(f"{s['speedup']:.2f}×\n[{s['ci95'][0]:.2f}–{s['ci95'][1]:.2f}]")
+        table.add_row(*row, end_section=True)
+    process = [f"{pair} {per[OVERALL]['process_cpu_speedup']:.2f}×" for pair, per in report["speedups"].items()
+               if per[OVERALL].get("process_cpu_speedup")]
+    console.print(table)
+    if process:
+        console.print("whole server process CPU (/proc, 10 ms ticks): " + ", ".join(process))
