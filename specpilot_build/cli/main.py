@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
+    p.add_argument("--repeat", type=int, default=1, help="bench the three arms side by side this many times, "
+                   "each on fresh servers, and print the run-to-run spread of final/ar")
     p.set_defaults(handler=_demo)
     return parser
 
@@ -528,5 +530,5 @@ def _demo(args) -> int:
     from specpilot_build.cli.demo import demo
 
     result = demo(args.setting, args.limit, args.max_new_tokens, args.port,
-                  args.datasets.split(",") if args.datasets else None)
+                  args.datasets.split(",") if args.datasets else None, repeat=args.repeat)
     return 0 if result["verify"]["real_mismatches"] == 0 else 1
