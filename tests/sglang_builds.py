@@ -1,21 +1,18 @@
-"""Every SGLang setting built as `stock` and `final`: the functions behind conftest's session fixture `builds`
-(and benchmarks/build_speed.py's test lock).
+"""Every SGLang setting built as `stock` and `final`: the functions behind conftest's session fixture `builds`.
 
-Settings whose checkpoints are not pinned in lockfiles/ (the seed's six) are built with a test lock: the real
-lock plus fake-but-well-formed 40-hex revisions for the missing repos. Settings and lock are read where the
-builder reads them (`conf_dir()`, `lockfiles_dir()`)."""
+Settings whose checkpoints are not pinned in lockfiles/ (the seed's six) are built with a placeholder lock
+(hub.lockfile.write_placeholder_lock): the real lock plus made-up 40-hex revisions for the missing repos.
+Settings and lock are read where the builder reads them (`conf_dir()`, `lockfiles_dir()`)."""
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import shutil
-import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 
 from specpilot_build.build.builder import build_engine
-from specpilot_build.locations import conf_dir, lockfiles_dir
+from specpilot_build.hub.lockfile import write_placeholder_lock
+from specpilot_build.locations import conf_dir
 from specpilot_build.store.engines import Engine
 
 ARMS = ("stock", "final")
@@ -36,21 +33,8 @@ def repos_of(setting: str) -> list[str]:
     return repos
 
 
-def fake_revision(repo: str) -> str:
-    return hashlib.sha1(f"test-lock:{repo}".encode()).hexdigest()
-
-
 def write_test_lock(directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    real = lockfiles_dir()
-    shutil.copyfile(real / "runtimes.toml", directory / "runtimes.toml")
-    text = (real / "checkpoints.toml").read_text()
-    pinned = tomllib.loads(text)
-    missing = sorted({r for s in sglang_settings() for r in repos_of(s)} - set(pinned))
-    text += "\n# test lock: fake revisions for the repos lockfiles/ does not pin\n"
-    text += "".join(f'\n["{repo}"]\nrevision = "{fake_revision(repo)}"\n' for repo in missing)
-    (directory / "checkpoints.toml").write_text(text)
-    return directory
+    return write_placeholder_lock(directory, sorted({r for s in sglang_settings() for r in repos_of(s)}))
 
 
 @contextmanager

@@ -120,3 +120,27 @@ def _load_runtimes(path: Path) -> dict[str, WheelPin | LocalRuntimePin]:
             raise SpecPilotError(f"{path.name} [{name}]: sha256 must be 64 hex digits")
         out[name] = pin
     return out
+
+
+PLACEHOLDER_NOTE = "# placeholder lock: made-up revisions for the repos lockfiles/ does not pin (dry builds only)\n"
+
+
+def write_placeholder_lock(directory: Path, repos: list[str]) -> Path:
+    """A copy of the lock in `directory` where each of `repos` that is not pinned gets a well-formed but
+    made-up revision (derived from its name), so unpinned settings can be built for tests and benchmarks.
+    Engines built from it name those revisions; they are never fetchable."""
+    import hashlib
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    real = lockfiles_dir()
+    for name in ("runtimes.toml", "datasets.toml"):
+        if (real / name).is_file():
+            shutil.copyfile(real / name, directory / name)
+    text = (real / "checkpoints.toml").read_text()
+    missing = sorted(set(repos) - set(tomllib.loads(text)))
+    text += "\n" + PLACEHOLDER_NOTE
+    text += "".join(f'\n["{repo}"]\nrevision = "{hashlib.sha1(f"test-lock:{repo}".encode()).hexdigest()}"\n'
+                    for repo in missing)
+    (directory / "checkpoints.toml").write_text(text)
+    return directory
