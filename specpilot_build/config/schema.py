@@ -39,7 +39,7 @@ class Model:
     name: str = MISSING
     repo: str = MISSING  # Hugging Face repo id; its revision comes from lockfiles/checkpoints.toml
     files: List[str] = field(default_factory=list)  # paths inside the repo; empty = the whole snapshot
-    source_format: str = "hf"  # "hf" | "llama2c"
+    source_format: str = "hf"  # "hf" | "llama2c" | "llama2c-padded" (hub/checkpoints.py SOURCE_FORMATS)
     architecture: str = MISSING  # HF architectures[0], e.g. "Qwen3ForCausalLM"
     dtype: str = "bfloat16"
     quantization: Optional[str] = None  # None | "fp8" | "w12"

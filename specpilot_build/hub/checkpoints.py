@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.locations import data_dir, hf_cache_dir, mirror_dir
-from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile
+from specpilot_build.locations import data_dir, hf_cache_dir, lockfiles_dir, mirror_dir
+from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
 from specpilot_build.hub.remote import hub_endpoint, hub_errors, hub_files, hub_is_offline
 
-SOURCE_FORMATS = ("hf", "llama2c")
+SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded")
+LLAMA2C_FORMATS = ("llama2c", "llama2c-padded")  # converted at fetch; -padded: the form SGLang's kernels accept
+PADDED_KEY = "converted_padded"  # checkpoints.toml: the padded conversion's hashes, beside `converted`
 PROGRESS_MIN_BYTES = 64 * 2**20
 CHUNK = 4 * 2**20
 
@@ -80,9 +82,11 @@ def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str,
 
 
 def _expected_dir(record: dict, section: dict) -> Path:
-    if (section.get("source_format") or "hf") == "llama2c":
+    source_format = section.get("source_format") or "hf"
+    if source_format in LLAMA2C_FORMATS:
         paths = [f["path"] for f in record.get("files", [])] or list(section.get("files") or ())
-        return converted_dir(record["repo"], record["revision"], llama2c_pair(record["repo"], paths)[0])
+        return converted_dir(record["repo"], record["revision"], llama2c_pair(record["repo"], paths)[0],
+                             padded=source_format == "llama2c-padded")
     return snapshot_dir(hf_cache_dir(), record["repo"], record["revision"])
 
 
@@ -91,7 +95,8 @@ def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "h
     """Make `repo` at its pinned revision loadable by transformers and return that directory.
 
     hf: the snapshot directory in the HF cache. llama2c: the converted model under the data dir, checked
-    against the lock's `converted` hashes when it has them. `files` limits which pinned files are fetched
+    against the lock's `converted` hashes when it has them; llama2c-padded: its padded form (llama2c.py),
+    checked against the lock's `converted_padded` hashes for this revision when it has them. `files` limits which pinned files are fetched
     (empty: all). `mirror` defaults to `mirror_dir()` ($SPECPILOT_MIRROR, or ../shared). `setting` only
     names the setting in the `make lock SETTING=...` hint of an error."""
     if source_format not in SOURCE_FORMATS:
@@ -107,7 +112,7 @@ def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "h
     paths = {f.path: fetch_file(repo, pin.revision, f, cache=cache, mirror=mirror) for f in wanted}
     if source_format == "hf":
         return snapshot_dir(cache, repo, pin.revision)
-    return _converted_model(repo, pin, paths)
+    return _converted_model(repo, pin, paths, padded=source_format == "llama2c-padded")
 
 
 def snapshot_dir(cache: Path, repo: str, revision: str) -> Path:
@@ -284,35 +289,55 @@ def _storage(cache: Path, repo: str) -> Path:
 
 # --- llama2.c checkpoints: the converted model ----------------------------------------------------
 
-def converted_dir(repo: str, revision: str, model_path: str) -> Path:
+def converted_dir(repo: str, revision: str, model_path: str, *, padded: bool = False) -> Path:
     storage = repo.replace("/", "--")
-    return data_dir() / "converted" / storage / revision / Path(model_path).stem
+    return data_dir() / "converted" / storage / revision / (Path(model_path).stem + ("-padded" if padded else ""))
 
 
-def _converted_model(repo: str, pin: CheckpointPin, paths: dict[str, Path]) -> Path:
+def padded_pins(lockfile: Path | None = None) -> dict[str, tuple[str, tuple[PinnedFile, ...]]]:
+    """repo → (revision, the padded conversion's files): the `converted_padded` lists of checkpoints.toml.
+
+    They sit beside the pin, not in it (CheckpointPin has no field for them), so the pin an engine records
+    (and so the id of every engine of the unpadded form) does not depend on them."""
+    path = lockfile or lockfiles_dir() / "checkpoints.toml"
+    out = {}
+    for repo, table in _read_toml(path).items():
+        if PADDED_KEY in table:
+            out[repo] = (table.get("revision", ""), _pinned_files(table[PADDED_KEY], f"{path.name} [\"{repo}\"].{PADDED_KEY}"))
+    return out
+
+
+def _padded_expected(pin: CheckpointPin) -> dict[str, PinnedFile]:
+    revision, files = padded_pins().get(pin.repo, ("", ()))
+    return {f.path: f for f in files} if revision == pin.revision else {}
+
+
+def _converted_model(repo: str, pin: CheckpointPin, paths: dict[str, Path], *, padded: bool = False) -> Path:
     from filelock import FileLock
 
     model_path, tokenizer_path = llama2c_pair(repo, paths)
-    out = converted_dir(repo, pin.revision, model_path)
+    out = converted_dir(repo, pin.revision, model_path, padded=padded)
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f".{out.name}.lock")):
-        return _convert_once(repo, pin, paths[model_path], paths[tokenizer_path], out)
+        return _convert_once(repo, pin, paths[model_path], paths[tokenizer_path], out, padded=padded)
 
 
-def _convert_once(repo: str, pin: CheckpointPin, model_bin: Path, tokenizer_bin: Path, out: Path) -> Path:
+def _convert_once(repo: str, pin: CheckpointPin, model_bin: Path, tokenizer_bin: Path, out: Path, *,
+                  padded: bool = False) -> Path:
     from specpilot_build.hub.llama2c import OUTPUT_FILES, convert
 
-    expected = {f.path: f for f in pin.converted}
+    expected = _padded_expected(pin) if padded else {f.path: f for f in pin.converted}
+    key = PADDED_KEY if padded else "converted"
     if out.is_dir() and sorted(p.name for p in out.iterdir()) == sorted(OUTPUT_FILES) \
             and all(verified(out / name, expected[name]) for name in OUTPUT_FILES if name in expected):
         return out
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".incomplete"))
     try:
-        convert(model_bin, tokenizer_bin, tmp)
+        convert(model_bin, tokenizer_bin, tmp, padded=padded)
         for name in OUTPUT_FILES:
             if name in expected and not verified(tmp / name, expected[name]):
                 raise SpecPilotError(f"{repo}@{pin.revision[:12]}: converted {name} differs from the lock's "
-                                     f"`converted` sha256 {expected[name].sha256[:16]}… (another converter version?)")
+                                     f"`{key}` sha256 {expected[name].sha256[:16]}… (another converter version?)")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -9,7 +9,15 @@ Input formats (llama2.c, karpathy):
   the RoPE tables included.
 - tokenizer: uint32 max_token_length, then per piece: float32 score, uint32 length, the piece's bytes
   (SentencePiece pieces with "▁" written as " ", BOS/EOS written as "\\n<s>\\n" / "\\n</s>\\n").
-"""
+
+The padded form (`convert(..., padded=True)`, source_format `llama2c-padded`): the same function with the shapes
+SGLang's GPU kernels accept (its Triton attention needs head_dim >= 16, cuBLAS failed on intermediate 172).
+head_dim d is widened by an integer factor k to D = k*d >= 16: dim i of every head of q, k and v moves to k*i,
+the others are zero. HF rotates pairs (i, i + d/2) by position * theta^(-2i/d); the pair lands on
+(k*i, k*i + D/2) and rotates by theta^(-2*k*i/D), the same angle. q is scaled by sqrt(k), so q.k / sqrt(D) is
+unchanged; o_proj's columns follow v's dims. The MLP's intermediate size is rounded up to a multiple of 16
+with zero rows of gate/up and zero columns of down (silu(0) * 0 = 0). Exact up to float32 rounding of
+sqrt(k) * q."""
 from __future__ import annotations
 
 import json
@@ -53,8 +61,9 @@ class Llama2cHeader:
         return self.dim // self.n_heads
 
 
-def convert(model_bin: Path, tokenizer_bin: Path, out_dir: Path) -> list[Path]:
-    """Write the HF model directory for `model_bin` + `tokenizer_bin` into `out_dir` (created, must be empty)."""
+def convert(model_bin: Path, tokenizer_bin: Path, out_dir: Path, *, padded: bool = False) -> list[Path]:
+    """Write the HF model directory for `model_bin` + `tokenizer_bin` into `out_dir` (created, must be empty);
+    `padded`: the padded, equivalent form (module docstring)."""
     header, tensors = read_checkpoint(model_bin)
     pieces, scores = read_tokenizer(tokenizer_bin)
     if len(pieces) != header.vocab_size:
@@ -64,9 +73,12 @@ def convert(model_bin: Path, tokenizer_bin: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(out_dir.iterdir()):
         raise SpecPilotError(f"{out_dir}: conversion target is not empty")
-    _write_json(out_dir / "config.json", model_config(header))
+    state = hf_state_dict(header, tensors)
+    if padded:
+        state = pad_state_dict(header, state)
+    _write_json(out_dir / "config.json", model_config(header, padded=padded))
     _write_json(out_dir / "generation_config.json", {"bos_token_id": 1, "do_sample": False, "eos_token_id": 2})
-    _write_safetensors(out_dir / "model.safetensors", hf_state_dict(header, tensors))
+    _write_safetensors(out_dir / "model.safetensors", state)
     _write_json(out_dir / "tokenizer.json", tokenizer_json(pieces, scores))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(header))
     _write_json(out_dir / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
@@ -154,18 +166,68 @@ def rotate_half_rows(weight: np.ndarray, n_heads: int, rows: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
 
 
-def model_config(header: Llama2cHeader) -> dict:
+# --- the padded form ---------------------------------------------------------------------------------
+
+PADDED_MIN_HEAD_DIM = 16  # SGLang's Triton attention: tl.dot needs K >= 16
+PADDED_MULTIPLE = 16  # intermediate size rounded up to this (cuBLAS refused 172)
+
+
+def head_dim_factor(header: Llama2cHeader) -> int:
+    """k: the padded head_dim is k * head_dim, the smallest such multiple that is >= PADDED_MIN_HEAD_DIM."""
+    return max(1, -(-PADDED_MIN_HEAD_DIM // header.head_dim))
+
+
+def padded_intermediate(header: Llama2cHeader) -> int:
+    return -(-header.hidden_dim // PADDED_MULTIPLE) * PADDED_MULTIPLE
+
+
+def spread_head_rows(weight: np.ndarray, n_heads: int, factor: int) -> np.ndarray:
+    """Rows [h*d + i] (HF rotate_half layout) → rows [h*k*d + k*i]; the rows between are zero."""
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    out = np.zeros((n_heads, head_dim * factor, cols), dtype=weight.dtype)
+    out[:, ::factor, :] = weight.reshape(n_heads, head_dim, cols)
+    return out.reshape(n_heads * head_dim * factor, cols)
+
+
+def pad_state_dict(header: Llama2cHeader, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The padded form of an HF state dict from `hf_state_dict` (module docstring)."""
+    k, hidden = head_dim_factor(header), padded_intermediate(header)
+    q_scale = np.float64(math.sqrt(k))
+    out = dict(state)
+    for i in range(header.n_layers):
+        prefix = f"model.layers.{i}."
+        q = state[prefix + "self_attn.q_proj.weight"]
+        out[prefix + "self_attn.q_proj.weight"] = spread_head_rows(
+            (q.astype(np.float64) * q_scale).astype("<f4"), header.n_heads, k)
+        for name in ("k_proj", "v_proj"):
+            out[prefix + f"self_attn.{name}.weight"] = spread_head_rows(
+                state[prefix + f"self_attn.{name}.weight"], header.n_kv_heads, k)
+        wo = state[prefix + "self_attn.o_proj.weight"]  # columns are v's dims, head by head
+        out[prefix + "self_attn.o_proj.weight"] = spread_head_rows(
+            np.ascontiguousarray(wo.T), header.n_heads, k).T
+        for name in ("gate_proj", "up_proj"):
+            w = state[prefix + f"mlp.{name}.weight"]
+            out[prefix + f"mlp.{name}.weight"] = np.concatenate(
+                [w, np.zeros((hidden - w.shape[0], w.shape[1]), dtype=w.dtype)], axis=0)
+        down = state[prefix + "mlp.down_proj.weight"]
+        out[prefix + "mlp.down_proj.weight"] = np.concatenate(
+            [down, np.zeros((down.shape[0], hidden - down.shape[1]), dtype=down.dtype)], axis=1)
+    return {name: np.ascontiguousarray(value, dtype="<f4") for name, value in out.items()}
+
+
+def model_config(header: Llama2cHeader, *, padded: bool = False) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "head_dim": header.head_dim,
+        "head_dim": header.head_dim * head_dim_factor(header) if padded else header.head_dim,
         "hidden_act": "silu",
         "hidden_size": header.dim,
         "initializer_range": 0.02,
-        "intermediate_size": header.hidden_dim,
+        "intermediate_size": padded_intermediate(header) if padded else header.hidden_dim,
         "max_position_embeddings": header.seq_len,
         "mlp_bias": False,
         "model_type": "llama",

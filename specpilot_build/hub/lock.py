@@ -13,14 +13,22 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from specpilot_build.hub.checkpoints import converted_files, llama2c_pair, materialize
+from specpilot_build.hub.checkpoints import (
+    LLAMA2C_FORMATS,
+    PADDED_KEY,
+    converted_files,
+    llama2c_pair,
+    materialize,
+    padded_pins,
+)
 from specpilot_build.hub.remote import hub_files, resolve_revision
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
 
 HEADER = ("# Checkpoint pins: repo -> exact 40-hex revision; per-file size and sha256 once locked "
           "(`make lock SETTING=...`).\n"
-          "# `converted`: the output of specpilot_build/llama2c.py for llama2.c checkpoints, hashed like any pinned file.\n")
+          "# `converted`: the output of specpilot_build/llama2c.py for llama2.c checkpoints, hashed like any pinned file.\n"
+          "# `converted_padded`: its padded form (source_format llama2c-padded: head_dim 16, intermediate 176 for stories260K).\n")
 
 
 def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapping[str, str] | None = None,
@@ -30,9 +38,11 @@ def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapp
 
     A repo already pinned keeps its revision (confirmed, files added) unless `update`; otherwise
     `refs[repo]` (default "main") is resolved to a commit. llama2c repos (`source_formats`) also get
-    their conversion's hashes. Other repos in the file are kept as they are. Returns the new pins."""
+    their conversion's hashes, of both forms (plain and padded). Other repos in the file are kept as they are.
+    Returns the new pins."""
     refs, source_formats = refs or {}, source_formats or {}
     existing = load_checkpoint_pins(lockfile)
+    padded = {repo: files for repo, (_, files) in padded_pins(lockfile).items()}
     locked = {}
     for repo in sorted(repos):
         old = existing.get(repo)
@@ -41,23 +51,27 @@ def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapp
         if old and old.revision == revision:
             _confirm(repo, old.files, files)
         pin = CheckpointPin(repo=repo, revision=revision, files=files)
-        if source_formats.get(repo, "hf") == "llama2c":
+        padded.pop(repo, None)
+        if source_formats.get(repo, "hf") in LLAMA2C_FORMATS:
             pin = CheckpointPin(repo=repo, revision=revision, files=files,
                                 converted=conversion_hashes(pin, mirror=mirror))
+            padded[repo] = conversion_hashes(pin, mirror=mirror, padded=True)
         locked[repo] = pin
-    write_lockfile({**existing, **locked}, lockfile)
+    write_lockfile({**existing, **locked}, lockfile, padded=padded)
     return locked
 
 
-def conversion_hashes(pin: CheckpointPin, *, mirror: Path | None = None) -> tuple[PinnedFile, ...]:
-    """Fetch (verified) and convert a llama2c pin afresh, in a temp dir: what this converter writes now."""
+def conversion_hashes(pin: CheckpointPin, *, mirror: Path | None = None, padded: bool = False
+                      ) -> tuple[PinnedFile, ...]:
+    """Fetch (verified) and convert a llama2c pin afresh, in a temp dir: what this converter writes now
+    (`padded`: its padded form)."""
     from specpilot_build.hub.llama2c import convert
 
     snapshot = materialize(pin.repo, pin, source_format="hf", mirror=mirror)
     model_path, tokenizer_path = llama2c_pair(pin.repo, [f.path for f in pin.files])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "model"
-        convert(snapshot / model_path, snapshot / tokenizer_path, out)
+        convert(snapshot / model_path, snapshot / tokenizer_path, out, padded=padded)
         return tuple(converted_files(out))
 
 
@@ -72,9 +86,11 @@ def _confirm(repo: str, old: Sequence[PinnedFile], new: Sequence[PinnedFile]) ->
 
 # --- the lockfile -----------------------------------------------------------------------------------
 
-def write_lockfile(pins: Mapping[str, CheckpointPin], lockfile: Path) -> None:
-    """Write `pins` sorted by repo, files sorted by path, atomically (temp file + rename)."""
-    text = render_lockfile(pins)
+def write_lockfile(pins: Mapping[str, CheckpointPin], lockfile: Path,
+                   padded: Mapping[str, Sequence[PinnedFile]] | None = None) -> None:
+    """Write `pins` sorted by repo, files sorted by path, atomically (temp file + rename); `padded`: repo →
+    its padded conversion's files (`converted_padded`, for repos among `pins`)."""
+    text = render_lockfile(pins, padded)
     lockfile.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=lockfile.parent, prefix=f".{lockfile.name}.", suffix=".tmp")
     try:
@@ -87,12 +103,13 @@ def write_lockfile(pins: Mapping[str, CheckpointPin], lockfile: Path) -> None:
             os.unlink(tmp)
 
 
-def render_lockfile(pins: Mapping[str, CheckpointPin]) -> str:
+def render_lockfile(pins: Mapping[str, CheckpointPin], padded: Mapping[str, Sequence[PinnedFile]] | None = None) -> str:
     blocks = [HEADER]
+    padded = padded or {}
     for repo in sorted(pins, key=str.encode):
         pin = pins[repo]
         lines = [f"[{_string(repo)}]", f"revision = {_string(pin.revision)}"]
-        for key, files in (("files", pin.files), ("converted", pin.converted)):
+        for key, files in (("files", pin.files), ("converted", pin.converted), (PADDED_KEY, padded.get(repo, ()))):
             if files:
                 lines.append(f"{key} = [")
                 lines.extend(f"  {{ path = {_string(f.path)}, size = {int(f.size)}, sha256 = {_string(f.sha256)} }},"
