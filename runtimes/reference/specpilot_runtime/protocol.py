@@ -3,10 +3,19 @@
 Every malformed request becomes an `ApiError` (a 4xx with a message), never an exception in the engine.
 Decoding is greedy only: temperature 0 (or absent) is accepted, anything that would change the argmax
 (temperature > 0, penalties, min_new_tokens) is refused with 400.
+
+`load_json` turns the raw body into plain JSON values and refuses, with 400, what the parsers below must
+never see: invalid UTF-8 or JSON, NaN/Infinity, integers longer than Python's 4,300-digit conversion limit,
+nesting deeper than MAX_JSON_DEPTH, and strings (keys included) holding lone UTF-16 surrogates (they cannot
+be tokenized or written back as UTF-8). `request_schemas` describes the three request bodies as pydantic
+models for the OpenAPI schema; the validation itself stays here, with its messages.
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from typing import Annotated, Literal, Union
 
 from .engine import GenerationRequest
 
@@ -23,6 +32,9 @@ NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetiti
                     "min_new_tokens": 0, "n": 1}
 GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                  "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "token_ids_logprob"}
+MAX_JSON_DEPTH = 32  # the deepest valid body nests 4 levels (messages[i].content[j].text)
+COUNT_FIRST_CHARS = 4096  # texts longer than this are counted before they are tokenized into a list
+MAX_INT_DIGITS = 4300  # Python's default int_max_str_digits: longer integers cannot even be printed
 
 
 class ApiError(Exception):
@@ -39,16 +51,83 @@ class ModelLimits:
     eos_token_ids: frozenset[int]
 
 
+def load_json(raw: bytes):
+    """The request body's JSON value, or ApiError (400) for anything that is not plain, printable JSON."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant, parse_int=_bounded_int, parse_float=_finite_float)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # what parse_int / parse_float leave to Python (never expected)
+        raise ApiError(f"the request body is not valid JSON ({exc})") from None
+    _check_tree(body)
+    return body
+
+
+def _no_constant(name: str):
+    raise ApiError(f"the request body is not valid JSON ({name} is not a JSON number)")
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ApiError(f"the request body holds an integer of {len(digits.lstrip('-'))} digits; "
+                       f"at most {MAX_INT_DIGITS} are accepted")
+    return int(digits)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ApiError(f"the request body holds the number {text[:40]}, which is out of range")
+    return value
+
+
+def _check_tree(body) -> None:
+    """Nesting depth and lone surrogates, checked without recursion (so any depth json accepted is safe)."""
+    stack = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, where)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    _check_text(key, f"{where}.{_ascii(key)}" if where else _ascii(key), key=True)
+                    stack.append((item, depth + 1, f"{where}.{_ascii(key)}" if where else _ascii(key)))
+            else:
+                stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value))
+
+
+def _check_text(text: str, where: str, key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        what = "the key" if key else "the string"
+        raise ApiError(f"{what} at '{where or '(body)'}' holds a lone UTF-16 surrogate "
+                       f"({_ascii(text[exc.start:exc.end])} at index {exc.start}); it is not valid Unicode") from None
+
+
+def _ascii(text: str, limit: int = 60) -> str:
+    """Text quoted for an error message: printable ASCII whatever it holds, and short."""
+    shown = text.encode("ascii", "backslashreplace").decode("ascii")
+    return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
 def parse_generate(body, tokenizer, limits: ModelLimits) -> tuple[GenerationRequest, bool]:
     """A native /generate body -> (request, return_text_in_logprobs)."""
     _require(isinstance(body, dict), "the request body must be a JSON object")
     for key, value in body.items():
-        _require(key in GENERATE_KEYS or value is None, f"unknown field {key!r}")
+        _require(key in GENERATE_KEYS or value is None, f"unknown field '{_ascii(key)}'")
     text, input_ids = body.get("text"), body.get("input_ids")
     _require((text is None) != (input_ids is None), "give exactly one of 'text' and 'input_ids'")
     if text is not None:
         _require(isinstance(text, str), "'text' must be a string (batched requests are not supported)")
-        input_ids = encode_text(tokenizer, text)
+        input_ids = encode_text(tokenizer, text, limits.context_length)
     else:
         input_ids = _token_ids(input_ids, "input_ids", limits)
     _require(body.get("token_ids_logprob") is None, "'token_ids_logprob' is not supported")
@@ -58,7 +137,7 @@ def parse_generate(body, tokenizer, limits: ModelLimits) -> tuple[GenerationRequ
     max_new = _int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "sampling_params.max_new_tokens")
     return_logprob = _bool(body.get("return_logprob", False), "return_logprob")
     start = _int(body.get("logprob_start_len", -1), "logprob_start_len", minimum=-1)
-    _require(start < len(input_ids), f"logprob_start_len {start} must be less than the input length "
+    _require(start < len(input_ids), f"logprob_start_len {_count(start)} must be less than the input length "
                                      f"{len(input_ids)}")
     top_n = _int(body.get("top_logprobs_num", 0), "top_logprobs_num")
     _require(top_n <= MAX_TOP_LOGPROBS, f"top_logprobs_num must be at most {MAX_TOP_LOGPROBS}")
@@ -85,7 +164,7 @@ def parse_completion(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        input_ids = encode_text(tokenizer, prompt)
+        input_ids = encode_text(tokenizer, prompt, limits.context_length)
     elif isinstance(prompt, list):
         input_ids = _token_ids(prompt, "prompt", limits)
     else:
@@ -117,21 +196,35 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
         input_ids = list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
     else:
-        input_ids = encode_text(tokenizer, "\n".join(m["content"] for m in plain))
+        input_ids = encode_text(tokenizer, "\n".join(m["content"] for m in plain), limits.context_length)
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _openai_request(body, input_ids, limits, max_key)
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str, context_length: int | None = None) -> list[int]:
+    """The text's token ids. A long text is first only counted by the Rust tokenizer (which releases the GIL
+    and builds no Python list): one that cannot fit the context is refused without materializing its ids."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if context_length is not None and len(text) > COUNT_FIRST_CHARS and hasattr(backend, "encode_batch"):
+        count = len(backend.encode_batch([text], add_special_tokens=True)[0])
+        if count >= context_length:
+            raise ApiError(f"Requested token count exceeds the model's maximum context length of {context_length} "
+                           f"tokens. The input alone is {count} tokens.")
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
 # ------------------------------------------------------------------ helpers
 def _openai_request(body: dict, input_ids: list[int], limits: ModelLimits, max_key: str) -> GenerationRequest:
+    _require(body.get("model") is None or isinstance(body["model"], str), "'model' must be a string")
+    options = body.get("stream_options")
+    _require(options is None or isinstance(options, dict), "'stream_options' must be a JSON object")
+    if options is not None:
+        _require(options.get("include_usage") is None or isinstance(options["include_usage"], bool),
+                 "'stream_options.include_usage' must be true or false")
     max_tokens = body.get(max_key)
-    if max_tokens is None:
+    if max_tokens is None:  # a prompt longer than the context gets the context-length error, not "max_tokens < 0"
         max_tokens = DEFAULT_MAX_TOKENS if max_key == "max_tokens" and "messages" not in body else \
-            limits.context_length - len(input_ids)
+            max(limits.context_length - len(input_ids), 0)
     request = GenerationRequest(
         input_ids=input_ids,
         max_new_tokens=_int(max_tokens, max_key),
@@ -154,9 +247,9 @@ def _check_sampling(params: dict, where: str, extra_allowed: set[str] = frozense
                      "only greedy decoding is supported: set temperature to 0")
         elif key in NEUTRAL_SAMPLING:
             _require(value is None or value == NEUTRAL_SAMPLING[key],
-                     f"{where}.{key}={value!r} is not supported (greedy decoding only)")
+                     f"{where}.{key}={_ascii(repr(value))} is not supported (greedy decoding only)")
         elif key not in IGNORED_SAMPLING and key not in extra_allowed:
-            raise ApiError(f"unknown sampling parameter {where}.{key}")
+            raise ApiError(f"unknown sampling parameter {where}.{_ascii(key)}")
 
 
 def _check_length(request: GenerationRequest, limits: ModelLimits) -> None:
@@ -164,8 +257,13 @@ def _check_length(request: GenerationRequest, limits: ModelLimits) -> None:
     if len(request.input_ids) >= limits.context_length or total > limits.context_length:
         raise ApiError(
             f"Requested token count exceeds the model's maximum context length of {limits.context_length} "
-            f"tokens. You requested a total of {total} tokens: {len(request.input_ids)} tokens from the input "
-            f"and {request.max_new_tokens} tokens for the completion.")
+            f"tokens. You requested a total of {_count(total)} tokens: {len(request.input_ids)} tokens from the "
+            f"input and {_count(request.max_new_tokens)} tokens for the completion.")
+
+
+def _count(n: int) -> str:
+    """A count for a message: a client's 4,300-digit integer (plus the prompt) would not even print."""
+    return str(n) if n < 10**18 else f"about 10^{n.bit_length() * 30103 // 100000}"
 
 
 def _stop_ids(params: dict, limits: ModelLimits) -> frozenset[int]:
@@ -193,7 +291,8 @@ def _token_ids(ids, where: str, limits: ModelLimits, allow_empty: bool = False) 
         _require(isinstance(token, int) and not isinstance(token, bool),
                  f"'{where}' must hold integers (batched requests are not supported)")
         _require(0 <= token < limits.vocab_size,
-                 f"'{where}' holds {token}, outside the vocabulary 0..{limits.vocab_size - 1}")
+                 f"'{where}' holds {_count(token) if token >= 0 else '-' + _count(-token)}, outside the "
+                 f"vocabulary 0..{limits.vocab_size - 1}")
     return list(ids)
 
 
@@ -211,3 +310,94 @@ def _bool(value, where: str) -> bool:
 def _require(condition, message: str) -> None:
     if not condition:
         raise ApiError(message)
+
+
+# ------------------------------------------------------------------ OpenAPI description
+def request_schemas(limits: ModelLimits) -> dict[str, type]:
+    """Pydantic models of the three request bodies, bounded by this model's limits, for the OpenAPI schema.
+
+    They describe what the parsers above accept (a body the model validates may still be refused for its
+    length: prompt plus new tokens must fit the context); they are documentation and fuzzing input, the
+    parsers stay the validation.
+    """
+    from pydantic import BaseModel, ConfigDict, Field
+
+    TokenId = Annotated[int, Field(ge=0, lt=limits.vocab_size)]
+    TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=limits.context_length - 1)]
+    NewTokens = Annotated[int, Field(ge=0, le=limits.context_length)]
+    Stop = Union[Annotated[str, Field(min_length=1)], list[Annotated[str, Field(min_length=1)]], None]
+    Temperature = Annotated[float, Field(ge=0, le=GREEDY_TEMPERATURE)]
+    Ignored = Union[float, bool, None]  # parameters without effect under greedy decoding
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    class SamplingParams(Strict):
+        max_new_tokens: NewTokens = DEFAULT_MAX_NEW_TOKENS
+        temperature: Temperature | None = None
+        stop: Stop = None
+        stop_token_ids: list[TokenId] | None = None
+        ignore_eos: bool = False
+        top_p: Ignored = None
+        top_k: Ignored = None
+        min_p: Ignored = None
+        seed: Ignored = None
+        frequency_penalty: Literal[0] | None = None
+        presence_penalty: Literal[0] | None = None
+        repetition_penalty: Literal[1] | None = None
+        min_new_tokens: Literal[0] | None = None
+        n: Literal[1] | None = None
+
+    class GenerateRequest(Strict):
+        """SGLang's native /generate body: exactly one of `text` and `input_ids`."""
+        text: str | None = None
+        input_ids: TokenIds | None = None
+        sampling_params: SamplingParams | None = None
+        return_logprob: bool = False
+        logprob_start_len: Annotated[int, Field(ge=-1, lt=limits.context_length)] = -1
+        top_logprobs_num: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+        return_text_in_logprobs: bool = False
+        stream: bool = False
+        rid: str | None = None
+
+    class StreamOptions(BaseModel):
+        include_usage: bool | None = None
+
+    class OpenAIRequest(BaseModel):  # OpenAI clients send more fields than these; unknown ones are ignored
+        model: str | None = None
+        stop: Stop = None
+        stop_token_ids: list[TokenId] | None = None
+        ignore_eos: bool = False
+        temperature: Temperature | None = None
+        top_p: Ignored = None
+        seed: Ignored = None
+        frequency_penalty: Literal[0] | None = None
+        presence_penalty: Literal[0] | None = None
+        n: Literal[1] | None = None
+        stream: bool = False
+        stream_options: StreamOptions | None = None
+
+    class CompletionRequest(OpenAIRequest):
+        """OpenAI /v1/completions: one prompt, as text or token ids."""
+        prompt: Union[str, TokenIds]
+        max_tokens: NewTokens | None = DEFAULT_MAX_TOKENS
+        echo: Literal[False] | None = None
+        logprobs: Literal[0] | None = None
+
+    class TextPart(BaseModel):
+        type: Literal["text"]
+        text: str
+
+    class ChatMessage(BaseModel):
+        role: str
+        content: Union[str, list[TextPart]]
+
+    class ChatCompletionRequest(OpenAIRequest):
+        """OpenAI /v1/chat/completions: text messages; the tokenizer's chat template, else the joined text."""
+        messages: Annotated[list[ChatMessage], Field(min_length=1)]
+        max_tokens: NewTokens | None = None
+        max_completion_tokens: NewTokens | None = None
+        logprobs: Literal[False] | None = None
+
+    return {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest}

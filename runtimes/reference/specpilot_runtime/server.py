@@ -3,45 +3,104 @@
 Launch (what `make serve` runs from the engine tree):
   PYTHONPATH=<engine>/runtime python -m specpilot_runtime.server --engine <engine_dir> --engine-id <id> \
       --model <hf_model_dir> [--draft-model <dir>] --host 127.0.0.1 --port <port> [--device cpu|cuda:0]
+
+Hostile input: a body over --max-body-bytes is refused with 413 before it is read (Content-Length) or as
+soon as it grows past the limit; the body must arrive within --body-timeout (else 408) and the request head
+within --header-timeout (else the connection is closed). JSON decoding, validation and tokenizing run in a
+worker thread (bodies over HEAVY_BODY_BYTES one at a time, in a thread of lower priority), so the event loop
+keeps answering /health.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import json
 import logging
+import os
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .config import RuntimeConfigError
 from .engine import GenerationRequest
-from .protocol import ApiError, parse_chat, parse_completion, parse_generate
+from .protocol import ApiError, load_json, parse_chat, parse_completion, parse_generate, request_schemas
 from .runtime import Runtime, load_runtime
 
 HEALTH_GENERATE_TIMEOUT_S = 30
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+HEAVY_BODY_BYTES = 64 * 1024  # bodies this large are parsed and tokenized one at a time, in a niced thread
+HEAVY_PARSE_NICE = 10
+TRIM_DELAY_S = 1.0  # after a big body: malloc_trim, whatever else runs
+IDLE_TRIM_S = 1.0  # after the last request in flight: malloc_trim if still idle
+ERROR_TYPES = {400: "BadRequestError", 408: "RequestTimeoutError", 413: "RequestTooLargeError"}
 
 
-def build_app(runtime: Runtime) -> FastAPI:
-    app = FastAPI(title="specpilot reference runtime")
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: always encodable, whatever a string holds."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+    app = FastAPI(title="specpilot reference runtime", default_response_class=AsciiJSONResponse)
     tokenizer, limits = runtime.tokenizer, runtime.limits
+    heavy = ThreadPoolExecutor(1, thread_name_prefix="heavy-parse", initializer=_lower_priority)
+    app.add_middleware(TrimWhenIdle)
+
+    async def parsed(request: Request, parse):
+        """The body read under the size and time limits, then decoded, validated and tokenized off the loop."""
+        loop = asyncio.get_running_loop()
+
+        def trim_soon():
+            loop.call_later(TRIM_DELAY_S, lambda: loop.run_in_executor(heavy, _release_free_memory))
+
+        try:
+            raw = await _read_body(request, max_body_bytes, body_timeout)
+        except ApiError as exc:
+            if exc.status == 413:
+                trim_soon()
+            raise
+
+        def work():
+            body = load_json(raw)
+            return body, parse(body, tokenizer, limits)
+
+        if len(raw) <= HEAVY_BODY_BYTES:
+            return await run_in_threadpool(work)
+        try:
+            return await loop.run_in_executor(heavy, work)
+        finally:  # tokenizing megabytes leaves hundreds of MB in malloc's free lists: give them back once the
+            trim_soon()  # body and what was made of it are dropped (the answer sent)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         if request.url.path.startswith("/v1/"):
-            body = {"object": "error", "message": exc.message, "type": "BadRequestError", "param": None,
-                    "code": exc.status}
+            body = {"object": "error", "message": exc.message, "type": ERROR_TYPES.get(exc.status, "BadRequestError"),
+                    "param": None, "code": exc.status}
         else:
             body = {"error": {"message": exc.message, "code": exc.status}}
-        return JSONResponse(body, status_code=exc.status)
+        return AsciiJSONResponse(body, status_code=exc.status)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         logging.getLogger("specpilot_runtime").exception("request failed")
-        return JSONResponse({"error": {"message": f"internal error: {exc}", "code": 500}}, status_code=500)
+        return AsciiJSONResponse({"error": {"message": f"internal error: {exc!r}"[:2000], "code": 500}},
+                                 status_code=500)
 
     @app.get("/health")
     async def health():
@@ -72,9 +131,20 @@ def build_app(runtime: Runtime) -> FastAPI:
             "id": runtime.config.model_name, "object": "model", "created": int(runtime_started),
             "owned_by": "specpilot", "root": runtime.config.model_name, "max_model_len": limits.context_length}]}
 
-    @app.post("/generate")
+    schemas = request_schemas(limits)
+
+    def documented(path: str) -> dict:
+        """The route's OpenAPI extras: its request model and the error answers it gives."""
+        ref = {"$ref": f"#/components/schemas/{schemas[path].__name__}"}
+        error = {"content": {"application/json": {"schema": {"type": "object"}}}}
+        return {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}},
+                "responses": {400: {"description": "malformed request", **error},
+                              408: {"description": "the body did not arrive in time", **error},
+                              413: {"description": "the body is over the size limit", **error}}}
+
+    @app.post("/generate", **documented("/generate"))
     async def generate(request: Request):
-        req, text_in_logprobs = parse_generate(await _json(request), tokenizer, limits)
+        _, (req, text_in_logprobs) = await parsed(request, parse_generate)
         if req.stream:
             return _sse(_stream_generate(runtime, req, text_in_logprobs))
         result = await _generate(runtime, req)
@@ -82,18 +152,29 @@ def build_app(runtime: Runtime) -> FastAPI:
             _add_logprob_text(result["meta_info"], tokenizer)
         return result
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **documented("/v1/completions"))
     async def completions(request: Request):
-        body = await _json(request)
-        req = parse_completion(body, tokenizer, limits)
+        body, req = await parsed(request, parse_completion)
         return await _openai(runtime, req, body, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **documented("/v1/chat/completions"))
     async def chat_completions(request: Request):
-        body = await _json(request)
-        req = parse_chat(body, tokenizer, limits)
+        body, req = await parsed(request, parse_chat)
         return await _openai(runtime, req, body, chat=True)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+            from pydantic.json_schema import models_json_schema
+
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(model, "validation") for model in schemas.values()],
+                                         ref_template="#/components/schemas/{model}")
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
     runtime_started = time.time()
     return app
 
@@ -225,11 +306,107 @@ def _add_logprob_text(meta: dict, tokenizer) -> None:
             meta[key] = [None if top is None else [with_text(e) for e in top] for top in meta[key]]
 
 
-async def _json(request: Request):
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux: per thread), so big bodies never take the CPU from the event loop."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the request body is not valid JSON ({exc})") from None
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HEAVY_PARSE_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+class TrimWhenIdle:
+    """ASGI middleware: once no POST has been in flight for IDLE_TRIM_S, give malloc's free pages back (a storm
+    of requests over many worker threads leaves them spread over malloc's per-thread arenas)."""
+
+    def __init__(self, app):
+        self.app, self.active, self.timer = app, 0, None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+            if self.active == 0 and self.timer is None:
+                loop = asyncio.get_running_loop()
+                self.timer = loop.call_later(IDLE_TRIM_S, self._idle, loop)
+
+    def _idle(self, loop) -> None:
+        self.timer = None
+        if self.active == 0:
+            loop.run_in_executor(None, _release_free_memory)
+
+
+def _release_free_memory() -> None:
+    """glibc's malloc_trim(0): return free heap pages to the system (a no-op elsewhere)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
+
+
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused with 413 past `limit` bytes (announced or received) and with 408 after `timeout` s."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(f"the request body is {declared} bytes; the limit is {limit} bytes", status=413)
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(f"the request body is over the limit of {limit} bytes", status=413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(f"the request body did not arrive within {timeout:g} s", status=408) from None
+    except ClientDisconnect:
+        raise ApiError("the client disconnected before its request body was complete") from None
+    return b"".join(chunks)
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus a deadline for the request head (uvicorn has none: a client that sends
+    its headers a byte at a time would hold the connection forever). Set by `serve` via `header_timeout`."""
+
+    header_timeout = DEFAULT_HEADER_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = None
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()  # a new request head starts on a kept-alive connection
+        super().data_received(data)
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out, self.cycle)
+
+    def _head_timed_out(self, cycle) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.cycle is cycle:  # no request head completed since the timer started
+            self.transport.close()
+        else:
+            self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
 
 
 # ------------------------------------------------------------------ command line
@@ -243,6 +420,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--device", help="cpu or cuda:N (default: from the config's hardware.device)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies are refused with 413 (default: %(default)s)")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="seconds a request body may take to arrive, else 408 (default: %(default)s)")
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a request head may take to arrive, else the connection is closed "
+                             "(default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -259,7 +443,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("specpilot_runtime").info(
         "engine %s (%s/%s) on %s, %d thread(s); listening on %s:%d", args.engine_id, runtime.config.setting,
         runtime.config.arm, runtime.device, runtime.num_threads, args.host, args.port)
-    uvicorn.run(build_app(runtime), host=args.host, port=args.port, log_level="warning", access_log=False)
+    HeaderTimeoutH11Protocol.header_timeout = args.header_timeout
+    app = build_app(runtime, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                http=HeaderTimeoutH11Protocol, timeout_keep_alive=5)
 
 
 if __name__ == "__main__":
