@@ -24,6 +24,8 @@ server_fuzz = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("server_fuzz", server_fuzz)
 _spec.loader.exec_module(server_fuzz)
 
+pytestmark = pytest.mark.slow  # every test talks to the real server the module starts
+
 BODY_LIMIT = 2 * 1024 * 1024  # the server below is started with this --max-body-bytes
 BODY_TIMEOUT_S = 2.0
 HEADER_TIMEOUT_S = 2.0
