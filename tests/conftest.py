@@ -94,8 +94,9 @@ def builds(tmp_path_factory, session_data):
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test that uses the SGLang builds is `sglang` and `slow`, whichever module it is in."""
+    """A test that uses the SGLang builds is `sglang`, whichever module it is in; every `sglang` test is `slow`."""
     for item in items:
         if "builds" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.sglang)
+        if item.get_closest_marker("sglang") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
