@@ -36,26 +36,30 @@ def test_process_cpu_time_is_read_from_proc():
     assert sbs.process_cpu_s(None) is None and sbs.process_cpu_s(2 ** 22 + 12345) is None
 
 
-def _run(arm: str, cpu: list[float], tokens: list[int], process: float | None = None) -> str:
+def _run(arm: str, cpu: list[float], tokens: list[int], process: list[float] | None = None) -> str:
     requests = [{"dataset": d, "item_id": str(i), "prompt_ids": [1, i], "completion_tokens": n, "cpu_s": c,
-                 "output_ids": [5] * n, "latency_s": c} for i, (c, n, d) in
-                enumerate(zip(cpu, tokens, ["gsm8k", "gsm8k", "mbpp", "mbpp"]))]
+                 "process_cpu_s": process[i] if process else None, "output_ids": [5] * n, "latency_s": c}
+                for i, (c, n, d) in enumerate(zip(cpu, tokens, ["gsm8k", "gsm8k", "mbpp", "mbpp"]))]
     name = f"sbs_{arm}"
-    write_json(results_dir() / f"{name}.json", {"schema": SCHEMA, "name": name, "arm": arm, "requests": requests,
-                                                "side_by_side": {"process_cpu_s": process}})
+    write_json(results_dir() / f"{name}.json", {"schema": SCHEMA, "name": name, "arm": arm, "requests": requests})
     return name
 
 
 def test_cpu_speedups_are_ratios_of_tokens_per_server_cpu_second():
     tokens = [100, 50, 80, 20]
-    report = sbs.cpu_speedups(_run("ar", [1.0, 0.5, 0.8, 0.2], tokens, 3.0),
-                              _run("stock", [0.8, 0.4, 0.6, 0.2], tokens, 2.5),
-                              _run("final", [0.5, 0.25, 0.4, 0.1], tokens, 1.5))
+    report = sbs.cpu_speedups(_run("ar", [1.0, 0.5, 0.8, 0.2], tokens, [1.2, 0.6, 1.0, 0.2]),
+                              _run("stock", [0.8, 0.4, 0.6, 0.2], tokens, [1.0, 0.5, 0.8, 0.2]),
+                              _run("final", [0.5, 0.25, 0.4, 0.1], tokens, [0.8, 0.4, 0.6, 0.2]))
+    assert report["measure"] == "process_cpu_s"  # the whole process is the primary figure
     overall = report["speedups"]["final/ar"]["overall"]
-    assert overall["speedup"] == pytest.approx(2.0) and overall["ci95"] == pytest.approx([2.0, 2.0])
-    assert overall["process_cpu_speedup"] == pytest.approx(2.0)
-    assert report["speedups"]["stock/ar"]["gsm8k"]["speedup"] == pytest.approx(1.5 / 1.2)
-    assert report["server_cpu_s"]["ar"] == pytest.approx(2.5)
+    assert overall["speedup"] == pytest.approx(3.0 / 2.0) and overall["ci95"][0] <= 1.5 <= overall["ci95"][1]
+    engine = report["by_measure"]["cpu_s"]["final/ar"]["overall"]
+    assert engine["speedup"] == pytest.approx(2.0) and engine["ci95"] == pytest.approx([2.0, 2.0])
+    assert report["by_measure"]["cpu_s"]["stock/ar"]["gsm8k"]["speedup"] == pytest.approx(1.5 / 1.2)
+    assert report["cpu_s"]["cpu_s"]["ar"] == pytest.approx(2.5)
+    engine_only = sbs.cpu_speedups(_run("ar", [1.0, 0.5, 0.8, 0.2], tokens), _run("stock", [1.0] * 4, tokens),
+                                   _run("final", [0.5, 0.25, 0.4, 0.1], tokens))
+    assert engine_only["measure"] == "cpu_s" and list(engine_only["by_measure"]) == ["cpu_s"]
 
 
 def test_cpu_speedups_refuse_runs_without_server_cpu_times():
@@ -142,11 +146,12 @@ def test_side_by_side_files_are_bench_records_plus_cpu_times(side_by_side):
         assert run["oracle_engine_id"] == side_by_side["engines"]["ar"].id
         assert set(run) - {"side_by_side"} == set(plain), "side-by-side records drifted from bench's format"
         for mine, theirs in zip(run["requests"], plain["requests"]):
-            assert set(mine) - {"cpu_s"} == set(theirs)
+            assert set(mine) - {"cpu_s", "process_cpu_s"} == set(theirs)
             assert mine["prompt_ids"] == theirs["prompt_ids"] and mine["cpu_s"] > 0
         rounds = run["side_by_side"]["rounds"]
         assert len(rounds) == 4 and [r["order"][0] for r in rounds] == ["ar", "stock", "final", "ar"]
         assert run["side_by_side"]["process_cpu_s"] > 0
+        assert all(r["process_cpu_s"] >= r["cpu_s"] * 0.9 for r in run["requests"])  # the whole process
     outputs = {arm: [r["output_ids"] for r in json.loads(p.read_text())["requests"]]
                for arm, p in side_by_side["paths"].items()}
     assert outputs["ar"] == outputs["stock"] == outputs["final"] == [r["output_ids"] for r in plain["requests"]]

@@ -10,14 +10,19 @@ answered, and the round's wall time (including its tail) counts for every arm al
 
 Each arm gets one results file in bench's format (bench.py), so compare, score and verify read it unchanged;
 a request's `latency_s` and a dataset's `wall_s` are measured as bench measures them. Added:
-- per request `cpu_s`: the server's CPU time for that request as the server reports it (the reference
-  runtime: engine-thread CPU time, `meta_info.cpu_s`; see runtimes/reference/specpilot_runtime/engine.py for
-  what it counts). Null when the server does not report it (SGLang).
-- `side_by_side`: the arms and ports, the rotation, and per round the order and, when the server runs on this
-  machine, the whole server process's CPU time over the round (utime + stime of /proc/<pid>/stat, every
-  thread, HTTP included; clock ticks of 1/CLK_TCK s, usually 10 ms): a coarser cross-check of `cpu_s`.
+- per request `process_cpu_s`: the CPU time the whole server process spent while the arm served the request,
+  every thread (engine, HTTP and JSON, garbage collection wherever it runs): the sum over the server's
+  threads of /proc/<pid>/task/<tid>/schedstat's run time (nanoseconds), read before and after the round.
+  Exact per request when rounds hold one request (c1) and the server runs on this machine; otherwise null
+  (then `side_by_side.rounds` holds it per round).
+- per request `cpu_s`: the server's CPU time for the request as the server reports it (the reference
+  runtime: engine-thread CPU time, `meta_info.cpu_s`, see runtimes/reference/specpilot_runtime/engine.py);
+  null when the server does not report it (SGLang). It leaves out the HTTP thread and garbage collection
+  that runs there.
+- `side_by_side`: the arms and ports, the rotation, and per round the order, wall time and process CPU time.
 `cpu_speedups` gives the CPU-time speedups beside compare's wall-time ones: the ratio of tokens per server
-CPU-second, with compare's paired bootstrap (same resamples and seed).
+CPU-second, with compare's paired bootstrap (same resamples and seed), for the whole process (the primary
+figure, where every request has it) and for the engine thread.
 """
 from __future__ import annotations
 
@@ -50,14 +55,23 @@ def rotation(round_index: int, arms=ARMS) -> tuple[str, ...]:
 
 
 def process_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process (all its threads), in seconds; None when it cannot be read here."""
+    """CPU time of a process's live threads, in seconds (nanosecond run times from /proc/<pid>/task/*/schedstat);
+    None when it cannot be read here (no pid, another machine, no schedstat)."""
     if not pid:
         return None
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0
+    for tid in tasks:
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            if not Path(f"/proc/{pid}/task/{tid}").exists():
+                continue  # a thread that ended meanwhile
+            return None
+    return total / 1e9
 
 
 def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], ports: dict[str, int],
@@ -140,6 +154,11 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
                 record["process_cpu_s"][arm] = None if before is None or after is None else after - before
             round_log.append(record)
 
+    per_request_process = {arm: {} for arm in ARMS}
+    for record in round_log:
+        if len(record["items"]) == 1:
+            for arm in ARMS:
+                per_request_process[arm][(record["dataset"], record["items"][0])] = record["process_cpu_s"][arm]
     paths = {}
     for arm in ARMS:
         engine = engines[arm]
@@ -151,6 +170,7 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
                 row = bench_mod.request_record(entry, answer)
                 cpu = (answer.body.get("meta_info") or {}).get("cpu_s")
                 row["cpu_s"] = float(cpu) if isinstance(cpu, (int, float)) else None
+                row["process_cpu_s"] = per_request_process[arm].get((dataset, entry["item_id"]))
                 requests.append(row)
         results = _results(engine, oracle, info, names[arm], names_, plans[arm], limit, max_new_tokens,
                            concurrency, date, warmups[arm], requests, walls[arm], gaps[arm], client_cpu[arm])
@@ -163,8 +183,8 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
             "rounds": round_log,
             "server_cpu_s": _sum_or_none([r["cpu_s"] for r in requests]),
             "process_cpu_s": _sum_or_none(process),
-            "process_cpu_method": "utime+stime of /proc/<server pid>/stat over each round, all threads",
-            "clock_ticks_per_s": os.sysconf("SC_CLK_TCK"),
+            "process_cpu_method": "sum of /proc/<server pid>/task/*/schedstat run times, after minus before "
+                                  "each round",
         }
         paths[arm] = write_json(results_path(names[arm]), results)
     return paths
@@ -226,19 +246,26 @@ def _sum_or_none(values):
 
 # --- CPU-time speedups ----------------------------------------------------------------------------------------
 
+MEASURES = {"process_cpu_s": "whole server process", "cpu_s": "engine thread"}
+
+
 def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
     """Speedups in tokens per server CPU-second, per dataset and overall, with compare's paired bootstrap CI
-    (ratio of sums over the same prompts, 2000 resamples, seed 20261129); plus the whole-process CPU ratio
-    (no interval: it is measured per round) and the wall-time ratio of the same runs. Needs `cpu_s` on every
-    request (a side-by-side run of a server that reports it)."""
+    (ratio of sums over the same prompts, 2000 resamples, seed 20261129), for each measure every request has:
+    `process_cpu_s` (the whole server process; the primary figure, `speedups`) and `cpu_s` (engine thread).
+    Refuses runs where neither is on every request (not benched side by side, or a server that reports
+    nothing and runs elsewhere)."""
     runs = {}
     for arm, ref in (("ar", ar), ("stock", stock), ("final", final)):
-        path, data = load_results(ref)
+        runs[arm] = load_results(ref)
+    measures = [m for m in MEASURES if all(r.get(m) is not None for _, data in runs.values()
+                                            for r in data["requests"])]
+    if not measures:
+        path, data = next((p, d) for p, d in runs.values() if any(r.get("cpu_s") is None for r in d["requests"]))
         missing = [f"{r['dataset']}/{r['item_id']}" for r in data["requests"] if r.get("cpu_s") is None]
-        if missing:
-            raise SpecPilotError(f"{path}: requests {', '.join(missing[:5])} record no server CPU time (cpu_s); "
-                                 "bench the arms side by side on a server that reports it")
-        runs[arm] = data
+        raise SpecPilotError(f"{path}: requests {', '.join(missing[:5])} record no server CPU time (cpu_s, "
+                             "process_cpu_s); bench the arms side by side on a server that reports it")
+    runs = {arm: data for arm, (_, data) in runs.items()}
     datasets = sorted({r["dataset"] for r in runs["ar"]["requests"]})
     aligned = {arm: _aligned(data, runs["ar"]) for arm, data in runs.items()}
     for arm in runs:
@@ -248,29 +275,28 @@ def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
     rng = np.random.default_rng(SEED)
     draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d])))
              for d in datasets}
-    speedups = {}
-    for num, den in PAIRS:
-        key = f"{num}/{den}"
-        speedups[key] = {}
-        for dataset in datasets + [OVERALL]:
-            parts = datasets if dataset == OVERALL else [dataset]
+    by_measure = {}
+    for measure in measures:
+        speedups = by_measure[measure] = {}
+        for num, den in PAIRS:
+            key = f"{num}/{den}"
+            speedups[key] = {}
+            for dataset in datasets + [OVERALL]:
+                parts = datasets if dataset == OVERALL else [dataset]
 
-            def column(arm, field):
-                return [np.array([r[field] for r in aligned[arm][d]], dtype=float) for d in parts]
+                def column(arm, field):
+                    return [np.array([r[field] for r in aligned[arm][d]], dtype=float) for d in parts]
 
-            point, low, high = ratio_of_sums_ci(column(num, "cpu_s"), column(num, "completion_tokens"),
-                                                column(den, "cpu_s"), column(den, "completion_tokens"),
-                                                [draws[d] for d in parts])
-            speedups[key][dataset] = {"n": sum(len(aligned[num][d]) for d in parts), "speedup": point,
-                                      "ci95": [low, high]}
-        process = {arm: (runs[arm].get("side_by_side") or {}).get("process_cpu_s") for arm in (num, den)}
-        tokens = {arm: sum(r["completion_tokens"] for r in runs[arm]["requests"]) for arm in (num, den)}
-        speedups[key][OVERALL]["process_cpu_speedup"] = (
-            (tokens[num] / process[num]) / (tokens[den] / process[den])
-            if all(process.values()) else None)
-    cpu = {arm: float(sum(r["cpu_s"] for r in data["requests"])) for arm, data in runs.items()}
-    return {"schema": "specpilot.cpu_speedups/1", "datasets": datasets, "speedups": speedups,
-            "server_cpu_s": cpu, "resamples": RESAMPLES, "seed": SEED,
+                point, low, high = ratio_of_sums_ci(column(num, measure), column(num, "completion_tokens"),
+                                                    column(den, measure), column(den, "completion_tokens"),
+                                                    [draws[d] for d in parts])
+                speedups[key][dataset] = {"n": sum(len(aligned[num][d]) for d in parts), "speedup": point,
+                                          "ci95": [low, high]}
+    totals = {measure: {arm: float(sum(r[measure] for r in data["requests"])) for arm, data in runs.items()}
+              for measure in measures}
+    return {"schema": "specpilot.cpu_speedups/2", "datasets": datasets, "measure": measures[0],
+            "measure_label": MEASURES[measures[0]], "speedups": by_measure[measures[0]],
+            "by_measure": by_measure, "cpu_s": totals, "resamples": RESAMPLES, "seed": SEED,
             "tokens": {arm: sum(r["completion_tokens"] for r in data["requests"]) for arm, data in runs.items()}}
 
 
@@ -279,18 +305,16 @@ def print_cpu_table(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title="speedup in tokens per server CPU-second [95% paired bootstrap CI]")
+    labels = list(report["by_measure"])
+    table = Table(title="speedup in tokens per server CPU-second [95% paired bootstrap CI]: "
+                  + "; ".join(f"{'top' if i == 0 else 'bottom'} {MEASURES[m]}" for i, m in enumerate(labels)))
     table.add_column("dataset", no_wrap=True)
     for pair in report["speedups"]:
         table.add_column(pair, justify="right", no_wrap=True)
     for dataset in report["datasets"] + [OVERALL]:
         row = [dataset]
-        for pair, per_dataset in report["speedups"].items():
-            s = per_dataset[dataset]
-            row.append(f"{s['speedup']:.2f}×\n[{s['ci95'][0]:.2f}–{s['ci95'][1]:.2f}]")
+        for pair in report["speedups"]:
+            cells = [report["by_measure"][m][pair][dataset] for m in labels]
+            row.append("\n".join(f"{s['speedup']:.2f}× [{s['ci95'][0]:.2f}–{s['ci95'][1]:.2f}]" for s in cells))
         table.add_row(*row, end_section=True)
-    process = [f"{pair} {per[OVERALL]['process_cpu_speedup']:.2f}×" for pair, per in report["speedups"].items()
-               if per[OVERALL].get("process_cpu_speedup")]
     console.print(table)
-    if process:
-        console.print("whole server process CPU (/proc, 10 ms ticks): " + ", ".join(process))
