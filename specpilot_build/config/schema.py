@@ -401,7 +401,7 @@ def _check_mechanism(name: str, mech: dict, runtime: str, src: _Sources) -> None
         if not _type_ok(value, expected):
             raise ConfigError(f"{path} is {value!r} ({where}); the reference runtime takes {expected.__name__}")
         _check_bounds(RUNTIME_OPTION_RANGES.get(key, {}), value, path, where)
-    if mech.get("launch_args") and runtime != "sglang":
+    if mech.get("launch_args") and runtime != "sglang" and not runtime.startswith("sglang-"):  # sglang-<version>
         raise ConfigError(f"{at}.launch_args ({where_of(at + '.launch_args')}): launch arguments are SGLang's; this setting runs {runtime} "
                           f"(the reference runtime takes runtime_options)")
 

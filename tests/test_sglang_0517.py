@@ -1,0 +1,139 @@
+"""A second pinned SGLang base: 0.5.17 (the last release pinned to torch 2.11.0, what the H200 host serves) beside
+0.5.23, chosen per setting with the runtime option conf/runtime/sglang-0.5.17.yaml (`runtime=sglang-0.5.17`).
+
+Its pin, its pruning rules, its own cut of the engine-id patch, and the clear refusals: the 0.5.23 patches on
+0.5.17's files, W12 (whose overlay is 0.5.23's), and — in this builder environment — the build-time flag check,
+which cannot import 0.5.17's server_args on CPU (module-level torchvision and function-call imports)."""
+from __future__ import annotations
+
+import hashlib
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specpilot_build.build.inputs import resolve_inputs
+from specpilot_build.build.overlay import apply_overlays, overlay_inputs
+from specpilot_build.config.compose import compose_setting
+from specpilot_build.config.effective import effective_config
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.hub.lockfile import WheelPin, load_lock
+from specpilot_build.locations import REPO_ROOT, data_dir
+
+PADDED = "h200_c1_stories260k-padded_ngram"
+PADDED_BF16 = "h200_c1_stories260k-padded-bf16_ngram"
+OLD = ["runtime=sglang-0.5.17"]
+HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"
+ENGINE_ID_LINE = '"engine_id": os.environ.get("SPECPILOT_ENGINE_ID")'
+
+
+@pytest.fixture(scope="module")
+def pin() -> WheelPin:
+    return load_lock(REPO_ROOT / "lockfiles").runtimes["sglang-0.5.17"]
+
+
+@pytest.fixture(scope="module")
+def wheel(pin, session_data) -> Path:
+    """The pinned 0.5.17 wheel from <data>/wheels (conftest copies what the outer data dir has), hash-checked."""
+    path = data_dir() / "wheels" / pin.filename
+    if not path.is_file():
+        pytest.skip(f"{pin.filename} is not in {path.parent} (fetch it: pip download --no-deps sglang==0.5.17)")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == pin.sha256
+    return path
+
+
+def test_0517_is_pinned_beside_0523(pin):
+    runtimes = load_lock(REPO_ROOT / "lockfiles").runtimes
+    assert runtimes["sglang"].version == "0.5.23"
+    assert (pin.version, pin.filename, pin.size) == \
+        ("0.5.17", "sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64.whl", 22301836)
+    assert re.fullmatch(r"[0-9a-f]{64}", pin.sha256)
+
+
+@pytest.mark.parametrize("arm", ["ar", "stock", "final"])
+def test_the_runtime_option_selects_the_0517_pin_and_its_overlay(arm):
+    composed = compose_setting(PADDED, arm, OLD)
+    assert composed.choices["runtime"] == "sglang-0.5.17"
+    inputs = resolve_inputs(composed, load_lock(REPO_ROOT / "lockfiles"))
+    assert inputs.runtime_record["version"] == "0.5.17" and inputs.runtime_record["name"] == "sglang-0.5.17"
+    assert [o["name"] for o in inputs.overlays] == ["engine-id-0.5.17"]
+    assert inputs.config["runtime"]["launch_args"]["attention-backend"] == "triton"  # the setting's, kept
+    default = resolve_inputs(compose_setting(PADDED, arm), load_lock(REPO_ROOT / "lockfiles"))
+    assert default.runtime_record["version"] == "0.5.23"
+
+
+def test_w12_on_0517_is_refused_naming_the_overlay_and_the_runtime():
+    composed = compose_setting(PADDED_BF16, "final", OLD)
+    with pytest.raises(SpecPilotError, match=r"overlays/w12/overlay.toml: applies to runtime 'sglang', "
+                                             r"but this setting runs 'sglang-0.5.17'"):
+        resolve_inputs(composed, load_lock(REPO_ROOT / "lockfiles"))
+
+
+def _tree_with_http_server(wheel: Path, root: Path, dist_info: bool) -> Path:
+    with zipfile.ZipFile(wheel) as zf:
+        data = zf.read("sglang/srt/entrypoints/http_server.py")
+    (root / HTTP_SERVER).parent.mkdir(parents=True)
+    (root / HTTP_SERVER).write_bytes(data)
+    if dist_info:
+        (root / "python" / "sglang-0.5.17.dist-info").mkdir()
+    return root
+
+
+@pytest.mark.sglang
+def test_the_0517_engine_id_patch_applies_and_the_0523_one_is_refused(wheel, tmp_path):
+    cfg = effective_config(compose_setting(PADDED, "stock", OLD).config)
+    tree = _tree_with_http_server(wheel, tmp_path / "a", dist_info=True)
+    [record] = apply_overlays(tree, overlay_inputs(["engine-id-0.5.17"], cfg), cfg)
+    text = (tree / HTTP_SERVER).read_text()
+    assert text.count(ENGINE_ID_LINE) == 2
+    compile(text, HTTP_SERVER, "exec")
+    assert [f["path"] for f in record["files"]] == [HTTP_SERVER]
+    # 0.5.23's patch on 0.5.17's file: refused by its version range ...
+    new_cfg = effective_config(compose_setting(PADDED, "stock").config)
+    tree = _tree_with_http_server(wheel, tmp_path / "b", dist_info=True)
+    with pytest.raises(SpecPilotError, match=r"overlays/engine-id/overlay.toml: applies to sglang >=0.5.23,<0.5.24, "
+                                             r"but the pinned sglang is 0.5.17"):
+        apply_overlays(tree, overlay_inputs(["engine-id"], new_cfg), new_cfg)
+    # ... and, without a dist-info to read the version from, by the strict patcher (its /server_info hunk)
+    tree = _tree_with_http_server(wheel, tmp_path / "c", dist_info=False)
+    with pytest.raises(SpecPilotError, match="engine-id"):
+        apply_overlays(tree, overlay_inputs(["engine-id"], new_cfg), new_cfg)
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_the_0517_pruning_rules_keep_what_the_padded_ngram_engine_loads(wheel):
+    from specpilot_build.build.prune import select_members
+
+    for arm in ("ar", "final"):
+        cfg = effective_config(compose_setting(PADDED, arm, OLD).config)
+        with zipfile.ZipFile(wheel) as zf:
+            members = [i for i in zf.infolist() if not i.is_dir()]
+            kept, record = select_members(zf, members, cfg)
+        names = {m.filename for m in kept}
+        assert {"sglang/srt/models/llama.py", "sglang/srt/entrypoints/http_server.py", "sglang/launch_server.py",
+                "sglang/srt/layers/attention/triton_backend.py", "sglang-0.5.17.dist-info/licenses/LICENSE"} <= names
+        assert "sglang/srt/speculative/ngram_worker.py" in names or arm == "ar"
+        assert not any(n.startswith("sglang/multimodal_gen/") for n in names)
+        assert any("device_name=NVIDIA_H200" in n for n in names)
+        # 67 %, not 0.5.23's <= 60 %: two compiled cores imported inside functions (the Rust server mode's
+        # sglang/srt/server/_core, 13 MB; the gRPC mode's sglang/srt/grpc/_core, 6.5 MB) are in the static closure
+        assert record["kept_bytes"] <= 0.70 * record["total_bytes"]
+        assert "LlamaForCausalLM model" in record["rules"]
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_the_padded_setting_builds_on_0517_or_the_flag_check_says_why_not(wheel):
+    from specpilot_build.build.builder import build_engine
+
+    try:
+        engine = build_engine(PADDED, "final", OLD).engine
+    except SpecPilotError as exc:
+        if "cannot read SGLang's launch flags" in str(exc):
+            pytest.xfail(f"the builder's Python cannot import SGLang 0.5.17's server_args to read its flags: {exc}")
+        raise
+    assert engine.manifest["inputs"]["runtime"]["version"] == "0.5.17"
+    assert engine.manifest["base"]["overlays"][0]["name"] == "engine-id-0.5.17"
+    assert (engine.path / HTTP_SERVER).read_text().count(ENGINE_ID_LINE) == 2
