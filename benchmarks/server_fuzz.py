@@ -66,14 +66,17 @@ def answer_of(path: str, body: dict) -> object:
 
 # --- a server of our own ----------------------------------------------------------------------------------
 
-def engine_config(max_running: int = 16) -> dict:
-    """The resolved config keys the reference runtime reads: stories260K, the n-gram `final` arm."""
+def engine_config(max_running: int = 16, arm: str = "final") -> dict:
+    """The resolved config keys the reference runtime reads: stories260K, the n-gram `final` arm (its n-gram
+    cache shared across requests) or the `ar` arm (no drafter)."""
+    final = arm == "final"
     return {
-        "setting": "cpu_c16_stories260k_ngram", "arm": {"name": "final"},
+        "setting": "cpu_c16_stories260k_ngram", "arm": {"name": arm},
         "model": {"name": "stories260K", "dtype": "float32", "quantization": None},
         "hardware": {"device": "cpu"},
-        "drafter": {"algorithm": "ngram", "num_draft_tokens": 8, "ngram_max_n": 8, "ngram_min_n": 1},
-        "runtime_options": {"shared_ngram_cache": True},
+        "drafter": {"algorithm": "ngram" if final else "none", "num_draft_tokens": 8, "ngram_max_n": 8,
+                    "ngram_min_n": 1},
+        "runtime_options": {"shared_ngram_cache": True} if final else {},
         "batching": {"concurrency": max_running, "max_running_requests": max_running},
     }
 
@@ -87,10 +90,11 @@ def free_port() -> int:
 class Server:
     """A reference-runtime server process on a free loopback port, started as `make serve` starts it."""
 
-    def __init__(self, workdir: Path, extra: list[str] = (), model_dir: Path = MODEL_DIR, max_running: int = 16):
+    def __init__(self, workdir: Path, extra: list[str] = (), model_dir: Path = MODEL_DIR, max_running: int = 16,
+                 arm: str = "final"):
         engine = workdir / "engine"
         engine.mkdir(parents=True, exist_ok=True)
-        (engine / "config.json").write_text(json.dumps(engine_config(max_running), indent=1))
+        (engine / "config.json").write_text(json.dumps(engine_config(max_running, arm), indent=1))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "server.log"
