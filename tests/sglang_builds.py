@@ -29,7 +29,8 @@ def repos_of(setting: str) -> list[str]:
     for group in ("model", "drafter"):
         option = re.search(rf"override /{group}: (\S+)", text).group(1)
         data = (conf_dir() / group / f"{option}.yaml").read_text()
-        repos.append(re.search(r"^repo: (\S+)", data, re.M).group(1))
+        repo = re.search(r"^repo: (\S+)", data, re.M)  # model-free drafters (n-gram) have none
+        repos += [repo.group(1)] if repo else []
     return repos
 
 

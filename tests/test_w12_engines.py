@@ -28,7 +28,8 @@ KERNEL = KERNELS_DIR / "w12"
 OVERLAY_MODULE = "python/sglang/srt/layers/quantization/w12.py"
 W12_SGLANG_SETTINGS = {"h100_c1_qwen38-27b_dflash2", "h100_c1_qwen38-27b_dspark",
                        "rtx-pro-6000_c1_muse-glimmer-30b_dflash2", "h100_c1_qwen3-8b_dflash",
-                       "h100_c1_qwen3-8b_eagle3", "h200_c1_qwen3-8b_dflash"}
+                       "h100_c1_qwen3-8b_eagle3", "h200_c1_qwen3-8b_dflash",
+                       "h200_c1_stories260k-padded-bf16_ngram"}
 CPU_SETTING = "cpu_c1_stories260k-bf16_ngram"
 
 

@@ -95,11 +95,12 @@ def read_descriptor(directory: Path) -> dict:
 
 
 def installed_version(tree: Path, runtime: str) -> str | None:
-    """The runtime version the tree's base carries (its dist-info directory), None for a directory base."""
+    """The runtime version the tree's base carries (its dist-info directory), None for a directory base. A runtime
+    is named after its distribution, optionally with a version (`sglang`, `sglang-0.5.17`)."""
     base = tree / "python"
     if not base.is_dir():
         return None
-    prefix = runtime + "-"
+    prefix = runtime.split("-", 1)[0] + "-"
     for entry in os.listdir(base):
         if entry.endswith(".dist-info") and entry.startswith(prefix):
             return entry[len(prefix):-len(".dist-info")]

@@ -60,7 +60,7 @@ def _pip_download(pin: WheelPin, into: Path) -> Path:
     platform = pin.filename.rsplit("-", 1)[1].removesuffix(".whl")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
            "--python-version", python_tag.removeprefix("cp"), "--implementation", "cp", "--platform", platform,
-           "-d", str(into), f"{pin.name}=={pin.version}"]
+           "-d", str(into), f"{pin.distribution}=={pin.version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     got = into / pin.filename
     if proc.returncode != 0 or not got.exists():

@@ -73,7 +73,7 @@ def check_launch_args(args: dict, table: dict, where: dict[str, str], version: s
                                       f"{version} requires") from None
 
 
-def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict]) -> dict:
+def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict], version: str) -> dict:
     """The flag table of the SGLang in `python_dir` (an assembled tree's python/), cached by its inputs."""
     key = digest_bytes(canonical_json({"wheel": wheel_sha256, "overlays": overlays})).split(":")[1]
     cache = data_dir() / "cache" / "sglang-flags" / f"{key}.json"
@@ -83,7 +83,7 @@ def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict]) -> dic
             return record["flags"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
         pass  # absent or damaged: extract again
-    flags = _extract(python_dir)
+    flags = _extract(python_dir, version)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
     tmp.write_bytes(canonical_json({"flags": flags, "digest": digest_bytes(canonical_json(flags))}))
@@ -91,7 +91,7 @@ def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict]) -> dic
     return flags
 
 
-def _extract(python_dir: Path) -> dict:
+def _extract(python_dir: Path, version: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(python_dir), "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         done = subprocess.run([sys.executable, "-c", _EXTRACT], capture_output=True, text=True, env=env,
@@ -101,7 +101,7 @@ def _extract(python_dir: Path) -> dict:
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("FLAGS ")), None)
     if done.returncode != 0 or line is None:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        raise SpecPilotError(f"cannot read SGLang's launch flags from the engine tree to check them ({last}); "
-                             f"the builder needs SGLang's argument-parsing dependencies: "
-                             f".venv/bin/pip install -e '.[sglang-check]'")
+        raise SpecPilotError(f"cannot read SGLang {version}'s launch flags from the engine tree to check them "
+                             f"({last}); the builder's Python needs what that SGLang's argument parsing imports "
+                             f"(for the default SGLang: .venv/bin/pip install -e '.[sglang-check]')")
     return json.loads(line[len("FLAGS "):])

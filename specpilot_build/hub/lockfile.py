@@ -44,6 +44,11 @@ class WheelPin:
     sha256: str
     size: int | None = None
 
+    @property
+    def distribution(self) -> str:
+        """The package the wheel installs (its filename's first field): what pip is asked for."""
+        return self.filename.split("-", 1)[0]
+
 
 @dataclass(frozen=True)
 class LocalRuntimePin:

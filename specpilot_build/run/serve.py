@@ -58,7 +58,7 @@ def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignor
         print(shlex.join(argv))
         return {}
     check_hardware(cfg, gpu, ignore_hardware)
-    if cfg["runtime"]["name"] == "sglang":
+    if cfg["runtime"]["name"].split("-", 1)[0] == "sglang":
         _check_sglang_dependencies()
     models = model_dirs(engine.manifest["inputs"]["checkpoints"], cfg)
     argv, env = launch_command(engine, models, port)
