@@ -20,7 +20,7 @@ ARMS ?= ar,stock,final
 SETTINGS ?= $(SETTING)
 FAST_MARKERS := not slow and not gpu and not sglang
 
-.PHONY: setup demo test test-fast engine show verify-engine ls sweep lock models serve stop bench compare score verify diff
+.PHONY: setup demo test test-fast fuzz engine show verify-engine ls sweep lock models serve stop bench compare score verify diff
 
 $(STAMP): pyproject.toml
 	@echo "installing SpecPilot and its pinned dependencies into $(VENV) (first time: a few minutes)"
@@ -31,13 +31,16 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(SP) demo --port $(PORT) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS))
+	$(SP) demo --port $(PORT) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(if $(REPEAT),--repeat $(REPEAT))
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "$(FAST_MARKERS)"
+
+fuzz: $(STAMP)
+	$(VENV)/bin/python benchmarks/server_fuzz.py --seconds $(or $(SECONDS),300) $(if $(URL),--url $(URL))
 
 engine: $(STAMP)
 	$(SP) engine build --setting $(SETTING) --arm $(ARM) $(OVERRIDES)
