@@ -16,7 +16,7 @@ from specpilot_build.build.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.store.manifest import engine_id
-from specpilot_build.store.engines import check_engine, list_engines, resolve_engine
+from specpilot_build.store.engines import check_engine, resolve_engine
 
 EMBEDDED = "cpu_c1_stories260k_ngram"
 SOURCES = ["conf", "lockfiles", "runtimes", "specpilot_build", "kernels", "overlays"]

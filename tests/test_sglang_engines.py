@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import zipfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
