@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-KEY_BLOCK = 256  # attention runs in whole blocks of this many keys (batch invariance, see the docstring)
+KEY_BLOCK = 512  # attention runs in whole blocks of this many keys (batch invariance, see the docstring)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -289,8 +289,10 @@ class LeanLlama:
 def _attend(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """probs [..., R, L] @ values [..., L, hd], L whole blocks of KEY_BLOCK keys, reduced block by block in
     order: one product of fixed shape per block, then the partial results added first to last. A single
-    product over all L keys would let the BLAS split the reduction where it likes (it does, past 256 keys), so a
-    query's output would change with the number of masked keys after it; masked blocks add exact zeros here."""
+    product over all L keys would let the BLAS split the reduction where it likes (it does, somewhere past 256
+    keys), so a query's output would change with the number of masked keys after it. A block of KEY_BLOCK keys
+    is always the same shape, so however the BLAS splits it, it splits it the same way; masked blocks add exact
+    zeros. 512 keeps stories260K (512-token context) to one block per step, the cheapest invariant choice."""
     out = torch.matmul(probs[..., :KEY_BLOCK], values[..., :KEY_BLOCK, :])
     for lo in range(KEY_BLOCK, probs.shape[-1], KEY_BLOCK):
         out = out + torch.matmul(probs[..., lo:lo + KEY_BLOCK], values[..., lo:lo + KEY_BLOCK, :])
