@@ -47,7 +47,8 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
     oracle = engine if oracle_engine_id == engine.id else resolve_engine(oracle_engine_id)
     if oracle.id != oracle_engine_id:
         raise SpecPilotError(f"oracle engine {oracle_engine_id} is not in the store (found {oracle.id[:12]})")
-    engine_record, oracle_record = manifest_record(engine), manifest_record(oracle)
+    for checked in (engine, oracle):  # both manifests hash to their ids before anything is sent
+        manifest_record(checked)
     out = results_path(name)
     if out.exists() and not overwrite:
         raise SpecPilotError(f"{out} exists; choose another NAME or remove it")
@@ -87,8 +88,24 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
             totals["client_gap_s"] += done.client_gap_s
             totals["client_cpu_s"] += done.client_cpu_s
 
+    results = results_record(engine, oracle, info, name=name, renderer=renderer, context=context, names=names,
+                             plan=plan, skipped=skipped, limit=limit, max_new_tokens=max_new_tokens,
+                             concurrency=concurrency, date=date, warmup=warmup, requests=requests,
+                             per_dataset=per_dataset, wall_s=totals["wall_s"], gap_s=totals["client_gap_s"],
+                             client_cpu_s=totals["client_cpu_s"])
+    return write_json(out, results)
+
+
+def results_record(engine: Engine, oracle: Engine, info: dict, *, name: str, renderer: PromptRenderer,
+                   context: int, names: list[str], plan: dict, skipped: dict, limit: int | None,
+                   max_new_tokens: int, concurrency: int, date: dt.datetime, warmup: dict, requests: list[dict],
+                   per_dataset: dict, wall_s: float, gap_s: float, client_cpu_s: float) -> dict:
+    """One bench run's results: bound to the engine's and the oracle's manifests and to what the server
+    reported, with every request (bench and the side-by-side bench write the same record)."""
+    engine_record, oracle_record = manifest_record(engine), manifest_record(oracle)
+    config = engine.config
     slots = max(1, concurrency)
-    results = {
+    return {
         "schema": SCHEMA,
         "name": name,
         "engine_id": engine.id,
@@ -97,7 +114,8 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
         "oracle_engine_id": oracle.id,
         "oracle": {"engine_id": oracle.id, "manifest_digest": oracle_record["digest"],
                    "manifest": oracle_record["manifest"]},
-        "served": {"engine_id": served, "runtime": info.get("runtime"), "version": info.get("version")},
+        "served": {"engine_id": client.served_engine_id(info), "runtime": info.get("runtime"),
+                   "version": info.get("version")},
         "setting": config.get("setting"),
         "arm": config["arm"]["name"],
         "hardware": config.get("hardware"),
@@ -116,14 +134,13 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
         "skipped": [e for d in names for e in skipped[d]],
         "prompts_digest": prompts_digest(requests),
         "warmup": warmup,
-        "wall_s": totals["wall_s"],
+        "wall_s": wall_s,
         "per_dataset": per_dataset,
-        "client": {"gap_s": totals["client_gap_s"], "cpu_s": totals["client_cpu_s"],
-                   "overhead_fraction": totals["client_gap_s"] / (slots * totals["wall_s"]),
-                   "cpu_fraction": totals["client_cpu_s"] / totals["wall_s"]},
+        "client": {"gap_s": gap_s, "cpu_s": client_cpu_s,
+                   "overhead_fraction": gap_s / (slots * wall_s) if wall_s else 0.0,
+                   "cpu_fraction": client_cpu_s / wall_s if wall_s else 0.0},
         "requests": requests,
     }
-    return write_json(out, results)
 
 
 def plan_requests(renderer: PromptRenderer, names: list[str], limit: int | None, max_new_tokens: int,

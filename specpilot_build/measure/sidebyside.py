@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -39,9 +38,9 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.checkpoints import model_dirs
 from specpilot_build.measure import bench as bench_mod
 from specpilot_build.measure.compare import OVERALL, PAIRS, RESAMPLES, SEED, _aligned, ratio_of_sums_ci
-from specpilot_build.measure.datasets import BENCHMARKS, dataset_pin
-from specpilot_build.measure.prompts import PromptRenderer, prompts_digest
-from specpilot_build.measure.results import SCHEMA, load_results, manifest_record, results_path, write_json
+from specpilot_build.measure.datasets import BENCHMARKS
+from specpilot_build.measure.prompts import PromptRenderer
+from specpilot_build.measure.results import load_results, results_path, write_json
 from specpilot_build.run import client
 from specpilot_build.store.engines import Engine, resolve_engine
 
@@ -193,51 +192,16 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
 def _results(engine: Engine, oracle: Engine, info: dict, name: str, names: list[str], planned: tuple,
              limit, max_new_tokens: int, concurrency: int, date, warmup: dict, requests: list[dict],
              walls: dict, gaps: dict, client_cpu_s: float) -> dict:
-    """A results record in bench's format (bench.bench builds the same keys)."""
+    """A results record in bench's format (bench.results_record), per dataset from this arm's share."""
     _, renderer, context, plan, skipped = planned
-    engine_record, oracle_record = manifest_record(engine), manifest_record(oracle)
-    config = engine.config
     per_dataset = {d: {"requests": len(plan[d]), "wall_s": walls[d],
                        "completion_tokens": sum(r["completion_tokens"] for r in requests if r["dataset"] == d),
                        "client_gap_s": gaps[d]} for d in plan if plan[d]}
-    wall, gap_s = sum(walls.values()), sum(gaps.values())
-    slots = max(1, concurrency)
-    return {
-        "schema": SCHEMA,
-        "name": name,
-        "engine_id": engine.id,
-        "manifest_digest": engine_record["digest"],
-        "engine_manifest": engine_record["manifest"],
-        "oracle_engine_id": oracle.id,
-        "oracle": {"engine_id": oracle.id, "manifest_digest": oracle_record["digest"],
-                   "manifest": oracle_record["manifest"]},
-        "served": {"engine_id": client.served_engine_id(info), "runtime": info.get("runtime"),
-                   "version": info.get("version")},
-        "setting": config.get("setting"),
-        "arm": config["arm"]["name"],
-        "hardware": config.get("hardware"),
-        "model": {k: config["model"].get(k) for k in ("name", "repo", "dtype", "quantization")},
-        "target_pin": dict(engine.model_pin),
-        "concurrency": concurrency,
-        "max_new_tokens": max_new_tokens,
-        "context_length": context,
-        "chat_template": renderer.uses_chat_template,
-        "date_utc": date.isoformat(timespec="seconds"),
-        "versions": bench_mod._versions(info),
-        "machine": {"host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0]},
-        "server_info": info,
-        "datasets": {d: {"limit": limit, "requests": len(plan[d]), "sha256": dataset_pin(d)["sha256"],
-                         "skipped_too_long": [e["item_id"] for e in skipped[d]]} for d in names},
-        "skipped": [e for d in names for e in skipped[d]],
-        "prompts_digest": prompts_digest(requests),
-        "warmup": warmup,
-        "wall_s": wall,
-        "per_dataset": per_dataset,
-        "client": {"gap_s": gap_s, "cpu_s": client_cpu_s,
-                   "overhead_fraction": gap_s / (slots * wall) if wall else 0.0,
-                   "cpu_fraction": client_cpu_s / wall if wall else 0.0},
-        "requests": requests,
-    }
+    return bench_mod.results_record(
+        engine, oracle, info, name=name, renderer=renderer, context=context, names=names, plan=plan,
+        skipped=skipped, limit=limit, max_new_tokens=max_new_tokens, concurrency=concurrency, date=date,
+        warmup=warmup, requests=requests, per_dataset=per_dataset, wall_s=sum(walls.values()),
+        gap_s=sum(gaps.values()), client_cpu_s=client_cpu_s)
 
 
 def _sum_or_none(values):
