@@ -100,3 +100,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.sglang)
         if item.get_closest_marker("sglang") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def hf(stories_dir):
+    """stories260K as transformers loads it (float32, CPU)."""
+    from reference_runtime_helpers import hf_model
+
+    return hf_model(stories_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stories_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(stories_dir))

@@ -13,25 +13,13 @@ import random
 import pytest
 import torch
 
-from reference_runtime_helpers import STORY_PROMPTS, hf_model
+from reference_runtime_helpers import STORY_PROMPTS
 from specpilot_runtime.drafters import NoDrafter, PromptLookup, SharedNgramCache
 from specpilot_runtime.engine import Engine
 from specpilot_runtime.model import LeanLlama
 
 torch.set_num_threads(1)
 K = 10  # the final arm's num_draft_tokens: verify chunks of 1 .. K + 1 tokens
-
-
-@pytest.fixture(scope="module")
-def hf(stories_dir):
-    return hf_model(stories_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(stories_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(stories_dir))
 
 
 def _oracle(lean: LeanLlama, ids: list[int], prompt_len: int) -> torch.Tensor:

@@ -8,25 +8,13 @@ import threading
 import pytest
 import torch
 
-from reference_runtime_helpers import STORY_PROMPTS, engine_config, hf_greedy, hf_model, write_engine
+from reference_runtime_helpers import STORY_PROMPTS, engine_config, hf_greedy, write_engine
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
 from specpilot_runtime.drafters import DraftModelDrafter, NgramIndex, NoDrafter, PromptLookup, SharedNgramCache
 from specpilot_runtime.engine import Engine
 from specpilot_runtime.model import LeanLlama, load_hf_model
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def hf(stories_dir):
-    return hf_model(stories_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(stories_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(stories_dir))
 
 
 def test_lean_forward_matches_transformers_logits(hf, golden):
