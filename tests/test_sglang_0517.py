@@ -19,7 +19,7 @@ from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.lockfile import WheelPin, load_lock
-from specpilot_build.locations import REPO_ROOT, data_dir
+from specpilot_build.locations import REPO_ROOT
 
 PADDED = "h200_c1_stories260k-padded_ngram"
 PADDED_BF16 = "h200_c1_stories260k-padded-bf16_ngram"
@@ -35,10 +35,11 @@ def pin() -> WheelPin:
 
 @pytest.fixture(scope="module")
 def wheel(pin, session_data) -> Path:
-    """The pinned 0.5.17 wheel from <data>/wheels (conftest copies what the outer data dir has), hash-checked."""
-    path = data_dir() / "wheels" / pin.filename
-    if not path.is_file():
-        pytest.skip(f"{pin.filename} is not in {path.parent} (fetch it: pip download --no-deps sglang==0.5.17)")
+    """The pinned 0.5.17 wheel as the builder obtains it (conftest's copy of the outer data dir's wheels, the
+    mirror, else pip download), hash-checked."""
+    from specpilot_build.build.runtime_base import wheel_file
+
+    path = wheel_file(pin)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == pin.sha256
     return path
 
