@@ -4,10 +4,11 @@ import json
 import numpy as np
 import pytest
 
-from specpilot_build.measure import compare as cmp
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.measure import compare as cmp
 from specpilot_build.measure.prompts import prompt_digest, prompts_digest
-from specpilot_build.measure.results import SCHEMA, manifest_digest
+from specpilot_build.measure.results import SCHEMA
+from specpilot_build.store.manifest import engine_id as manifest_digest
 
 PIN = {"repo": "karpathy/tinyllamas", "revision": "0bd21da7698eaf29a0d7de3992de8a46ef624add"}
 

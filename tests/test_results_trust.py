@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from reference_runtime_helpers import free_port
+
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import compare as cmp
 from specpilot_build.measure import verify as vf
 from specpilot_build.measure.prompts import prompt_digest, prompts_digest
-from specpilot_build.measure.results import manifest_digest, manifest_record
+from specpilot_build.measure.results import manifest_record
+from specpilot_build.store.manifest import engine_id as manifest_digest
 
 SETTING = "cpu_c1_stories260k_ngram"
 BF16_SETTING = "cpu_c1_stories260k-bf16_ngram"

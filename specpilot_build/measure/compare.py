@@ -28,8 +28,14 @@ from specpilot_build import __version__
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import attest
 from specpilot_build.measure.prompts import prompt_digest, prompts_digest
-from specpilot_build.measure.results import load_results, manifest_digest, require_current, results_dir, write_json
+from specpilot_build.measure.results import (
+    load_results,
+    require_current,
+    results_dir,
+    write_json,
+)
 from specpilot_build.run import client
+from specpilot_build.store.manifest import engine_id as engine_id_of
 
 PAIRS = (("final", "stock"), ("final", "ar"), ("stock", "ar"))
 RESAMPLES = 2000
@@ -105,7 +111,7 @@ def check_arms(runs: dict) -> None:
     for arm, (path, data) in runs.items():
         engine_id = data.get("engine_id")
         manifest = data.get("engine_manifest")
-        if not isinstance(manifest, dict) or manifest_digest(manifest) != engine_id \
+        if not isinstance(manifest, dict) or engine_id_of(manifest) != engine_id \
                 or data.get("manifest_digest") != f"blake3:{engine_id}":
             raise SpecPilotError(f"{path}: its recorded engine manifest does not hash to its engine id "
                                  f"{str(engine_id)[:12]}; the record was altered or is not a bench run")

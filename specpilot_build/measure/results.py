@@ -1,7 +1,7 @@
 """Bench results on disk: <data>/results/<name>.json, found by path or by run name.
 
 Schema 2 records, besides the requests, what binds a run to its inputs: the engine's manifest (blake3 of its
-canonical bytes is the engine id, `manifest_digest`), the server's /server_info as served, and the oracle's
+canonical bytes is the engine id, `store.manifest.engine_id`), the server's /server_info as served, and the oracle's
 engine id and manifest. Schema 1 files still load (score reads them); verify and compare refuse them."""
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import json
 import os
 from pathlib import Path
 
-import blake3
-
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
-from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json
+from specpilot_build.store.engines import checked_manifest
 
 SCHEMA = "specpilot.results/2"
 LEGACY_SCHEMAS = ("specpilot.results/1",)
@@ -55,17 +53,7 @@ def require_current(path: Path, data: dict) -> None:
 
 def manifest_record(engine) -> dict:
     """An engine's manifest as it is on disk, and its digest (blake3 of manifest.json's bytes, the engine id)."""
-    raw = (engine.path / MANIFEST_NAME).read_bytes()
-    digest = blake3.blake3(raw).hexdigest()
-    if digest != engine.id:
-        raise SpecPilotError(f"engine {engine.id[:12]}: {MANIFEST_NAME} hashes to {digest[:12]}, not its id; "
-                             f"`specpilot engine verify {engine.id[:12]}`")
-    return {"digest": f"blake3:{digest}", "manifest": json.loads(raw)}
-
-
-def manifest_digest(manifest: dict) -> str:
-    """The digest a recorded manifest hashes to (its engine id when it is the manifest as written)."""
-    return blake3.blake3(canonical_json(manifest)).hexdigest()
+    return {"digest": f"blake3:{engine.id}", "manifest": checked_manifest(engine)}
 
 
 def write_json(path: Path, data: dict) -> Path:

@@ -32,14 +32,15 @@ import time
 from pathlib import Path
 
 from specpilot_build import __version__
-from specpilot_build.run import client
-from specpilot_build.run.serve import serve, stop
 from specpilot_build.defaults import ORACLE_PORT
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.store.engines import Engine, resolve_engine
 from specpilot_build.measure import attest
 from specpilot_build.measure.prompts import prompt_digest, prompts_digest
-from specpilot_build.measure.results import load_results, manifest_digest, require_current, write_json
+from specpilot_build.measure.results import load_results, require_current, write_json
+from specpilot_build.run import client
+from specpilot_build.run.serve import serve, stop
+from specpilot_build.store.engines import Engine, resolve_engine
+from specpilot_build.store.manifest import engine_id as engine_id_of
 
 MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "fp8": 3}
 LOGIT_SCALE = 32.0
@@ -264,7 +265,7 @@ def _check_identity(data: dict) -> list[dict]:
         failures.append(_failure(None, "manifest_digest", f"{data.get('manifest_digest')} is not the engine id "
                                                           f"{engine_id}"))
     manifest = data.get("engine_manifest")
-    if not isinstance(manifest, dict) or manifest_digest(manifest) != engine_id:
+    if not isinstance(manifest, dict) or engine_id_of(manifest) != engine_id:
         failures.append(_failure(None, "engine_manifest", f"the recorded manifest does not hash to the engine "
                                                           f"id {engine_id}"))
     else:
@@ -276,7 +277,8 @@ def _check_identity(data: dict) -> list[dict]:
                                                       f"{want}"))
     oracle = data.get("oracle") or {}
     oracle_id = data.get("oracle_engine_id")
-    if not oracle_id or oracle.get("engine_id") != oracle_id or oracle.get("manifest_digest") != f"blake3:{oracle_id}"             or not isinstance(oracle.get("manifest"), dict) or manifest_digest(oracle["manifest"]) != oracle_id:
+    if not oracle_id or oracle.get("engine_id") != oracle_id or oracle.get("manifest_digest") != f"blake3:{oracle_id}" \
+            or not isinstance(oracle.get("manifest"), dict) or engine_id_of(oracle["manifest"]) != oracle_id:
         failures.append(_failure(None, "oracle_engine_id", f"{oracle_id} is not the digest of the recorded "
                                                            "oracle manifest"))
     return failures

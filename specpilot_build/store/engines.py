@@ -77,6 +77,16 @@ class DamagedEngine:
                 f"`specpilot engine rm {self.id[:12]}` and build its setting again")
 
 
+def checked_manifest(engine: Engine) -> dict:
+    """The engine's manifest as read from disk, refused unless those bytes hash to the engine's id."""
+    raw = (engine.path / MANIFEST_NAME).read_bytes()
+    digest = blake3.blake3(raw).hexdigest()
+    if digest != engine.id:
+        raise IntegrityError(f"engine {engine.id[:12]}: {MANIFEST_NAME} hashes to {digest[:12]}, not its id; "
+                             f"`specpilot engine verify {engine.id[:12]}`")
+    return json.loads(raw)
+
+
 def manifest_head(manifest: dict) -> dict:
     """Everything a manifest records about how the engine was asked for: all but the files and the base record."""
     return {k: v for k, v in manifest.items() if k not in ("files", "base")}
