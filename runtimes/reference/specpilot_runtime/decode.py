@@ -1,0 +1,119 @@
+"""Greedy decoding of a batch over a static cache: an eager prefill, then one decode step per token, which
+on CUDA is captured once in a CUDA graph and replayed (no per-token host work beyond the replay).
+
+The step reads the current tokens and positions from fixed buffers and writes the next ones back into them,
+so the same graph decodes token after token. It also keeps the two largest logits of each sequence, so a
+run can later tell a near tie (top-1 and top-2 within one bf16 ulp) from a real difference.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+CACHE_ROUNDING = 64  # cache length rounded up to this many positions (aligned keys for the attention kernel)
+
+
+@dataclass
+class Decoded:
+    tokens: torch.Tensor   # [B, N] the greedy tokens: the first from the prefill, the others from decode steps
+    top2: torch.Tensor     # [B, N, 2] float32: the largest and second-largest logit behind each token
+    seconds: float         # wall time of the N - 1 decode steps (prefill excluded), after warm-up
+    graphed: bool
+
+    @property
+    def tokens_per_second(self) -> float:
+        steps = self.tokens.shape[1] - 1
+        return self.tokens.shape[0] * steps / self.seconds if steps and self.seconds > 0 else float("nan")
+
+
+def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | None = None,
+                  warmup_steps: int = 3) -> Decoded:
+    """Greedy-decode `new_tokens` tokens after each of the B prompts [B, P] (all of one length).
+
+    graph: capture the decode step in a CUDA graph (default: on CUDA). Timing starts after `warmup_steps`
+    steps, which are then undone (the tokens and positions reset; the cache entries they wrote are
+    rewritten with the same values by the timed steps)."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    batch, prompt_len = prompts.shape
+    device = model.device
+    graph = device.type == "cuda" if graph is None else graph
+    length = -(-(prompt_len + new_tokens) // CACHE_ROUNDING) * CACHE_ROUNDING
+    cache = model.new_cache(batch, length)
+    logits = prefill(model, prompts.to(device), cache)
+    tokens_out = torch.empty(new_tokens, batch, dtype=torch.long, device=device)
+    top2_out = torch.empty(new_tokens, batch, 2, dtype=torch.float32, device=device)
+    tokens_out[0] = logits.argmax(-1)
+    top2_out[0] = logits.topk(2, dim=-1).values.float()
+
+    step = DecodeStep(model, cache, tokens_out[0], torch.full((batch,), prompt_len, device=device), graph)
+    for _ in range(min(warmup_steps, new_tokens - 1)):
+        step()
+    step.reset(tokens_out[0], prompt_len)
+    _synchronize(device)
+    start = time.perf_counter()
+    for i in range(1, new_tokens):
+        step()
+        tokens_out[i] = step.next_tokens
+        top2_out[i] = step.top2
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    return Decoded(tokens_out.t().cpu(), top2_out.transpose(0, 1).cpu(), seconds, graph)
+
+
+def prefill(model, prompts: torch.Tensor, cache) -> torch.Tensor:
+    """Score the prompts [B, P] from position 0 into `cache`; the logits [B, V] of each prompt's last token."""
+    positions = torch.arange(prompts.shape[1], device=prompts.device).expand(prompts.shape)
+    return model(prompts, positions, cache, last_only=True)[:, -1]
+
+
+class DecodeStep:
+    """One greedy token for every sequence: the forward at `positions`, argmax, then the next token and
+    position written back into `tokens` and `positions`. Captured in a CUDA graph when `graph`."""
+
+    def __init__(self, model, cache, tokens: torch.Tensor, positions: torch.Tensor, graph: bool):
+        self.model, self.cache = model, cache
+        self.tokens = tokens.clone()
+        self.positions = positions.clone()
+        self.next_tokens = torch.empty_like(self.tokens)
+        self.top2 = torch.empty(len(tokens), 2, dtype=torch.float32, device=tokens.device)
+        self.graph = self._capture() if graph else None
+
+    def __call__(self) -> None:
+        if self.graph is None:
+            self._step()
+        else:
+            self.graph.replay()
+
+    def reset(self, tokens: torch.Tensor, position: int) -> None:
+        self.tokens.copy_(tokens)
+        self.positions.fill_(position)
+
+    def _step(self) -> None:
+        logits = self.model(self.tokens[:, None], self.positions[:, None], self.cache)[:, 0]
+        self.next_tokens.copy_(logits.argmax(-1))
+        self.top2.copy_(logits.topk(2, dim=-1).values)
+        self.tokens.copy_(self.next_tokens)
+        self.positions.add_(1)
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        # One eager step first (on a side stream, as capture wants): compiles kernels, sizes workspaces.
+        tokens, positions = self.tokens.clone(), self.positions.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        return graph
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,227 @@
+"""A Qwen3 decoder over a static KV cache: the reference runtime's forward for Qwen3-shaped models.
+
+What Qwen3 has that the llama2.c-style Llama of model.py does not use: head_dim decoupled from
+hidden / heads (5120 hidden, 64 heads of 128 in the 27B shapes), an RMSNorm over each query and key head
+before the rotary embedding (q_norm, k_norm), rotary theta 1e6, and an lm_head not tied to the embedding;
+grouped-query attention as there. The maths is transformers' Qwen3ForCausalLM (its logits are matched in
+tests/test_qwen3_runtime.py); norms take their statistics in float32 and apply the weight in the model dtype,
+as transformers does.
+
+Projections are plain [out, in] `nn.Linear` layers, q/k/v and gate/up each fused into one (one weight read
+per step each), so W12 can replace them in place (`w12.module.apply_w12`, layer by layer: `to_w12`).
+
+The cache is static: [layers, batch, kv_heads, length, head_dim], allocated once per batch. A forward writes
+its tokens' keys and values at their positions by index (no host sync) and attends over the whole cache,
+keys past each query's position masked, so a decode step has fixed shapes and no host work and can be
+captured in a CUDA graph (decode.py). Queries are grouped per KV head ([batch, kv_heads, T * group,
+head_dim]) so attention is one SDPA call with no copy of the cache per query head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int = 4096
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads do not group over {self.num_kv_heads} KV heads")
+        if self.head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def qwen3_shape(config) -> Qwen3Shape:
+    """The shape of a transformers Qwen3Config."""
+    if getattr(config, "attention_bias", False):
+        raise ValueError("attention_bias is not supported by the reference runtime's Qwen3")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope {rope} is not supported by the reference runtime")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    return Qwen3Shape(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, max_positions=config.max_position_embeddings,
+        rope_theta=float(theta), rms_norm_eps=config.rms_norm_eps,
+    )
+
+
+class StaticCache:
+    """Keys and values of `batch` sequences, up to `length` positions each."""
+
+    def __init__(self, shape: Qwen3Shape, batch: int, length: int, dtype: torch.dtype, device):
+        size = (shape.num_layers, batch, shape.num_kv_heads, length, shape.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.rows = torch.arange(batch, device=device)[:, None]
+        self.key_positions = torch.arange(length, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[3]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _projection(rows: int, cols: int, dtype, device) -> nn.Linear:
+    return nn.utils.skip_init(nn.Linear, cols, rows, bias=False, dtype=dtype, device=device)
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, s: Qwen3Shape, dtype, device):
+        super().__init__()
+        self.shape = s
+        self.qkv = _projection((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.hidden_size, dtype, device)
+        self.o = _projection(s.hidden_size, s.num_heads * s.head_dim, dtype, device)
+        self.gate_up = _projection(2 * s.intermediate_size, s.hidden_size, dtype, device)
+        self.down = _projection(s.hidden_size, s.intermediate_size, dtype, device)
+        ones = lambda n: nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
+        self.input_norm, self.post_norm = ones(s.hidden_size), ones(s.hidden_size)
+        self.q_norm, self.k_norm = ones(s.head_dim), ones(s.head_dim)
+
+    def forward(self, x, cos, sin, positions, mask, k_cache, v_cache, rows):
+        s = self.shape
+        batch, steps, _ = x.shape
+        eps = s.rms_norm_eps
+        qkv = self.qkv(rms_norm(x, self.input_norm, eps)).view(batch, steps, -1, s.head_dim)
+        q, k, v = qkv.split([s.num_heads, s.num_kv_heads, s.num_kv_heads], dim=2)
+        q = rotate(rms_norm(q, self.q_norm, eps), cos, sin)
+        k = rotate(rms_norm(k, self.k_norm, eps), cos, sin)
+        k_cache[rows, :, positions] = k  # [batch, steps, kv_heads, head_dim] at each token's position
+        v_cache[rows, :, positions] = v
+        # Query head h reads KV head h // group: rows of one KV head are (token, head in group), token-major.
+        q = q.reshape(batch, steps, s.num_kv_heads, s.group, s.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.reshape(batch, s.num_kv_heads, steps * s.group, s.head_dim),
+                                           k_cache, v_cache, attn_mask=mask)
+        o = o.view(batch, s.num_kv_heads, steps, s.group * s.head_dim).transpose(1, 2)
+        x = x + self.o(o.reshape(batch, steps, s.num_heads * s.head_dim))
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Qwen3(nn.Module):
+    """Qwen3ForCausalLM's forward. Projection weights start uninitialised: load or draw them."""
+
+    def __init__(self, shape: Qwen3Shape, dtype: torch.dtype = torch.bfloat16, device="cpu"):
+        super().__init__()
+        s = self.shape = shape
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, dtype=dtype, device=device),
+                                  requires_grad=False)
+        self.layers = nn.ModuleList(Qwen3Layer(s, dtype, device) for _ in range(s.num_layers))
+        self.norm = nn.Parameter(torch.ones(s.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.lm_head = _projection(s.vocab_size, s.hidden_size, dtype, device)
+        cos, sin = _rope_tables(s)
+        self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def new_cache(self, batch: int, length: int) -> StaticCache:
+        if length > self.shape.max_positions:
+            raise ValueError(f"a cache of {length} positions exceeds max_positions {self.shape.max_positions}")
+        return StaticCache(self.shape, batch, length, self.dtype, self.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (model dtype) of tokens [B, T] at positions [B, T], writing their keys and
+        values into `cache` (batch B); `last_only`: of the last token only ([B, 1, V])."""
+        s = self.shape
+        batch, steps = tokens.shape
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        # Query row (token t, head g of a group) sees the keys at or before t's position.
+        visible = cache.key_positions <= positions[..., None]
+        mask = visible[:, None, :, None].expand(batch, 1, steps, s.group, cache.length).reshape(
+            batch, 1, steps * s.group, cache.length)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, mask, cache.k[i], cache.v[i], cache.rows)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(rms_norm(x, self.norm, s.rms_norm_eps))
+
+    def projections(self):
+        """(name, nn.Linear) of every layer's four weights: what W12 replaces."""
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                yield f"layers.{i}.{name}", getattr(layer, name)
+
+    def to_w12(self, lm_head: bool = False, progress=None) -> None:
+        """Every layer's projections (and the lm_head, if asked) in W12 form, layer by layer in place: each
+        bf16 weight is freed once its encoding exists, so the peak is the bf16 model plus one layer's
+        encodings, not both models."""
+        from w12.module import W12Linear, apply_w12  # kernels/w12 (on PYTHONPATH from <engine>/kernels)
+
+        for i, layer in enumerate(self.layers):
+            apply_w12(layer)
+            if progress:
+                progress(i)
+        if lm_head:
+            self.lm_head = W12Linear.from_linear(self.lm_head)
+
+
+def _rope_tables(s: Qwen3Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [position, head_dim] in float32, computed as transformers does."""
+    inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
+    freqs = torch.outer(torch.arange(s.max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def from_transformers(hf_model, device=None) -> Qwen3:
+    """A Qwen3 holding the weights of a transformers Qwen3ForCausalLM (q/k/v and gate/up concatenated)."""
+    shape = qwen3_shape(hf_model.config)
+    source = hf_model.model
+    dtype = source.embed_tokens.weight.dtype
+    model = Qwen3(shape, dtype, device or source.embed_tokens.weight.device)
+    with torch.no_grad():
+        model.embed.copy_(source.embed_tokens.weight)
+        model.norm.copy_(source.norm.weight)
+        model.lm_head.weight.copy_(hf_model.lm_head.weight)
+        for ours, theirs in zip(model.layers, source.layers):
+            att, mlp = theirs.self_attn, theirs.mlp
+            ours.qkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]))
+            ours.o.weight.copy_(att.o_proj.weight)
+            ours.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            ours.down.weight.copy_(mlp.down_proj.weight)
+            ours.input_norm.copy_(theirs.input_layernorm.weight)
+            ours.post_norm.copy_(theirs.post_attention_layernorm.weight)
+            ours.q_norm.copy_(att.q_norm.weight)
+            ours.k_norm.copy_(att.k_norm.weight)
+    return model
