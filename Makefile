@@ -20,7 +20,7 @@ ARMS ?= ar,stock,final
 SETTINGS ?= $(SETTING)
 FAST_MARKERS := not slow and not gpu and not sglang
 
-.PHONY: setup demo test test-fast fuzz engine show verify-engine ls sweep lock models serve stop bench compare score verify diff
+.PHONY: setup demo test test-fast fuzz engine show verify-engine ls sweep lock models serve stop bench compare score verify diff bundle
 
 $(STAMP): pyproject.toml
 	@echo "installing SpecPilot and its pinned dependencies into $(VENV) (first time: a few minutes)"
@@ -83,3 +83,6 @@ verify: $(STAMP)
 
 diff: $(STAMP)
 	$(SP) diff $(A) $(B) $(DIFF_FLAGS)
+
+bundle: $(STAMP)
+	$(SP) bundle $(ENGINE) $(if $(HOST),--host $(HOST)) $(if $(ENV_DIR),--env $(ENV_DIR)) --part-mb $(or $(PART_MB),60) $(if $(OUT),--out $(OUT))

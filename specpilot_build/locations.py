@@ -31,6 +31,13 @@ def engines_dir() -> Path:
     return Path(os.environ.get("SPECPILOT_ENGINES") or REPO_ROOT / "engines").expanduser().resolve()
 
 
+def environment_dir() -> Path | None:
+    """An installed bundle's environment ($SPECPILOT_ENV, set by the prefix's bin/specpilot): serve puts it on
+    the engine's PYTHONPATH after the engine tree's own entries. Unset or empty: none."""
+    value = os.environ.get("SPECPILOT_ENV")
+    return Path(value).expanduser().resolve() if value else None
+
+
 def lockfiles_dir() -> Path:
     """Pins: $SPECPILOT_LOCKFILES (e.g. a test lock), default <repo>/lockfiles."""
     return Path(os.environ.get("SPECPILOT_LOCKFILES") or REPO_ROOT / "lockfiles").expanduser().resolve()

@@ -18,6 +18,7 @@ ALLOWED = {
     "measure": {"run", "store", "hub"},
     "run": {"store", "hub"},
     "build": {"store", "config", "hub"},
+    "bundle": {"store", "hub"},
     "store": set(),
     "config": set(),
     "hub": set(),

@@ -178,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", action="store_true", help="show unified diffs of changed text files")
     p.set_defaults(handler=_diff)
 
+    p = verbs.add_parser("bundle", help="engines, their models, environment and SpecPilot as one archive in parts, "
+                                        "with an index and a standard-library installer, for an air-gapped host")
+    p.add_argument("engines", nargs="+", metavar="ENGINE", help="engine id(s) or unique prefixes (one prefix serves them all)")
+    p.add_argument("--host", default=None, help="host profile (lockfiles/hosts/<host>.toml) whose environment to include")
+    p.add_argument("--env", type=Path, default=None, help="an environment directory to include as <prefix>/env "
+                                                          "(first on the engine's PYTHONPATH after its tree)")
+    p.add_argument("--part-mb", type=float, default=60.0, help="largest part in MiB (default 60; the host takes 64)")
+    p.add_argument("--out", type=Path, default=None, help="folder to write (default <data>/bundles/<archive id>)")
+    p.set_defaults(handler=_bundle)
+
     p = verbs.add_parser("demo", help="build, serve, bench, compare, score and verify one setting's three arms")
     p.add_argument("--setting", default=DEFAULT_SETTING)
     p.add_argument("--limit", type=int, default=3, help="items per dataset")
@@ -411,6 +421,29 @@ def _stop(args) -> int:
     from specpilot_build.run.serve import stop
 
     print(stop(args.port))
+    return 0
+
+
+def _bundle(args) -> int:
+    import time
+
+    from specpilot_build.bundle.pack import make_bundle
+    from specpilot_build.store.engines import resolve_engine
+
+    if args.host is not None:
+        raise SpecPilotError(f"--host {args.host}: building a host's pruned environment is not available in this "
+                             "checkout yet; pass the installed environment directory with --env DIR")
+    if not args.part_mb > 0:
+        raise SpecPilotError(f"--part-mb {args.part_mb}: must be more than 0")
+    engines = [resolve_engine(ref) for ref in args.engines]
+    start = time.monotonic()
+    result = make_bundle(engines, part_bytes=int(args.part_mb * 2**20), env_dir=args.env, host=args.host,
+                         out=args.out)
+    archive = result.index["archive"]
+    print(f"{archive['id']}  {result.path}")
+    print(f"{archive['size']:,} bytes in {len(result.index['parts'])} part(s) of at most {archive['part_bytes']:,} "
+          f"bytes, {time.monotonic() - start:.1f} s; on the host: python3 {result.path}/install.py "
+          f"{result.path} PREFIX")
     return 0
 
 

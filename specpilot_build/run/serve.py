@@ -20,7 +20,7 @@ from pathlib import Path
 from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.checkpoints import model_dirs
-from specpilot_build.locations import data_dir
+from specpilot_build.locations import data_dir, environment_dir
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
 
 HOST = "127.0.0.1"
@@ -90,6 +90,11 @@ def launch_command(engine: Engine, models: dict[str, Path], port: int) -> tuple[
               "port": str(port), "model": str(models.get("model", "")), "draft_model": str(models.get("drafter", ""))}
     argv = [arg.format(**values) for arg in spec["argv"]]
     env = {key: value.format(**values) for key, value in spec["env"].items()}
+    extra = environment_dir()
+    if extra is not None:  # an installed bundle's environment: after the tree, so the hashed engine files win
+        if not extra.is_dir():
+            raise SpecPilotError(f"SPECPILOT_ENV={extra}: not a directory (the environment of an installed bundle)")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(extra)) if p)
     return argv, env
 
 
