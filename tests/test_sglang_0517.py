@@ -2,7 +2,7 @@
 0.5.23, chosen per setting with the runtime option conf/runtime/sglang-0.5.17.yaml (`runtime=sglang-0.5.17`).
 
 Its pin, its pruning rules, its own cut of the engine-id patch, and the clear refusals: the 0.5.23 patches on
-0.5.17's files, W12 (whose overlay is 0.5.23's), and — in this builder environment — the build-time flag check,
+0.5.17's files (W12's 0.5.17 cut: tests/test_w12_0517.py), and — in this builder environment — the build-time flag check,
 which cannot import 0.5.17's server_args on CPU (module-level torchvision and function-call imports)."""
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from specpilot_build.hub.lockfile import WheelPin, load_lock
 from specpilot_build.locations import REPO_ROOT
 
 PADDED = "h200_c1_stories260k-padded_ngram"
-PADDED_BF16 = "h200_c1_stories260k-padded-bf16_ngram"
 OLD = ["runtime=sglang-0.5.17"]
 HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"
 ENGINE_ID_LINE = '"engine_id": os.environ.get("SPECPILOT_ENGINE_ID")'
@@ -62,13 +61,6 @@ def test_the_runtime_option_selects_the_0517_pin_and_its_overlay(arm):
     assert inputs.config["runtime"]["launch_args"]["attention-backend"] == "triton"  # the setting's, kept
     default = resolve_inputs(compose_setting(PADDED, arm), load_lock(REPO_ROOT / "lockfiles"))
     assert default.runtime_record["version"] == "0.5.23"
-
-
-def test_w12_on_0517_is_refused_naming_the_overlay_and_the_runtime():
-    composed = compose_setting(PADDED_BF16, "final", OLD)
-    with pytest.raises(SpecPilotError, match=r"overlays/w12/overlay.toml: applies to runtime 'sglang', "
-                                             r"but this setting runs 'sglang-0.5.17'"):
-        resolve_inputs(composed, load_lock(REPO_ROOT / "lockfiles"))
 
 
 def _tree_with_http_server(wheel: Path, root: Path, dist_info: bool) -> Path:

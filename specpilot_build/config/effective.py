@@ -26,7 +26,9 @@ def effective_config(config: dict) -> dict:
         kernels += [k for k in mech.get("kernels", []) if k not in kernels]
         runtime_options.update(mech.get("runtime_options", {}))
         launch_args.update(mech.get("launch_args", {}))
-    cfg["mechanisms"] = [{"name": m["name"], "overlay": m.get("overlay")} for m in mechanisms]
+    runtime = cfg["runtime"]["name"]
+    cfg["mechanisms"] = [{"name": m["name"], "overlay": (m.get("overlay_cuts") or {}).get(runtime, m.get("overlay"))}
+                         for m in mechanisms]
     cfg["runtime_options"] = runtime_options
     cfg["kernels"] = kernels
     cfg["runtime"]["launch_args"] = launch_args

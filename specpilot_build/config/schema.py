@@ -95,6 +95,8 @@ class Mechanism:
     override (metadata `patches`): a Drafter or Model field, a reference-runtime option."""
 
     overlay: Optional[str] = None
+    # runtime name -> that runtime's own cut of `overlay`, used instead of it there (e.g. sglang-0.5.17: w12-0.5.17)
+    overlay_cuts: Dict[str, str] = field(default_factory=dict)
     launch_args: Dict[str, Any] = field(default_factory=dict)  # SGLang server arguments
     model: Dict[str, Any] = field(default_factory=dict, metadata={"patches": Model})  # e.g. quantization
     drafter: Dict[str, Any] = field(default_factory=dict, metadata={"patches": Drafter})
@@ -401,9 +403,25 @@ def _check_mechanism(name: str, mech: dict, runtime: str, src: _Sources) -> None
         if not _type_ok(value, expected):
             raise ConfigError(f"{path} is {value!r} ({where}); the reference runtime takes {expected.__name__}")
         _check_bounds(RUNTIME_OPTION_RANGES.get(key, {}), value, path, where)
+    _check_overlay_cuts(at, mech, where_of)
     if mech.get("launch_args") and runtime != "sglang" and not runtime.startswith("sglang-"):  # sglang-<version>
         raise ConfigError(f"{at}.launch_args ({where_of(at + '.launch_args')}): launch arguments are SGLang's; this setting runs {runtime} "
                           f"(the reference runtime takes runtime_options)")
+
+
+def _check_overlay_cuts(at: str, mech: dict, where_of) -> None:
+    """A cut replaces the mechanism's overlay for a runtime that exists (conf/runtime/<name>.yaml)."""
+    from specpilot_build.locations import conf_dir
+
+    cuts = mech.get("overlay_cuts") or {}
+    if cuts and not mech.get("overlay"):
+        raise ConfigError(f"{at}.overlay_cuts ({where_of(at + '.overlay_cuts')}): cuts of an overlay need the "
+                          f"mechanism's own `overlay`")
+    known = sorted(p.stem for p in (conf_dir() / "runtime").glob("*.yaml"))
+    for runtime in cuts:
+        if runtime not in known:
+            raise ConfigError(f"{at}.overlay_cuts.{runtime} ({where_of(f'{at}.overlay_cuts.{runtime}')}): no runtime "
+                              f"'{runtime}' (conf/runtime/{runtime}.yaml); known: {', '.join(known)}")
 
 
 # collisions ---------------------------------------------------------------------------------------------

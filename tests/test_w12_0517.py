@@ -1,0 +1,179 @@
+"""W12 on SGLang 0.5.17: the w12-weights mechanism picks overlays/w12-0.5.17 there (`overlay_cuts`), whose patches
+apply strictly to the pinned 0.5.17 wheel's files, whose method module is overlays/w12's code, and which — loaded
+from a 0.5.17 tree against that release's own quantization base classes — encodes a real bf16 layer of stories260K
+to W12 planes at load, decodes it back bit for bit and computes it exactly on CPU."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specpilot_build.build.inputs import resolve_inputs
+from specpilot_build.build.overlay import apply_overlays, overlay_inputs
+from specpilot_build.config.compose import compose_setting
+from specpilot_build.config.effective import effective_config
+from specpilot_build.errors import ConfigError, SpecPilotError
+from specpilot_build.hub.lockfile import load_lock
+from specpilot_build.locations import KERNELS_DIR, OVERLAYS_DIR, REPO_ROOT
+
+PADDED_BF16 = "h200_c1_stories260k-padded-bf16_ngram"
+OLD = ["runtime=sglang-0.5.17"]
+METHOD = "python/sglang/srt/layers/quantization/w12.py"
+REGISTRY = "python/sglang/srt/layers/quantization/__init__.py"
+CHOICES = "python/sglang/srt/server_args.py"
+
+
+@pytest.fixture(scope="module")
+def wheel(session_data) -> Path:
+    from specpilot_build.build.runtime_base import wheel_file
+
+    pin = load_lock(REPO_ROOT / "lockfiles").runtimes["sglang-0.5.17"]
+    path = wheel_file(pin)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == pin.sha256
+    return path
+
+
+def _cfg(overrides=OLD) -> dict:
+    return effective_config(compose_setting(PADDED_BF16, "final", list(overrides)).config)
+
+
+def test_the_mechanism_picks_the_0517_cut_on_0517_and_overlays_w12_on_0523():
+    lock = load_lock(REPO_ROOT / "lockfiles")
+    old = resolve_inputs(compose_setting(PADDED_BF16, "final", OLD), lock)
+    new = resolve_inputs(compose_setting(PADDED_BF16, "final"), lock)
+    assert [o["name"] for o in old.overlays] == ["engine-id-0.5.17", "w12-0.5.17"]
+    assert [o["name"] for o in new.overlays] == ["engine-id", "w12"]
+    assert [k.name for k in old.kernels] == ["w12"]
+    assert old.config["model"]["quantization"] == "w12"
+    assert old.config["mechanisms"][1] == {"name": "w12-weights", "overlay": "w12-0.5.17"}
+
+
+def test_each_w12_overlay_is_refused_on_the_other_release():
+    with pytest.raises(SpecPilotError, match=r"overlays/w12/overlay.toml: applies to runtime 'sglang', "
+                                             r"but this setting runs 'sglang-0.5.17'"):
+        overlay_inputs(["w12"], _cfg())
+    with pytest.raises(SpecPilotError, match=r"overlays/w12-0.5.17/overlay.toml: applies to runtime "
+                                             r"'sglang-0.5.17', but this setting runs 'sglang'"):
+        overlay_inputs(["w12-0.5.17"], _cfg([]))
+
+
+def test_a_cut_for_a_runtime_that_does_not_exist_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"final.mechanisms.w12-weights.overlay_cuts.vllm .*no runtime "
+                                          r"'vllm'"):
+        compose_setting(PADDED_BF16, "final", ["+final.mechanisms.w12-weights.overlay_cuts.vllm=w12"])
+
+
+def test_the_method_module_is_overlays_w12s_code():
+    """One method, two cuts: only the header comment differs, so a fix to one cannot silently miss the other."""
+    ours = (OVERLAYS_DIR / "w12-0.5.17" / "files" / METHOD).read_text().splitlines()
+    theirs = (OVERLAYS_DIR / "w12" / "files" / METHOD).read_text().splitlines()
+    assert ours[0] != theirs[0] and "w12-0.5.17" in ours[0]
+    assert ours[1:] == theirs[1:]
+
+
+def _tree_from_wheel(wheel: Path, root: Path) -> Path:
+    """The wheel unpacked under root/python as the builder lays it (dist-info included, so the version is read)."""
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(root / "python")
+    return root
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_the_0517_cut_applies_strictly_to_the_pinned_wheel_and_the_0523_cut_does_not(wheel, tmp_path):
+    cfg = _cfg()
+    tree = _tree_from_wheel(wheel, tmp_path / "a")
+    [record] = apply_overlays(tree, overlay_inputs(["w12-0.5.17"], cfg), cfg)
+    assert [(f["path"], f["before"] is None) for f in record["files"]] == [
+        (REGISTRY, False), (METHOD, True), (CHOICES, False)]
+    registry, choices = (tree / REGISTRY).read_text(), (tree / CHOICES).read_text()
+    assert "from sglang.srt.layers.quantization.w12 import W12Config" in registry
+    assert '    "w12": W12Config,  # SpecPilot (overlays/w12-0.5.17)\n}' in registry  # inside BASE_QUANTIZATION_METHODS
+    quantization_choices = choices[choices.index("QUANTIZATION_CHOICES = ["):]
+    assert '"w12"' in quantization_choices[:quantization_choices.index("]")]
+    for rel in (REGISTRY, CHOICES, METHOD):
+        compile((tree / rel).read_text(), rel, "exec")
+    # 0.5.23's cut on 0.5.17's files, with no dist-info to read the version from: the strict patcher names the hunk
+    plain = _tree_from_wheel(wheel, tmp_path / "b")
+    shutil.rmtree(plain / "python" / "sglang-0.5.17.dist-info")
+    new_cfg = _cfg([])
+    with pytest.raises(SpecPilotError, match=r"overlay w12: patches/0001-register-w12.patch: .*__init__.py: "
+                                             r"hunk #1 .* does not apply"):
+        apply_overlays(plain, overlay_inputs(["w12"], new_cfg), new_cfg)
+
+
+# Run in a child Python with the overlaid 0.5.17 tree first on sys.path. SGLang 0.5.17's sglang.srt.utils imports
+# torchvision at module level for JPEG decoding only; PyPI's torchvision wheels are CUDA builds that do not load
+# beside CPU torch, so when the real one cannot be imported the child gets a torchvision whose decode_jpeg raises.
+# Everything the W12 method touches (base_config, set_weight_attrs, the overlay module, kernels/w12) is real.
+_RUN_0517_METHOD = r"""
+import importlib, json, sys, types
+import torch, torch.nn.functional as F
+from safetensors.torch import load_file
+import sglang.srt.layers as layers
+# The quantization package's __init__ imports every method (some GPU-only); register the package without running
+# it, so 0.5.17's base_config and the overlay's module load from the tree as they are.
+package = types.ModuleType("sglang.srt.layers.quantization")
+package.__path__ = [layers.__path__[0] + "/quantization"]
+sys.modules[package.__name__] = package
+overlay = importlib.import_module("sglang.srt.layers.quantization.w12")
+base = importlib.import_module("sglang.srt.layers.quantization.base_config")
+import w12
+overlay.ENCODE_ROWS = 50  # several encode chunks joined by w12.cat
+weights = load_file(sys.argv[1])
+out = {"from": [overlay.__file__, base.__file__],
+       "abstract_left": sorted(overlay.W12Config.__abstractmethods__ | overlay.W12LinearMethod.__abstractmethods__),
+       "bases": [issubclass(overlay.W12Config, base.QuantizationConfig),
+                 issubclass(overlay.W12LinearMethod, base.LinearMethodBase)],
+       "round_trip": [], "exact": []}
+cfg = overlay.W12Config.from_config({})
+out["name"], out["files"] = cfg.get_name(), cfg.get_config_filenames()
+for name, with_bias in (("model.layers.0.mlp.gate_proj.weight", False), ("model.layers.3.mlp.down_proj.weight", True)):
+    w = weights[name].to(torch.bfloat16)
+    layer, method = torch.nn.Module(), overlay.W12LinearMethod()
+    method.create_weights(layer, w.shape[1], [w.shape[0]], w.shape[1], w.shape[0], torch.bfloat16,
+                          weight_loader=lambda p, t: p.data.copy_(t))
+    layer.weight.weight_loader(layer.weight, w)
+    method.process_weights_after_loading(layer)
+    out["round_trip"].append(isinstance(layer.w12_weight, w12.W12Tensor)
+                             and torch.equal(w12.decode(layer.w12_weight).view(torch.int16), w.view(torch.int16)))
+    bias = torch.randn(w.shape[0]).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(7, w.shape[1]).to(torch.bfloat16)
+    out["exact"].append(torch.equal(method.apply(layer, x, bias), F.linear(x, w, bias)))
+    out["weight_freed"] = "weight" not in dict(layer.named_parameters())
+print("RESULT " + json.dumps(out))
+"""
+
+_TORCHVISION_JPEG_ONLY = "def decode_jpeg(*args, **kwargs):\n    raise RuntimeError('no torchvision here')\n"
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_the_0517_method_encodes_a_real_layer_to_w12_and_back_bit_exactly_against_0517s_base_classes(
+        wheel, tmp_path, stories_dir):
+    cfg = _cfg()
+    tree = _tree_from_wheel(wheel, tmp_path / "engine")
+    apply_overlays(tree, overlay_inputs(["w12-0.5.17"], cfg), cfg)
+    path = [f"{tree}/python", str(KERNELS_DIR)]
+    if subprocess.run([sys.executable, "-c", "import torchvision.io"], capture_output=True).returncode != 0:
+        stand_in = tmp_path / "torchvision-jpeg-only" / "torchvision"
+        (stand_in / "io").mkdir(parents=True)
+        (stand_in / "__init__.py").write_text("")
+        (stand_in / "io" / "__init__.py").write_text(_TORCHVISION_JPEG_ONLY)
+        path.append(str(stand_in.parent))
+    env = {**os.environ, "PYTHONPATH": ":".join(path), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RUN_0517_METHOD, str(stories_dir / "model.safetensors")],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, proc.stderr[-2000:]
+    result = json.loads(line[len("RESULT "):])
+    assert result.pop("from") == [f"{tree}/{METHOD}", f"{tree}/python/sglang/srt/layers/quantization/base_config.py"]
+    assert result == {"abstract_left": [], "bases": [True, True], "round_trip": [True, True],
+                      "exact": [True, True], "name": "w12", "files": [], "weight_freed": True}
