@@ -1,0 +1,216 @@
+"""End to end, issue #18 item 4: the reference runtime greedy-decodes a Qwen3-shaped model at the seed's 27B
+shapes with bf16 weights, then with the same weights in W12, the decode step replayed from a CUDA graph, at
+batch 1, 8, 16 and 32; one table side by side (results in qwen3_e2e.md).
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=kernels:runtimes/reference python3 benchmarks/qwen3_e2e.py --family normal
+
+27B shapes: hidden 5120, 64 layers, 64 query heads and 8 KV heads of 128 (qkv 10240x5120, o 5120x8192),
+intermediate 17408 (gate_up 34816x5120, down 5120x17408), vocab 151936, untied lm_head. Weights are drawn on
+the device from a w12.families family (no download), one seed per matrix; norm weights are 1. bf16 needs
+about 57 GB. Each batch decodes --prompt-tokens random ids per sequence (seeded per batch, the same prompts
+for both formats) and --new-tokens greedy tokens: the first from the prefill (eager), the rest one graph
+replay each; tok/s counts the decode steps only, timed after warm-up steps. Then the 64 layers' 256
+projections are encoded to W12 in place, layer by layer, each bf16 weight freed once encoded, and every
+batch decodes again. The lm_head stays bf16 in both runs by default (--lm-head w12 encodes it too): the
+comparison is of the 256 layer matrices, and the logits that decide a near tie come from the same kernel.
+
+Tokens: per batch, how many sequences came out identical; for each that did not, its first divergence is
+classified from the bf16 run's logits at that token (same context in both runs up to there): a near tie
+when its top-1 and top-2 logits are within one bf16 ulp of the top-1 value, else a real difference.
+
+Needs torch (CUDA), triton, numpy and the w12 package only. `--device cpu` with small shapes checks the
+whole path on a laptop (no graphs; W12 decodes the weights for F.linear there):
+
+    PYTHONPATH=kernels:runtimes/reference python3 benchmarks/qwen3_e2e.py --device cpu --layers 2 \\
+        --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 --head-dim 64 --vocab 2048 \\
+        --batches 1,4 --prompt-tokens 16 --new-tokens 16
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+
+import torch
+
+from specpilot_runtime.decode import Decoded, greedy_decode
+from specpilot_runtime.qwen3 import Qwen3, Qwen3Shape
+from w12.families import FAMILIES, draw
+
+START = time.perf_counter()
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device visible to torch {torch.__version__}")
+    torch.set_grad_enabled(False)
+    shape = Qwen3Shape(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        max_positions=max(4096, args.prompt_tokens + args.new_tokens))
+    say(f"{_device_name(device)}, torch {torch.__version__}; {shape}")
+    model = drawn_model(shape, args.family, args.seed, device)
+    bf16_bytes = _weight_bytes(model)
+    prompts = {b: torch.randint(0, shape.vocab_size, (b, args.prompt_tokens),
+                                generator=torch.Generator().manual_seed(args.seed + b)) for b in args.batches}
+    graph = not args.eager and device.type == "cuda"
+
+    bf16 = {b: decode(model, "bf16", prompts[b], args, graph) for b in args.batches}
+    _release_memory(device)
+    say("encoding to W12 in place, layer by layer")
+    model.to_w12(lm_head=args.lm_head == "w12", progress=lambda i: (i + 1) % 16 == 0 and say(
+        f"  W12: {i + 1}/{shape.num_layers} layers encoded{_memory(device)}"))
+    _release_memory(device)
+    w12_bytes, escapes, encoded = _w12_size(model)
+    say(f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB (bf16 {bf16_bytes / 1e9:.2f} GB), "
+        f"escapes {escapes}{_memory(device)}")
+    w12 = {b: decode(model, "W12", prompts[b], args, graph) for b in args.batches}
+
+    rows = [compare(args.family, b, bf16[b], w12[b]) for b in args.batches]
+    print(table(rows))
+    if args.out:
+        record = dict(device=_device_name(device), torch=torch.__version__, shape=shape.__dict__,
+                      family=args.family, seed=args.seed, prompt_tokens=args.prompt_tokens,
+                      new_tokens=args.new_tokens, lm_head=args.lm_head, cuda_graphs=graph,
+                      bf16_weight_bytes=bf16_bytes, w12_weight_bytes=w12_bytes, w12_escapes=escapes,
+                      rows=rows, seconds=time.perf_counter() - START)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        say(f"wrote {args.out}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="normal", choices=FAMILIES, help="weight family (w12.families)")
+    p.add_argument("--layers", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--intermediate", type=int, default=17408)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--batches", default="1,8,16,32", help="comma-separated batch sizes")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--lm-head", choices=("bf16", "w12"), default="bf16")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (one launch at a time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", help="write the rows and the run's settings to this JSON file")
+    args = p.parse_args()
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches {args.batches!r}: expected comma-separated integers")
+    if min(args.batches) < 1 or args.new_tokens < 2 or args.prompt_tokens < 1:
+        p.error("--batches must be >= 1, --new-tokens >= 2, --prompt-tokens >= 1")
+    return args
+
+
+def drawn_model(shape: Qwen3Shape, family: str, seed: int, device: torch.device) -> Qwen3:
+    """The model with every matrix drawn from `family` on `device` (seed + a fixed offset per matrix)."""
+    model = Qwen3(shape, torch.bfloat16, device)
+    model.embed.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed, device))
+    model.lm_head.weight.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed + 1, device))
+    for i, (name, linear) in enumerate(model.projections()):
+        linear.weight.copy_(draw(family, *linear.weight.shape, seed + 2 + i, device))
+        if (i + 1) % 64 == 0:
+            say(f"  drew {i + 1} matrices ({name}){_memory(device)}")
+    _synchronize(device)
+    say(f"drew {family} weights: {_weight_bytes(model) / 1e9:.2f} GB bf16{_memory(device)}")
+    return model
+
+
+def decode(model: Qwen3, label: str, prompts: torch.Tensor, args, graph: bool) -> Decoded:
+    result = greedy_decode(model, prompts, args.new_tokens, graph=graph, warmup_steps=args.warmup_steps)
+    steps = args.new_tokens - 1
+    say(f"{label} batch {prompts.shape[0]:2d}: {result.tokens_per_second:9.1f} tok/s, "
+        f"{1e3 * result.seconds / steps:7.2f} ms/step ({'graph' if result.graphed else 'eager'})")
+    _release_memory(model.device)
+    return result
+
+
+def compare(family: str, batch: int, bf16: Decoded, w12: Decoded) -> dict:
+    """Speed and token identity of one batch; each divergence classified from the bf16 logits there."""
+    divergences = []
+    for b in range(batch):
+        differ = (bf16.tokens[b] != w12.tokens[b]).nonzero()
+        if len(differ):
+            at = int(differ[0])
+            top1, top2 = (float(v) for v in bf16.top2[b, at])
+            gap_ulps = (top1 - top2) / bf16_ulp(top1)
+            divergences.append(dict(sequence=b, token=at, bf16_top1=top1, bf16_top2=top2, gap_ulps=gap_ulps,
+                                    near_tie=gap_ulps <= 1.0, w12_top2=[float(v) for v in w12.top2[b, at]]))
+    steps = bf16.tokens.shape[1] - 1
+    return dict(
+        family=family, batch=batch,
+        bf16_tok_s=bf16.tokens_per_second, w12_tok_s=w12.tokens_per_second,
+        bf16_ms_step=1e3 * bf16.seconds / steps, w12_ms_step=1e3 * w12.seconds / steps,
+        speedup=w12.tokens_per_second / bf16.tokens_per_second,
+        identical=batch - len(divergences), diverged=len(divergences),
+        near_ties=sum(d["near_tie"] for d in divergences), divergences=divergences,
+        cuda_graphs=bf16.graphed and w12.graphed,
+    )
+
+
+def bf16_ulp(value: float) -> float:
+    """The spacing of bf16 numbers at |value| (8 significant bits)."""
+    if value == 0 or not math.isfinite(value):
+        return float("inf") if not math.isfinite(value) else 2.0 ** -133
+    return 2.0 ** (math.frexp(abs(value))[1] - 8)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
+             "| identical | diverged | near ties |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['family']} | {r['batch']} | {r['bf16_tok_s']:.1f} | {r['w12_tok_s']:.1f} "
+                     f"| {r['speedup']:.3f} | {r['bf16_ms_step']:.2f} | {r['w12_ms_step']:.2f} "
+                     f"| {r['identical']}/{r['batch']} | {r['diverged']} | {r['near_ties']}/{r['diverged']} |")
+    return "\n".join(lines)
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - START:7.1f}s] {message}", flush=True)
+
+
+def _weight_bytes(model: Qwen3) -> int:
+    return sum(linear.weight.numel() * 2 for _, linear in model.projections())
+
+
+def _w12_size(model: Qwen3) -> tuple[int, int, int]:
+    """(bytes, escapes, matrices) of the W12-encoded layer projections."""
+    packed = [layer.packed for _, layer in model.projections() if hasattr(layer, "packed")]
+    return sum(p.nbytes() for p in packed), sum(p.escapes for p in packed), len(packed)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _memory(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    return f" [GPU {torch.cuda.memory_allocated(device) / 1e9:.1f} GB, peak {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB]"
+
+
+def _release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The reference runtime's Qwen3 forward (specpilot_runtime.qwen3) and greedy decoding over its static cache
+(specpilot_runtime.decode), at tiny shapes on CPU, against transformers' own Qwen3ForCausalLM."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from specpilot_runtime.decode import greedy_decode
+from specpilot_runtime.qwen3 import from_transformers, qwen3_shape
+
+VOCAB = 256
+
+
+def tiny_qwen3(dtype=torch.float32, seed=0) -> Qwen3ForCausalLM:
+    """hidden 64, 2 layers, 4 query heads over 2 KV heads of 32 (head_dim != hidden / heads), untied lm_head;
+    norm weights drawn too, so a q/k norm left out or misplaced shows."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attn_implementation="eager")
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.08)
+    return model.to(dtype)
+
+
+def prompts(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_shape_is_read_from_the_transformers_config():
+    shape = qwen3_shape(tiny_qwen3().config)
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group) == (4, 2, 32, 2)
+    assert shape.rope_theta == 1e6
+
+
+@torch.inference_mode()
+def test_forward_equals_transformers_logits_prefill_and_cached_steps():
+    hf = tiny_qwen3()
+    model = from_transformers(hf)
+    tokens = prompts(3, 12)
+    expected = hf(tokens).logits
+    cache = model.new_cache(3, 64)
+    positions = torch.arange(12).expand(3, 12)
+    # The first 9 tokens as a prefill, then one token at a time through the cache.
+    got = [model(tokens[:, :9], positions[:, :9], cache)]
+    for t in range(9, 12):
+        got.append(model(tokens[:, t:t + 1], positions[:, t:t + 1], cache))
+    got = torch.cat(got, dim=1)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_static_cache_greedy_equals_full_recompute():
+    hf = tiny_qwen3(seed=2)
+    model = from_transformers(hf)
+    tokens = prompts(3, 10, seed=3)
+    decoded = greedy_decode(model, tokens, new_tokens=12)
+    sequence = tokens
+    for _ in range(12):  # transformers recomputing the whole sequence for every token, no cache
+        logits = hf(sequence, use_cache=False).logits[:, -1]
+        sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
+    assert decoded.tokens.tolist() == sequence[:, 10:].tolist()
+    assert not decoded.graphed
+    assert (decoded.top2[..., 0] >= decoded.top2[..., 1]).all()
+
+
+@torch.inference_mode()
+def test_w12_weights_give_the_bf16_tokens():
+    pytest.importorskip("w12")
+    from w12.module import W12Linear
+
+    model = from_transformers(tiny_qwen3(torch.bfloat16, seed=4))
+    tokens = prompts(2, 8, seed=5)
+    bf16 = greedy_decode(model, tokens, new_tokens=10)
+    model.to_w12(lm_head=True)
+    converted = [name for name, _ in model.named_modules() if isinstance(_, W12Linear)]
+    assert len(converted) == 2 * 4 + 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    w12 = greedy_decode(model, tokens, new_tokens=10)
+    assert w12.tokens.tolist() == bf16.tokens.tolist()
+    # On CPU the W12 path decodes the exact bf16 weights for the same F.linear: the logits are the same bits.
+    assert torch.equal(w12.top2, bf16.top2)
