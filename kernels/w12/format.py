@@ -10,7 +10,7 @@ Works on CPU and GPU tensors alike (plain PyTorch integer ops).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class W12Tensor:
     esc_ptr: torch.Tensor    # int32 [rows + 1]: escapes of row r are esc_ptr[r] .. esc_ptr[r+1]-1
     esc_col: torch.Tensor    # int32 [escapes]: column, ascending within a row
     esc_bits: torch.Tensor   # int16 [escapes]: the weight's exact bf16 bit pattern
+    plans: dict = field(default_factory=dict, repr=False, compare=False)   # GEMM launches by M bucket (gemm.Plan)
 
     @property
     def cols_padded(self) -> int:

@@ -44,7 +44,7 @@ GEMM_CONFIGS = [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(
                 Config(64, 128, 4, 3, esc_after=True), Config(64, 128, 4, 2, split_k=2, esc_after=True)]
 
 
-@pytest.mark.parametrize("cfg, m", [(cfg, m) for cfg in GEMM_CONFIGS for m in (1, 3, 8, 16, 32)
+@pytest.mark.parametrize("cfg, m", [(cfg, m) for cfg in GEMM_CONFIGS for m in (1, 3, 8, 16, 32, 48, 64)
                                     if not cfg.block_m or m <= cfg.block_m], ids=str)  # block_m 8 serves M <= 8
 def test_fused_gemm_matches_exact_weights(cfg, m):
     n, k = 1000, 4096 + 64
@@ -65,6 +65,20 @@ def test_default_config_and_large_m_path():
         y = w12.linear(x, packed)
         assert_close_to_exact(x, w, y)
     assert default_config(384, 2000, 16).split_k == 1
+
+
+def test_prepared_launch_equals_the_bound_launch_for_every_m():
+    """w12.linear launches through a Plan kept on the weight (pointers as integers, no binding per call):
+    every M from 1 to 64 gives the bound launch's exact bits, also a row-sliced x and a second weight."""
+    w, w2 = llm_like(1000, 4160, 11), llm_like(640, 4160, 12)
+    packed, packed2 = w12.encode(w), w12.encode(w2)
+    for m in range(1, 65):
+        x = torch.randn(m + 1, 4160, device="cuda").to(torch.bfloat16)[1:]
+        y = w12.linear(x, packed)
+        assert torch.equal(y, fused_gemm(x.contiguous(), packed)), m
+        assert torch.equal(w12.linear(x, packed2), fused_gemm(x.contiguous(), packed2)), m
+        assert_close_to_exact(x, w, y)
+    assert sorted(packed.plans) == [8, 16, 32, 64]
 
 
 @pytest.mark.parametrize("cfg", [Config(32, 128, 4, 3, split_k=3), Config(32, 128, 2, 3, swap=True, block_m=8,
