@@ -211,6 +211,21 @@ def test_a_tampered_engine_is_refused_at_bundle_time_naming_the_file(tmp_path, m
     assert not (tmp_path / "b").exists()
 
 
+def test_an_environment_that_is_not_what_its_installer_recorded_is_refused(engine, env_dir, tmp_path):
+    probe = env_dir / "bundle_probe" / "__init__.py"
+    recorded = {"bundle_probe/__init__.py": "blake3:" + blake3.blake3(probe.read_bytes()).hexdigest()}
+    assert make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir, env_files=recorded, out=tmp_path / "ok")
+    with pytest.raises(IntegrityError, match="bundle_probe/other.py is missing"):
+        make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir,
+                    env_files={**recorded, "bundle_probe/other.py": recorded["bundle_probe/__init__.py"]}, out=tmp_path / "a")
+    with pytest.raises(IntegrityError, match="bundle_probe/__init__.py is not in its record"):
+        make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir, env_files={}, out=tmp_path / "a")
+    changed = {"bundle_probe/__init__.py": "blake3:" + blake3.blake3(b"other bytes").hexdigest()}
+    with pytest.raises(IntegrityError, match="bundle_probe/__init__.py: its bytes differ"):
+        make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir, env_files=changed, out=tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 # --- serve from the prefix ------------------------------------------------------------------------------------
 
 def prefix_env() -> dict:

@@ -47,15 +47,17 @@ class Member:
     sha256: str | None = None
 
 
-def bundle_members(engines: list[Engine], env_dir: Path | None = None) -> list[Member]:
-    """Every member of a bundle of `engines` (and the environment directory `env_dir`), sorted by name."""
+def bundle_members(engines: list[Engine], env_dir: Path | None = None,
+                   env_files: dict[str, str] | None = None) -> list[Member]:
+    """Every member of a bundle of `engines` (and the environment directory `env_dir`, whose files must be
+    exactly `env_files`, path → "blake3:<hex>", when given), sorted by name."""
     members: dict[str, Member] = {}
     for engine in engines:
         for member in engine_members(engine) + model_members(engine):
             _add(members, member)
     groups = [specpilot_members(), [Member("bin/specpilot", LAUNCHER, True), Member("install.py", INSTALLER, True)]]
     if env_dir is not None:
-        groups.append(directory_members(env_dir, "env", where="the environment directory"))
+        groups.append(environment_members(env_dir, env_files))
     for group in groups:
         for member in group:
             _add(members, member)
@@ -115,6 +117,20 @@ def _converted_pins(record: dict, *, padded: bool) -> dict[str, str]:
         return {f["path"]: f["sha256"] for f in record.get("converted", [])}
     revision, files = padded_pins().get(record["repo"], ("", ()))
     return {f.path: f.sha256 for f in files} if revision == record["revision"] else {}
+
+
+def environment_members(env_dir: Path, env_files: dict[str, str] | None) -> list[Member]:
+    """The environment as env/...; with `env_files` (the kept files its installer recorded) the directory must
+    hold exactly those files, and each is packed only if its bytes still hash to the recorded digest."""
+    members = directory_members(env_dir, "env", where="the environment directory")
+    if env_files is None:
+        return members
+    present = {m.name[len("env/"):] for m in members}
+    extra, missing = sorted(present - set(env_files)), sorted(set(env_files) - present)
+    if extra or missing:
+        what = f"{extra[0]} is not in its record" if extra else f"{missing[0]} is missing"
+        raise IntegrityError(f"environment {env_dir}: {what}; refusing to bundle it")
+    return [Member(m.name, m.source, m.executable, blake3=env_files[m.name[len("env/"):]]) for m in members]
 
 
 def specpilot_members() -> list[Member]:

@@ -37,14 +37,15 @@ class Bundle:
     index: dict
 
 
-def make_bundle(engines: list[Engine], *, part_bytes: int, env_dir: Path | None = None, host: str | None = None,
-                out: Path | None = None) -> Bundle:
-    """Pack `engines` (with `env_dir` as their environment, for `host`) into <data>/bundles/<archive id>/ or `out`."""
+def make_bundle(engines: list[Engine], *, part_bytes: int, env_dir: Path | None = None,
+                env_files: dict[str, str] | None = None, host: str | None = None, out: Path | None = None) -> Bundle:
+    """Pack `engines` (with `env_dir` as their environment for `host`, holding exactly `env_files` when given:
+    path → blake3) into <data>/bundles/<archive id>/ or `out`."""
     if part_bytes < 1:
         raise SpecPilotError(f"part size {part_bytes} bytes: must be at least 1 byte (--part-mb)")
     if not engines:
         raise SpecPilotError("bundle: name at least one engine")
-    members = bundle_members(engines, env_dir)
+    members = bundle_members(engines, env_dir, env_files)
     base = Path(out) if out else data_dir() / "bundles"
     base.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".bundle-", dir=base.parent if out else _made(base)))

@@ -425,26 +425,51 @@ def _stop(args) -> int:
 
 
 def _bundle(args) -> int:
+    import tempfile
     import time
 
     from specpilot_build.bundle.pack import make_bundle
     from specpilot_build.store.engines import resolve_engine
 
-    if args.host is not None:
-        raise SpecPilotError(f"--host {args.host}: building a host's pruned environment is not available in this "
-                             "checkout yet; pass the installed environment directory with --env DIR")
     if not args.part_mb > 0:
         raise SpecPilotError(f"--part-mb {args.part_mb}: must be more than 0")
+    if args.host is not None and args.env is not None:
+        raise SpecPilotError("bundle: give --host (its environment is built from the lock) or --env DIR, not both")
     engines = [resolve_engine(ref) for ref in args.engines]
     start = time.monotonic()
-    result = make_bundle(engines, part_bytes=int(args.part_mb * 2**20), env_dir=args.env, host=args.host,
-                         out=args.out)
+    with tempfile.TemporaryDirectory(prefix="bundle-env-") as scratch:
+        env_dir, env_files = args.env, None
+        if args.host is not None:
+            env_dir, env_files = _host_environment(engines, args.host, Path(scratch))
+        result = make_bundle(engines, part_bytes=int(args.part_mb * 2**20), env_dir=env_dir, env_files=env_files,
+                             host=args.host, out=args.out)
     archive = result.index["archive"]
     print(f"{archive['id']}  {result.path}")
     print(f"{archive['size']:,} bytes in {len(result.index['parts'])} part(s) of at most {archive['part_bytes']:,} "
           f"bytes, {time.monotonic() - start:.1f} s; on the host: python3 {result.path}/install.py "
           f"{result.path} PREFIX")
     return 0
+
+
+def _host_environment(engines, host: str, target: Path) -> tuple[Path, dict[str, str]]:
+    """The engines' environment on `host`: the runtime's environment lock for that host, installed and pruned
+    by the runtime's native rules into `target`; returns (target, kept path -> blake3). The engines must share
+    one runtime and the same applicable rules (else bundle them separately)."""
+    try:
+        from specpilot_build.build.environment import install_environment, native_rules, rule_applies
+        from specpilot_build.hub.environment import load_env_lock
+    except ImportError as exc:
+        raise SpecPilotError(f"--host {host}: environment locks are not available in this checkout ({exc}); "
+                             "pass an installed environment directory with --env DIR") from None
+    configs = [e.config for e in engines]
+    runtimes = {cfg["runtime"]["name"] for cfg in configs}
+    applied = {tuple(r["why"] for r in native_rules(cfg) if rule_applies(r, cfg)) for cfg in configs}
+    if len(runtimes) != 1 or len(applied) != 1:
+        raise SpecPilotError(f"bundle --host {host}: these engines need different environments (runtimes "
+                             f"{', '.join(sorted(runtimes))}); bundle them separately")
+    lock = load_env_lock(runtimes.pop(), host)
+    record = install_environment(lock, native_rules(configs[0]), configs[0], target)
+    return target, {f["path"]: f["blake3"] for f in record["kept"]}
 
 
 # --- measure -------------------------------------------------------------------------------------------------
