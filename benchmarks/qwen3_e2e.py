@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import time
 
 import torch
 
-from specpilot_runtime.decode import Decoded, greedy_decode
+from specpilot_runtime.decode import Decoded, divergences, greedy_decode
 from specpilot_runtime.qwen3 import Qwen3, Qwen3Shape
 from w12.families import FAMILIES, draw
 
@@ -138,32 +137,17 @@ def decode(model: Qwen3, label: str, prompts: torch.Tensor, args, graph: bool) -
 
 def compare(family: str, batch: int, bf16: Decoded, w12: Decoded) -> dict:
     """Speed and token identity of one batch; each divergence classified from the bf16 logits there."""
-    divergences = []
-    for b in range(batch):
-        differ = (bf16.tokens[b] != w12.tokens[b]).nonzero()
-        if len(differ):
-            at = int(differ[0])
-            top1, top2 = (float(v) for v in bf16.top2[b, at])
-            gap_ulps = (top1 - top2) / bf16_ulp(top1)
-            divergences.append(dict(sequence=b, token=at, bf16_top1=top1, bf16_top2=top2, gap_ulps=gap_ulps,
-                                    near_tie=gap_ulps <= 1.0, w12_top2=[float(v) for v in w12.top2[b, at]]))
+    diverged = divergences(bf16, w12)
     steps = bf16.tokens.shape[1] - 1
     return dict(
         family=family, batch=batch,
         bf16_tok_s=bf16.tokens_per_second, w12_tok_s=w12.tokens_per_second,
         bf16_ms_step=1e3 * bf16.seconds / steps, w12_ms_step=1e3 * w12.seconds / steps,
         speedup=w12.tokens_per_second / bf16.tokens_per_second,
-        identical=batch - len(divergences), diverged=len(divergences),
-        near_ties=sum(d["near_tie"] for d in divergences), divergences=divergences,
+        identical=batch - len(diverged), diverged=len(diverged),
+        near_ties=sum(d["near_tie"] for d in diverged), divergences=diverged,
         cuda_graphs=bf16.graphed and w12.graphed,
     )
-
-
-def bf16_ulp(value: float) -> float:
-    """The spacing of bf16 numbers at |value| (8 significant bits)."""
-    if value == 0 or not math.isfinite(value):
-        return float("inf") if not math.isfinite(value) else 2.0 ** -133
-    return 2.0 ** (math.frexp(abs(value))[1] - 8)
 
 
 def table(rows: list[dict]) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from specpilot_runtime.decode import greedy_decode
+from specpilot_runtime.decode import Decoded, divergences, greedy_decode
 from specpilot_runtime.qwen3 import from_transformers, qwen3_shape
 
 VOCAB = 256
@@ -88,3 +88,13 @@ def test_w12_weights_give_the_bf16_tokens():
     assert w12.tokens.tolist() == bf16.tokens.tolist()
     # On CPU the W12 path decodes the exact bf16 weights for the same F.linear: the logits are the same bits.
     assert torch.equal(w12.top2, bf16.top2)
+
+
+def test_divergences_are_found_at_the_first_differing_token_and_classified_by_bf16_ulps():
+    reference = Decoded(torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]]), torch.zeros(3, 3, 2), 1.0, False)
+    reference.top2[1, 1] = torch.tensor([4.0, 3.984375])     # 4.0's bf16 ulp is 1/32: a gap of half an ulp
+    reference.top2[2, 1] = torch.tensor([-0.5, -0.5078125])  # ulp 1/256 at 0.5: a gap of two ulps
+    other = Decoded(torch.tensor([[1, 2, 3], [1, 5, 9], [1, 7, 3]]), torch.zeros(3, 3, 2), 1.0, False)
+    found = divergences(reference, other)
+    assert [(d["sequence"], d["token"], d["gap_ulps"], d["near_tie"]) for d in found] == [
+        (1, 1, 0.5, True), (2, 1, 2.0, False)]

@@ -7,6 +7,7 @@ run can later tell a near tie (top-1 and top-2 within one bf16 ulp) from a real 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -61,6 +62,27 @@ def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | N
     _synchronize(device)
     seconds = time.perf_counter() - start
     return Decoded(tokens_out.t().cpu(), top2_out.transpose(0, 1).cpu(), seconds, graph)
+
+
+def divergences(reference: Decoded, other: Decoded) -> list[dict]:
+    """Each sequence whose tokens differ, at its first differing token, classified from the reference run's
+    logits there (both runs had the same context up to it): a near tie when the top-1 and top-2 logits are
+    within one bf16 ulp of the top-1 value, else a real difference."""
+    found = []
+    for b in range(reference.tokens.shape[0]):
+        differ = (reference.tokens[b] != other.tokens[b]).nonzero()
+        if len(differ):
+            at = int(differ[0])
+            top1, top2 = (float(v) for v in reference.top2[b, at])
+            gap_ulps = (top1 - top2) / bf16_ulp(top1)
+            found.append(dict(sequence=b, token=at, top1=top1, top2=top2, gap_ulps=gap_ulps,
+                              near_tie=gap_ulps <= 1.0, other_top2=[float(v) for v in other.top2[b, at]]))
+    return found
+
+
+def bf16_ulp(value: float) -> float:
+    """The spacing of bf16 numbers (8 significant bits) at |value|, a normal number."""
+    return 2.0 ** (math.frexp(abs(value))[1] - 8)
 
 
 def prefill(model, prompts: torch.Tensor, cache) -> torch.Tensor:
