@@ -3,6 +3,8 @@
 Placeholders: {python} {engine} {engine_id} {model} {draft_model} {host} {port}."""
 from __future__ import annotations
 
+from specpilot_build.hub.synthetic import is_synthetic
+
 REFERENCE_MODULE = "specpilot_runtime.server"
 DRAFTER_FLAGS = {"num_steps": "speculative-num-steps", "eagle_topk": "speculative-eagle-topk",
                  "num_draft_tokens": "speculative-num-draft-tokens"}
@@ -28,12 +30,16 @@ def sglang_flags(cfg: dict) -> dict:
     SGLang's defaults (max running requests, CUDA-graph sizes, block sizes); `final` mechanisms add tuned values."""
     model, drafter = cfg["model"], cfg["drafter"]
     args: dict = {"dtype": model["dtype"]}
+    if is_synthetic(model["repo"]):  # a config without weights (hub/synthetic.py): SGLang's seeded dummy weights
+        args["load-format"] = "dummy"
     if model.get("quantization"):
         args["quantization"] = model["quantization"]
     if drafter["algorithm"] != "none":
         args["speculative-algorithm"] = drafter["algorithm"]
         if drafter.get("repo"):
             args["speculative-draft-model-path"] = "{draft_model}"
+            if is_synthetic(drafter["repo"]):
+                args["speculative-draft-load-format"] = "dummy"
         for key, flag in DRAFTER_FLAGS.items():
             if drafter.get(key) is not None:
                 args[flag] = drafter[key]
@@ -58,7 +64,8 @@ def sglang_args(cfg: dict) -> list[str]:
 def flag_origins(cfg: dict, composed_final: dict | None) -> dict[str, str]:
     """Where each SGLang flag of `sglang_flags(cfg)` was set: a config field or a final-arm mechanism."""
     where = {"dtype": "model.dtype", "quantization": "model.quantization",
-             "speculative-algorithm": "drafter.algorithm", "speculative-draft-model-path": "drafter.repo"}
+             "speculative-algorithm": "drafter.algorithm", "speculative-draft-model-path": "drafter.repo",
+             "load-format": "model.repo (synthetic)", "speculative-draft-load-format": "drafter.repo (synthetic)"}
     where.update({flag: f"drafter.{key}" for key, flag in DRAFTER_FLAGS.items()})
     for name, body in ((composed_final or {}).get("mechanisms") or {}).items():
         for flag in (body or {}).get("launch_args") or {}:

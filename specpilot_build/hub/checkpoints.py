@@ -21,6 +21,7 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir, hf_cache_dir, lockfiles_dir, mirror_dir
 from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
 from specpilot_build.hub.remote import hub_endpoint, hub_errors, hub_files, hub_is_offline
+from specpilot_build.hub.synthetic import is_synthetic, synthetic_dir, synthetic_model
 
 SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded")
 LLAMA2C_FORMATS = ("llama2c", "llama2c-padded")  # converted at fetch; -padded: the form SGLang's kernels accept
@@ -83,6 +84,8 @@ def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str,
 
 def _expected_dir(record: dict, section: dict) -> Path:
     source_format = section.get("source_format") or "hf"
+    if is_synthetic(record["repo"]):
+        return synthetic_dir(record["repo"], record["revision"])
     if source_format in LLAMA2C_FORMATS:
         paths = [f["path"] for f in record.get("files", [])] or list(section.get("files") or ())
         return converted_dir(record["repo"], record["revision"], llama2c_pair(record["repo"], paths)[0],
@@ -99,6 +102,8 @@ def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "h
     checked against the lock's `converted_padded` hashes for this revision when it has them. `files` limits which pinned files are fetched
     (empty: all). `mirror` defaults to `mirror_dir()` ($SPECPILOT_MIRROR, or ../shared). `setting` only
     names the setting in the `make lock SETTING=...` hint of an error."""
+    if is_synthetic(repo):  # written by SpecPilot (hub/synthetic.py), checked against the pin's `converted`
+        return synthetic_model(repo, pin)
     if source_format not in SOURCE_FORMATS:
         raise SpecPilotError(f"{repo}: unknown source_format {source_format!r}; choose one of {', '.join(SOURCE_FORMATS)}")
     if pin is None:
