@@ -18,6 +18,9 @@ Tokens: per batch, how many sequences came out identical; for each that did not,
 classified from the bf16 run's logits at that token (same context in both runs up to there): a near tie
 when its top-1 and top-2 logits are within one bf16 ulp of the top-1 value, else a real difference.
 
+Before timing, each format checks that the graph-replayed steps give the eager steps' tokens and logits bit
+for bit (8 tokens at the largest batch; printed, and in --out).
+
 Needs torch (CUDA), triton, numpy and the w12 package only. `--device cpu` with small shapes checks the
 whole path on a laptop (no graphs; W12 decodes the weights for F.linear there):
 
@@ -58,6 +61,7 @@ def main() -> None:
                                 generator=torch.Generator().manual_seed(args.seed + b)) for b in args.batches}
     graph = not args.eager and device.type == "cuda"
 
+    checks = {"bf16": graph_check(model, prompts[args.batches[-1]])} if graph else {}
     bf16 = {b: decode(model, "bf16", prompts[b], args, graph) for b in args.batches}
     _release_memory(device)
     say("encoding to W12 in place, layer by layer")
@@ -67,15 +71,20 @@ def main() -> None:
     w12_bytes, escapes, encoded = _w12_size(model)
     say(f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB (bf16 {bf16_bytes / 1e9:.2f} GB), "
         f"escapes {escapes}{_memory(device)}")
+    if graph:
+        checks["w12"] = graph_check(model, prompts[args.batches[-1]])
     w12 = {b: decode(model, "W12", prompts[b], args, graph) for b in args.batches}
 
     rows = [compare(args.family, b, bf16[b], w12[b]) for b in args.batches]
     print(table(rows))
+    if checks:
+        print(f"graph replay equals eager steps: {checks}; lm_head {args.lm_head} in both runs")
     if args.out:
         record = dict(device=_device_name(device), torch=torch.__version__, shape=shape.__dict__,
                       family=args.family, seed=args.seed, prompt_tokens=args.prompt_tokens,
                       new_tokens=args.new_tokens, lm_head=args.lm_head, cuda_graphs=graph,
-                      bf16_weight_bytes=bf16_bytes, w12_weight_bytes=w12_bytes, w12_escapes=escapes,
+                      graph_equals_eager=checks, bf16_weight_bytes=bf16_bytes, w12_weight_bytes=w12_bytes,
+                      w12_escapes=escapes,
                       rows=rows, seconds=time.perf_counter() - START)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
@@ -126,6 +135,16 @@ def drawn_model(shape: Qwen3Shape, family: str, seed: int, device: torch.device)
     return model
 
 
+def graph_check(model: Qwen3, prompts: torch.Tensor, new_tokens: int = 8) -> bool:
+    """Whether replaying the captured step gives the eager step's tokens and logits, bit for bit."""
+    eager = greedy_decode(model, prompts, new_tokens, graph=False, warmup_steps=0)
+    graphed = greedy_decode(model, prompts, new_tokens, graph=True, warmup_steps=0)
+    same = torch.equal(eager.tokens, graphed.tokens) and torch.equal(eager.top2, graphed.top2)
+    say(f"graph replay equals eager steps (batch {prompts.shape[0]}, {new_tokens} tokens): {same}")
+    _release_memory(model.device)
+    return same
+
+
 def decode(model: Qwen3, label: str, prompts: torch.Tensor, args, graph: bool) -> Decoded:
     result = greedy_decode(model, prompts, args.new_tokens, graph=graph, warmup_steps=args.warmup_steps)
     steps = args.new_tokens - 1
@@ -151,8 +170,8 @@ def compare(family: str, batch: int, bf16: Decoded, w12: Decoded) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
-             "| identical | diverged | near ties |",
+    lines = [("| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
+              "| identical | diverged | near ties |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['family']} | {r['batch']} | {r['bf16_tok_s']:.1f} | {r['w12_tok_s']:.1f} "

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Attention with a mask: memory-efficient attention on CUDA, the math kernel elsewhere (both capturable).
+ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -170,8 +174,9 @@ class Qwen3(nn.Module):
         visible = cache.key_positions <= positions[..., None]
         mask = visible[:, None, :, None].expand(batch, 1, steps, s.group, cache.length).reshape(
             batch, 1, steps * s.group, cache.length)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, mask, cache.k[i], cache.v[i], cache.rows)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, positions, mask, cache.k[i], cache.v[i], cache.rows)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(rms_norm(x, self.norm, s.rms_norm_eps))
