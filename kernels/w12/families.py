@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+# The seed's 27B linears (hidden 5120, intermediate 17408): name -> (N, K) of y[M, N] = x[M, K] @ W[N, K].T
+SHAPES = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (34816, 5120), "down": (5120, 17408)}
 FAMILIES = ("normal", "student-t3", "student-t4", "student-t5", "outliers", "stories260k")
 OUTLIER_COLUMNS = 8
 OUTLIER_SCALE = (10.0, 30.0)

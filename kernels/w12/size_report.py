@@ -1,75 +1,79 @@
-"""Bits per weight of W12 (metadata and escapes included) on synthetic and real weights.
+"""Bits per weight and escape rate of W12 (metadata and escapes included) per weight family (families.py).
 
-    python -m w12.size_report [--model path/to/model.safetensors]
+    python -m w12.size_report [--rows 1024] [--family normal,student-t4] [--model model.safetensors] [--all-tensors]
 
-Prints a markdown table (the source of SIZE.md). CPU only.
+Each family is drawn at the four benchmark shapes (families.SHAPES), as a block of the first --rows rows of each
+(full K: per-row metadata and the row's window are what set the size, so a row block has the bits per weight of
+the whole matrix up to sampling noise; full shapes take minutes on a 2-core CPU). Then the escape-rate
+controls of the cliff check and the real stories260K matrices. Every row is checked bit-exact
+(decode(encode(W)) == W) before it is printed. Prints a markdown table (the source of SIZE.md). CPU only.
 """
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
+from .families import FAMILIES, SHAPES, draw, normal_with_escapes, stories_matrices
 from .format import decode, encode
 
-STORIES = str(Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K" / "model.safetensors")
+ESCAPE_RATES = (1e-4, 1e-3)
 
 
-def normal_rows(rows: int, cols: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    sigma = 0.02 * torch.exp(0.5 * torch.randn(rows, 1, generator=g))   # sigma varies per row
-    return (torch.randn(rows, cols, generator=g) * sigma).to(torch.bfloat16)
-
-
-def student_t_rows(rows: int, cols: int, df: float, seed: int) -> torch.Tensor:
-    torch.manual_seed(seed)
-    t = torch.distributions.StudentT(df).sample((rows, cols))
-    sigma = 0.02 * torch.exp(0.5 * torch.randn(rows, 1))
-    return (t * sigma).to(torch.bfloat16)
-
-
-def measure(label: str, w: torch.Tensor) -> dict:
+def measure(label: str, w: torch.Tensor, shape: str | None = None) -> dict:
     packed = encode(w)
-    assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{label}: not lossless"
-    return dict(label=label, shape="x".join(map(str, w.shape)), weights=w.numel(), bytes=packed.nbytes(),
-                escapes=packed.escapes, bits=packed.bits_per_weight())
+    if not torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)):
+        raise AssertionError(f"{label}: decode(encode(W)) differs from W")
+    return dict(label=label, shape=shape or "x".join(map(str, w.shape)), weights=w.numel(),
+                bytes=packed.nbytes(), escapes=packed.escapes, bits=packed.bits_per_weight())
 
 
-def stories_rows(path: str) -> list[dict]:
-    from safetensors import safe_open
-    rows, total_w, total_b, total_e = [], 0, 0, 0
-    with safe_open(path, "pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            if t.dim() != 2:
-                continue
-            r = measure(f"stories260K {name}", t.to(torch.bfloat16))
-            total_w += r["weights"]
-            total_b += r["bytes"]
-            total_e += r["escapes"]
-            rows.append(r)
-    rows.append(dict(label="stories260K all 2-D tensors (fp32 -> bf16)", shape="-", weights=total_w,
-                     bytes=total_b, escapes=total_e, bits=8 * total_b / total_w))
-    return rows
+def family_rows(family: str, rows: int) -> list[dict]:
+    out = []
+    for i, (name, (n, k)) in enumerate(SHAPES.items()):
+        r = min(rows, n)
+        out.append(measure(family, draw(family, r, k, seed=100 + i), f"{name} {r}x{k} (of {n}x{k})"))
+    total = {key: sum(o[key] for o in out) for key in ("weights", "bytes", "escapes")}
+    out.append(dict(label=f"{family}, the four shapes", shape="-", **total, bits=8 * total["bytes"] / total["weights"]))
+    return out
 
 
-def main() -> None:
+def escape_control_rows(rows: int) -> list[dict]:
+    n, k = SHAPES["qkv"]
+    return [measure(f"normal, planted escapes at {100 * rate:g}%", normal_with_escapes(min(rows, n), k, rate, seed=7),
+                    f"qkv {min(rows, n)}x{k}") for rate in ESCAPE_RATES]
+
+
+def stories_real_rows(path: str | None, every_tensor: bool) -> list[dict]:
+    rows, total = [], dict(weights=0, bytes=0, escapes=0)
+    for name, w in stories_matrices(path).items():
+        r = measure(f"stories260K {name}", w)
+        for key in total:
+            total[key] += r[key]
+        rows.append(r)
+    whole = dict(label="stories260K, all 2-D tensors (real, fp32 -> bf16)", shape="-", **total,
+                 bits=8 * total["bytes"] / total["weights"])
+    return (rows if every_tensor else []) + [whole]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=STORIES)
+    ap.add_argument("--rows", type=int, default=1024, help="rows of each benchmark shape drawn (full K)")
+    ap.add_argument("--family", default=",".join(FAMILIES), help="comma-separated: " + ", ".join(FAMILIES))
+    ap.add_argument("--model", help="stories260K model.safetensors (default: families.stories_path())")
     ap.add_argument("--all-tensors", action="store_true", help="list every stories260K tensor")
-    args = ap.parse_args()
-    results = [
-        measure("Normal(0, sigma_row), sigma_row = 0.02 * exp(0.5 z)", normal_rows(4096, 5120, 0)),
-        measure("Normal(0, sigma_row), K = 17408", normal_rows(1024, 17408, 1)),
-        measure("Student-t df=3, sigma_row", student_t_rows(2048, 5120, 3.0, 2)),
-        measure("Student-t df=5, sigma_row", student_t_rows(2048, 5120, 5.0, 3)),
-        measure("Student-t df=10, sigma_row", student_t_rows(2048, 5120, 10.0, 4)),
-    ]
-    stories = stories_rows(args.model)
-    results += stories if args.all_tensors else stories[-1:]
-    print(f"W12 size report, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}\n")
+    args = ap.parse_args(argv)
+    families = [f for f in args.family.split(",") if f]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    results = []
+    for family in families:
+        results += family_rows(family, args.rows)
+    results += escape_control_rows(args.rows)
+    results += stories_real_rows(args.model, args.all_tensors)
+    print(f"W12 size report, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {args.rows} rows per shape\n")
     print("| weights | shape | escapes | escape rate | bits/weight |")
     print("| --- | --- | ---: | ---: | ---: |")
     for r in results:

@@ -1,0 +1,159 @@
+"""The weight families of W12's benchmark and size report (kernels/w12/families.py), on CPU: deterministic per
+seed, the intended distributions, no zeros, lossless through W12, and the escape-rate control."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from scipy import stats
+
+import w12
+from w12 import bench, families
+from w12.families import FAMILIES, draw, normal_with_escapes
+
+STORIES = families.stories_path()
+
+
+def bits(w):
+    return w.view(torch.int16)
+
+
+def row_kurtosis(w):
+    x = w.double()
+    x = x - x.mean(1, keepdim=True)
+    return ((x ** 4).mean(1) / (x ** 2).mean(1) ** 2).median().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_seed_same_matrix_other_seed_other_matrix(family):
+    a, b, c = draw(family, 64, 512, seed=3), draw(family, 64, 512, seed=3), draw(family, 64, 512, seed=4)
+    assert a.dtype == torch.bfloat16 and a.shape == (64, 512)
+    assert torch.equal(bits(a), bits(b))
+    assert (bits(a) != bits(c)).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_zeros_and_lossless_through_w12(family):
+    w = draw(family, 256, 2048, seed=0)
+    assert not (w == 0).any()
+    assert torch.equal(bits(w12.decode(w12.encode(w))), bits(w))
+
+
+def test_normal_is_the_weights_bench_md_was_measured_on():
+    """BENCH.md's 2026-11-30 tables drew Normal(0, sigma_row) like this; the family must not drift from it."""
+    g = torch.Generator().manual_seed(11)
+    sigma = 0.02 * torch.exp(0.5 * torch.randn(300, 1, generator=g))
+    before = (torch.randn(300, 700, generator=g) * sigma).to(torch.bfloat16)
+    assert torch.equal(bits(draw("normal", 300, 700, seed=11)), bits(before))
+
+
+def test_row_scales_are_log_normal_around_0_02():
+    w = draw("normal", 4096, 1024, seed=1).double()
+    log_sigma = w.std(1).log()
+    assert abs(log_sigma.std().item() - 0.5) < 0.03
+    assert abs(log_sigma.median().exp().item() - 0.02) < 0.001
+
+
+@pytest.mark.parametrize("family, dist", [("normal", stats.norm()), ("student-t3", stats.t(3)),
+                                          ("student-t4", stats.t(4)), ("student-t5", stats.t(5))])
+def test_shape_of_the_distribution(family, dist):
+    """Per row, the 99.5% / 87.5% quantile ratio of |w| does not depend on the row's scale: it must be the
+    named distribution's own (t3 ~4.1, t4 ~3.5, t5 ~3.2, Normal ~2.24)."""
+    w = draw(family, 512, 8192, seed=2).double().abs()
+    ratio = (w.quantile(0.99, dim=1) / w.quantile(0.75, dim=1)).median().item()
+    expected = dist.ppf(0.995) / dist.ppf(0.875)
+    assert ratio == pytest.approx(expected, rel=0.04)
+
+
+def test_heavier_tails_mean_higher_kurtosis():
+    k = {f: row_kurtosis(draw(f, 256, 8192, seed=5)) for f in ("normal", "student-t5", "student-t4", "student-t3")}
+    assert k["normal"] == pytest.approx(3.0, abs=0.15)
+    assert 5.0 < k["student-t5"] < k["student-t4"] < k["student-t3"]
+
+
+def test_outlier_columns_are_10_to_30_times_the_others():
+    cols = 4096
+    w = draw("outliers", 2048, cols, seed=9).double()
+    chosen = families.outlier_columns(cols, seed=9)
+    assert len(chosen) == families.OUTLIER_COLUMNS == len(set(chosen.tolist()))
+    col_rms = (w / w.std(1, keepdim=True)).pow(2).mean(0).sqrt()      # rows normalised: columns comparable
+    others = torch.ones(cols, dtype=torch.bool)
+    others[chosen] = False
+    typical = col_rms[others].median()
+    scale = col_rms[chosen] / typical
+    assert ((scale > 9.0) & (scale < 31.0)).all(), scale
+    assert col_rms[others].max() < 1.5 * typical
+    assert not torch.equal(chosen, families.outlier_columns(cols, seed=10))
+
+
+def test_stories260k_rows_are_the_checkpoints_own_rows_repeated():
+    real = {tuple(bits(row.to(torch.bfloat16)).tolist()) for t in load_file(str(STORIES)).values() if t.dim() == 2
+            for row in t}
+    assert len(families.stories_rows()) == 3512
+    w = draw("stories260k", 200, 1000, seed=1)
+    for row in bits(w):
+        width = 64 if tuple(row[:64].tolist()) in real else 172
+        assert tuple(row[:width].tolist()) in real
+        assert torch.equal(row, row[:width].repeat(-(-1000 // width))[:1000])
+
+
+def test_stories260k_file_not_the_pinned_one_is_refused(tmp_path):
+    forged = tmp_path / "model.safetensors"
+    forged.write_bytes(STORIES.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(ValueError, match=f"{forged}: sha256 .* is not the pinned {families.STORIES_SHA256}"):
+        families.stories_matrices(str(forged))
+    with pytest.raises(FileNotFoundError, match="W12_STORIES"):
+        families.stories_matrices(str(tmp_path / "absent.safetensors"))
+
+
+def test_unknown_family_is_named():
+    with pytest.raises(ValueError, match="unknown weight family 'student-t9'; known: normal"):
+        draw("student-t9", 4, 4, seed=0)
+
+
+@pytest.mark.parametrize("rate, tolerance", [(1e-4, 0.12), (1e-3, 0.04)])
+def test_escape_rate_lands_where_asked(rate, tolerance):
+    w = normal_with_escapes(1024, 5120, rate, seed=4)
+    packed = w12.encode(w)
+    assert packed.escapes / w.numel() == pytest.approx(rate, rel=tolerance)
+    assert torch.equal(bits(w12.decode(packed)), bits(w))
+    assert not (w == 0).any()
+
+
+def test_no_planted_escapes_means_no_escapes():
+    assert w12.encode(normal_with_escapes(512, 5120, 0.0, seed=4)).escapes == 0
+
+
+DRY_FAMILIES = ("normal", "outliers", "stories260k")
+
+
+@pytest.mark.slow       # ~8 s on 2 cores
+def test_bench_dry_run_reports_every_family_and_table(tmp_path, capsys):
+    """The benchmark's plumbing on CPU (tiny shapes, reference path): each family's GEMM and stack rows side by
+    side, the escape cliff and the eager table reach the JSON and the printed summary."""
+    out = tmp_path / "dry.json"
+    bench.main(["--dry-run", "--family", ",".join(DRY_FAMILIES), "--table", "--stack", "--cliff", "--eager",
+                "--ms", "1,64", "--extra-ms", "1",
+                "--stack-ms", "1", "--cliff-ms", "1", "--eager-ms", "1", "--layers", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert list(result["families"]) == list(DRY_FAMILIES)
+    for family, res in result["families"].items():
+        assert "error" not in res, res["error"]
+        ms = [1, 64] if family == "normal" else [1]
+        assert [(r["shape"], r["M"]) for r in res["table"]] == [(s, m) for s in bench.DRY_SHAPES for m in ms]
+        assert all(r["w12_us"] > 0 and r["max_abs_diff"] == 0.0 for r in res["table"])   # both are decode + F.linear
+        assert [r["M"] for r in res["stack"]] == [1]
+    assert [(r["shape"], r["M"]) for r in result["cliff"]] == [(s, 1) for s in bench.DRY_SHAPES]
+    assert all(r["escape_rate_hi"] > r["escape_rate_lo"] for r in result["cliff"])
+    assert [r["shape"] for r in result["eager"]] == list(bench.DRY_SHAPES)
+    printed = capsys.readouterr().out
+    assert "DRY RUN on CPU" in printed and "| geomean M <= 16 |" in printed
+    assert all(f"{family}: GEMM geomean" in printed for family in DRY_FAMILIES)
+    assert "| shape | M | normal | outliers | stories260k (real rows, tiled to the shape) |" in printed
+    assert bench.render(result).count("| qkv (160 x 128) |") == len(DRY_FAMILIES) + 1    # normal: M = 1 and 64
+
+
+def test_bench_refuses_an_unknown_family(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--dry-run", "--family", "normal,laplace"])
+    assert "unknown family laplace; known: normal" in capsys.readouterr().err
