@@ -36,7 +36,7 @@ import triton.testing
 from . import gemm
 from .families import FAMILIES, SHAPES, draw, normal_with_escapes
 from .format import W12Tensor, decode, encode
-from .gemm import Config, TUNED, default_config, fused_gemm, linear
+from .gemm import TUNED, Config, default_config, fused_gemm, linear
 
 DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}   # --dry-run
 MS = (1, 2, 4, 8, 16, 32, 64)           # the normal family

@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
+import w12
 from safetensors.torch import load_file
 from scipy import stats
-
-import w12
 from w12 import bench, families
 from w12.families import FAMILIES, draw, normal_with_escapes
 
