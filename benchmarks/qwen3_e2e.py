@@ -4,6 +4,9 @@ batch 1, 8, 16 and 32; one table side by side (results in qwen3_e2e.md).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=kernels:runtimes/reference python3 benchmarks/qwen3_e2e.py --family normal
 
+`--family normal,student-t4,outliers` runs the families one after the other in one process (one model in
+memory at a time), rows of all of them in one table.
+
 27B shapes: hidden 5120, 64 layers, 64 query heads and 8 KV heads of 128 (qkv 10240x5120, o 5120x8192),
 intermediate 17408 (gate_up 34816x5120, down 5120x17408), vocab 151936, untied lm_head. Weights are drawn on
 the device from a w12.families family (no download), one seed per matrix; norm weights are 1. bf16 needs
@@ -55,15 +58,36 @@ def main() -> None:
         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
         max_positions=max(4096, args.prompt_tokens + args.new_tokens))
     say(f"{_device_name(device)}, torch {torch.__version__}; {shape}")
-    model = drawn_model(shape, args.family, args.seed, device)
-    bf16_bytes = _weight_bytes(model)
     prompts = {b: torch.randint(0, shape.vocab_size, (b, args.prompt_tokens),
                                 generator=torch.Generator().manual_seed(args.seed + b)) for b in args.batches}
     graph = not args.eager and device.type == "cuda"
+    runs = [run_family(family, shape, prompts, args, device, graph) for family in args.family]
+    rows = [row for run in runs for row in run.pop("rows")]
+    print(table(rows))
+    for run in runs:
+        print(f"{run['family']}: W12 {run['w12_weight_bytes'] / 1e9:.2f} GB for bf16 "
+              f"{run['bf16_weight_bytes'] / 1e9:.2f} GB, {run['w12_escapes']} escapes; graph replay equals "
+              f"eager steps: {run['graph_equals_eager'] or 'not run (no graphs)'}")
+    print(f"lm_head {args.lm_head} in both runs; {args.prompt_tokens} prompt tokens, {args.new_tokens} new "
+          f"tokens ({args.new_tokens - 1} timed decode steps after {args.warmup_steps} warm-up steps); "
+          f"{'CUDA graphs' if graph else 'eager steps'}")
+    if args.out:
+        record = {"device": _device_name(device), "torch": torch.__version__, "shape": shape.__dict__,
+                  "seed": args.seed, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                  "warmup_steps": args.warmup_steps, "lm_head": args.lm_head, "cuda_graphs": graph,
+                  "families": runs, "rows": rows, "seconds": time.perf_counter() - START}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        say(f"wrote {args.out}")
 
-    checks = {"bf16": graph_check(model, prompts[args.batches[-1]])} if graph else {}
-    bf16 = {b: decode(model, "bf16", prompts[b], args, graph) for b in args.batches}
-    _release_memory(device)
+
+def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torch.device, graph: bool) -> dict:
+    """Draw the model from `family`, decode every batch with bf16, encode to W12 in place, decode again."""
+    model = drawn_model(shape, family, args.seed, device)
+    bf16_bytes = _weight_bytes(model)
+    largest = prompts[max(prompts)]
+    checks = {"bf16": graph_check(model, largest)} if graph else {}
+    bf16 = {b: decode(model, "bf16", p, args, graph) for b, p in prompts.items()}
     say("encoding to W12 in place, layer by layer")
     model.to_w12(lm_head=args.lm_head == "w12", progress=lambda i: (i + 1) % 16 == 0 and say(
         f"  W12: {i + 1}/{shape.num_layers} layers encoded{_memory(device)}"))
@@ -72,29 +96,20 @@ def main() -> None:
     say(f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB (bf16 {bf16_bytes / 1e9:.2f} GB), "
         f"escapes {escapes}{_memory(device)}")
     if graph:
-        checks["w12"] = graph_check(model, prompts[args.batches[-1]])
-    w12 = {b: decode(model, "W12", prompts[b], args, graph) for b in args.batches}
-
-    rows = [compare(args.family, b, bf16[b], w12[b]) for b in args.batches]
-    print(table(rows))
-    if checks:
-        print(f"graph replay equals eager steps: {checks}; lm_head {args.lm_head} in both runs")
-    if args.out:
-        record = dict(device=_device_name(device), torch=torch.__version__, shape=shape.__dict__,
-                      family=args.family, seed=args.seed, prompt_tokens=args.prompt_tokens,
-                      new_tokens=args.new_tokens, lm_head=args.lm_head, cuda_graphs=graph,
-                      graph_equals_eager=checks, bf16_weight_bytes=bf16_bytes, w12_weight_bytes=w12_bytes,
-                      w12_escapes=escapes,
-                      rows=rows, seconds=time.perf_counter() - START)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
-        say(f"wrote {args.out}")
+        checks["w12"] = graph_check(model, largest)
+    w12 = {b: decode(model, "W12", p, args, graph) for b, p in prompts.items()}
+    del model
+    _release_memory(device)
+    return {"family": family, "bf16_weight_bytes": bf16_bytes, "w12_weight_bytes": w12_bytes,
+            "w12_escapes": escapes, "w12_matrices": encoded, "graph_equals_eager": checks,
+            "rows": [compare(family, b, bf16[b], w12[b]) for b in prompts]}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="normal", choices=FAMILIES, help="weight family (w12.families)")
+    p.add_argument("--family", default="normal",
+                   help=f"weight families, comma-separated, run one after the other ({', '.join(FAMILIES)})")
     p.add_argument("--layers", type=int, default=64)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--intermediate", type=int, default=17408)
@@ -116,6 +131,10 @@ def parse_args() -> argparse.Namespace:
         args.batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         p.error(f"--batches {args.batches!r}: expected comma-separated integers")
+    args.family = args.family.split(",")
+    for family in args.family:
+        if family not in FAMILIES:
+            p.error(f"--family {family!r}: expected one of {', '.join(FAMILIES)}")
     if min(args.batches) < 1 or args.new_tokens < 2 or args.prompt_tokens < 1:
         p.error("--batches must be >= 1, --new-tokens >= 2, --prompt-tokens >= 1")
     return args
