@@ -13,7 +13,7 @@ from specpilot_build.build.launch import launch_spec
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.errors import PinError
 from specpilot_build.hub import synthetic
-from specpilot_build.hub.checkpoints import model_dirs, sha256_of
+from specpilot_build.hub.checkpoints import model_dirs, sha256_of, synthetic_tokenizer_dir
 from specpilot_build.hub.lockfile import load_lock
 
 SETTING = "h200_c1_qwen3-tiny_dflash"
@@ -25,7 +25,7 @@ def test_generation_is_deterministic_and_matches_the_lock(repo, tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     for out in (first, second):
         out.mkdir()
-        synthetic.generate(repo, out)
+        synthetic.generate(repo, out, synthetic_tokenizer_dir())
     pin = load_lock().checkpoints[repo]
     assert pin.revision == synthetic.spec_revision(repo)
     assert sorted(p.name for p in first.iterdir()) == sorted(f.path for f in pin.converted)
@@ -41,7 +41,7 @@ def test_the_configs_load_in_transformers_as_qwen3_with_the_intended_shapes(tmp_
     for repo in (TARGET, DRAFTER):
         dirs[repo] = tmp_path / repo.split("/")[1]
         dirs[repo].mkdir()
-        synthetic.generate(repo, dirs[repo])
+        synthetic.generate(repo, dirs[repo], synthetic_tokenizer_dir())
     target, draft = AutoConfig.from_pretrained(dirs[TARGET]), AutoConfig.from_pretrained(dirs[DRAFTER])
     assert type(target) is Qwen3Config and type(draft) is Qwen3Config
     assert (target.hidden_size, target.num_hidden_layers, target.num_attention_heads, target.num_key_value_heads,
@@ -60,7 +60,7 @@ def test_the_configs_load_in_transformers_as_qwen3_with_the_intended_shapes(tmp_
 def test_the_stories260k_tokenizer_works_for_the_synthetic_target(tmp_path, stories_dir, golden):
     from transformers import AutoTokenizer
 
-    synthetic.generate(TARGET, tmp_path)
+    synthetic.generate(TARGET, tmp_path, synthetic_tokenizer_dir())
     ours, theirs = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(stories_dir)
     text = theirs.decode(golden["sequence_ids"])
     assert ours(text)["input_ids"] == theirs(text)["input_ids"]

@@ -21,7 +21,7 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir, hf_cache_dir, lockfiles_dir, mirror_dir
 from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
 from specpilot_build.hub.remote import hub_endpoint, hub_errors, hub_files, hub_is_offline
-from specpilot_build.hub.synthetic import is_synthetic, synthetic_dir, synthetic_model
+from specpilot_build.hub.synthetic import TOKENIZER_SOURCE, is_synthetic, synthetic_dir, synthetic_model
 
 SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded")
 LLAMA2C_FORMATS = ("llama2c", "llama2c-padded")  # converted at fetch; -padded: the form SGLang's kernels accept
@@ -103,7 +103,7 @@ def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "h
     (empty: all). `mirror` defaults to `mirror_dir()` ($SPECPILOT_MIRROR, or ../shared). `setting` only
     names the setting in the `make lock SETTING=...` hint of an error."""
     if is_synthetic(repo):  # written by SpecPilot (hub/synthetic.py), checked against the pin's `converted`
-        return synthetic_model(repo, pin)
+        return synthetic_model(repo, pin, synthetic_tokenizer_dir(mirror=mirror))
     if source_format not in SOURCE_FORMATS:
         raise SpecPilotError(f"{repo}: unknown source_format {source_format!r}; choose one of {', '.join(SOURCE_FORMATS)}")
     if pin is None:
@@ -118,6 +118,15 @@ def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "h
     if source_format == "hf":
         return snapshot_dir(cache, repo, pin.revision)
     return _converted_model(repo, pin, paths, padded=source_format == "llama2c-padded")
+
+
+def synthetic_tokenizer_dir(mirror: Path | None = None) -> Path:
+    """The pinned, verified checkpoint whose tokenizer files the synthetic checkpoints carry."""
+    from specpilot_build.hub.lockfile import load_lock
+
+    repo = TOKENIZER_SOURCE["repo"]
+    return materialize(repo, load_lock().checkpoints.get(repo), source_format=TOKENIZER_SOURCE["source_format"],
+                       files=TOKENIZER_SOURCE["files"], mirror=mirror)
 
 
 def snapshot_dir(cache: Path, repo: str, revision: str) -> Path:

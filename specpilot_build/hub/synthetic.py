@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from specpilot_build.errors import PinError, SpecPilotError
-from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_lock
+from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile
 from specpilot_build.locations import data_dir
 
 NAMESPACE = "specpilot-synthetic"
@@ -61,11 +61,10 @@ def synthetic_dir(repo: str, revision: str) -> Path:
     return data_dir() / "synthetic" / repo.replace("/", "--") / revision
 
 
-def synthetic_model(repo: str, pin: CheckpointPin | None) -> Path:
-    """The generated directory of `repo`, written once and checked file by file against the pin's `converted`."""
+def synthetic_model(repo: str, pin: CheckpointPin | None, tokenizer_dir: Path) -> Path:
+    """The generated directory of `repo`, written once and checked file by file against the pin's `converted`
+    (`tokenizer_dir`: the verified TOKENIZER_SOURCE checkpoint, hub/checkpoints.py synthetic_tokenizer_dir)."""
     from filelock import FileLock
-
-    from specpilot_build.hub.checkpoints import verified
 
     revision = spec_revision(repo)
     if pin is None or not pin.converted:
@@ -82,13 +81,13 @@ def synthetic_model(repo: str, pin: CheckpointPin | None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f".{out.name}.lock")):
         if out.is_dir() and sorted(os.listdir(out)) == sorted(OUTPUT_FILES) \
-                and all(verified(out / name, expected[name]) for name in OUTPUT_FILES):
+                and all(_matches(out / name, expected[name]) for name in OUTPUT_FILES):
             return out
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".incomplete"))
         try:
-            generate(repo, tmp)
+            generate(repo, tmp, tokenizer_dir)
             for name in OUTPUT_FILES:
-                if not verified(tmp / name, expected[name]):
+                if not _matches(tmp / name, expected[name]):
                     raise SpecPilotError(f"{repo}: generated {name} differs from the lock's sha256 "
                                          f"{expected[name].sha256[:16]}… (the generator or its tokenizer source "
                                          f"changed)")
@@ -101,15 +100,9 @@ def synthetic_model(repo: str, pin: CheckpointPin | None) -> Path:
     return out
 
 
-def generate(repo: str, out: Path) -> list[Path]:
+def generate(repo: str, out: Path, tokenizer_dir: Path) -> list[Path]:
     """Write the synthetic model's files into `out` (an existing directory)."""
-    from specpilot_build.hub.checkpoints import materialize
-
     spec = _spec(repo)
-    lock = load_lock()
-    source = TOKENIZER_SOURCE["repo"]
-    tokenizer_dir = materialize(source, lock.checkpoints.get(source), source_format=TOKENIZER_SOURCE["source_format"],
-                                files=TOKENIZER_SOURCE["files"], setting=repo)
     _write_json(out / "config.json", spec)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": spec["bos_token_id"], "do_sample": False, "eos_token_id": spec["eos_token_id"]})
@@ -120,9 +113,7 @@ def generate(repo: str, out: Path) -> list[Path]:
 
 def pin_entry(repo: str, directory: Path) -> str:
     """The checkpoints.toml table for a generated directory (what to append when a spec is added or changed)."""
-    from specpilot_build.hub.checkpoints import sha256_of
-
-    rows = [PinnedFile(path=name, size=(directory / name).stat().st_size, sha256=sha256_of(directory / name))
+    rows = [PinnedFile(path=name, size=(directory / name).stat().st_size, sha256=_sha256(directory / name))
             for name in sorted(OUTPUT_FILES, key=str.encode)]
     lines = [f'["{repo}"]', f'revision = "{spec_revision(repo)}"', "converted = ["]
     lines += [f'  {{ path = "{f.path}", size = {f.size}, sha256 = "{f.sha256}" }},' for f in rows]
@@ -133,6 +124,14 @@ def _spec(repo: str) -> dict:
     if repo not in SPECS:
         raise SpecPilotError(f"{repo}: no synthetic checkpoint of that name; known: {', '.join(sorted(SPECS))}")
     return SPECS[repo]
+
+
+def _matches(path: Path, pinned: PinnedFile) -> bool:
+    return path.is_file() and path.stat().st_size == pinned.size and _sha256(path) == pinned.sha256
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # a few KiB each
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -21,6 +21,7 @@ from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.checkpoints import model_dirs
 from specpilot_build.locations import data_dir, environment_dir
+from specpilot_build.run.audit import audit_env
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
 
 HOST = "127.0.0.1"
@@ -63,6 +64,7 @@ def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignor
     models = model_dirs(engine.manifest["inputs"]["checkpoints"], cfg)
     argv, env = launch_command(engine, models, port)
     env["CUDA_VISIBLE_DEVICES"] = str(gpu) if cfg["hardware"]["device"] == "cuda" else ""
+    env = audit_env(env)  # SPECPILOT_IMPORT_AUDIT=<log>: every engine process logs its imports (run/audit.py)
     _claim_port(port, say)
     log = runs_dir() / f"{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
