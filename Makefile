@@ -20,7 +20,7 @@ ARMS ?= ar,stock,final
 SETTINGS ?= $(SETTING)
 FAST_MARKERS := not slow and not gpu and not sglang
 
-.PHONY: setup demo test test-fast fuzz engine show verify-engine ls sweep lock models serve stop bench compare score verify diff bundle
+.PHONY: setup demo test test-fast fuzz engine show verify-engine ls sweep lock env-lock models serve stop bench compare score verify diff bundle
 
 $(STAMP): pyproject.toml
 	@echo "installing SpecPilot and its pinned dependencies into $(VENV) (first time: a few minutes)"
@@ -59,6 +59,9 @@ sweep: $(STAMP)
 
 lock: $(STAMP)
 	$(SP) lock --setting $(SETTING) $(if $(UPDATE),--update)
+
+env-lock: $(STAMP)
+	$(SP) env lock --runtime $(RUNTIME) --host $(HOST)
 
 models: $(STAMP)
 	$(SP) models --setting $(SETTING) $(if $(MIRROR),--mirror $(MIRROR))

@@ -43,18 +43,25 @@ class BuildInputs:
     checkpoints: dict[str, CheckpointPin | None]  # role -> pin
     overlays: tuple[dict, ...]  # {"name", "digest"} in application order
     kernels: tuple[Kernel, ...]
+    environment: dict | None = None  # an SGLang engine on a hardware with a host profile: see environment_record
 
     def record(self) -> dict:
         """The manifest's `inputs` section."""
-        return {"checkpoints": {k: (p.as_record() if p else None) for k, p in self.checkpoints.items()},
-                "runtime": self.runtime_record,
-                "overlays": [dict(o) for o in self.overlays],
-                "kernels": [{"name": k.name, "digest": k.digest} for k in self.kernels]}
+        record = {"checkpoints": {k: (p.as_record() if p else None) for k, p in self.checkpoints.items()},
+                  "runtime": self.runtime_record,
+                  "overlays": [dict(o) for o in self.overlays],
+                  "kernels": [{"name": k.name, "digest": k.digest} for k in self.kernels]}
+        if self.environment is not None:
+            record["environment"] = self.environment
+        return record
 
 
 def resolve_inputs(composed: Composed, lock: Lock) -> BuildInputs:
     plain_name(composed.setting, "setting")
     cfg = effective_config(composed.config)
+    # The host is recorded with its profile's and lock's digests in inputs.environment, not in the config: hardware
+    # without a host (CPU) keeps the config, and so the engine ids, it had before hosts existed.
+    host = cfg["hardware"].pop("host", None)
     for mech in cfg.get("mechanisms", []):
         plain_name(mech.get("name"), "mechanism name")
     runtime = runtime_pin(cfg, lock)
@@ -72,7 +79,25 @@ def resolve_inputs(composed: Composed, lock: Lock) -> BuildInputs:
         kernels.append(Kernel(name, files, files_digest(list(files))))
     return BuildInputs(composed=composed, config=cfg, lock=lock, runtime=runtime, runtime_record=runtime_record,
                        checkpoints=resolve_checkpoints(composed.setting, cfg, lock),
-                       overlays=tuple(overlay_inputs(overlays_in_order(cfg), cfg)), kernels=tuple(kernels))
+                       overlays=tuple(overlay_inputs(overlays_in_order(cfg), cfg)), kernels=tuple(kernels),
+                       environment=environment_record(cfg, runtime, host, lock))
+
+
+def environment_record(cfg: dict, runtime, host: str | None, lock: Lock) -> dict | None:
+    """An SGLang engine whose hardware names a host: its environment lock (lockfiles/envs/<runtime>@<host>.toml,
+    checked against the host profile) and the native prune rules that apply, so a changed lock, profile or rule
+    changes the id. Distribution rules are checked against the lock here; file rules when the environment is
+    installed (build/environment.py)."""
+    if host is None or not isinstance(runtime, WheelPin):
+        return None
+    from specpilot_build.build.environment import native_rules, rule_applies, select_distributions
+    from specpilot_build.hub.environment import load_env_lock
+
+    env_lock = load_env_lock(runtime.name, host, lock.directory)
+    rules = native_rules(cfg)
+    kept, _dropped = select_distributions(env_lock, rules, cfg)
+    return {"host": host, **env_lock.record(), "native_prune": [r["why"] for r in rules if rule_applies(r, cfg)],
+            "wheels": len(kept), "wheel_bytes": sum(w.size for w in kept)}
 
 
 def runtime_pin(cfg: dict, lock: Lock) -> WheelPin | LocalRuntimePin:

@@ -108,6 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--update", action="store_true", help="re-resolve `main` even for repos already pinned")
     p.set_defaults(handler=_lock)
 
+    p = verbs.add_parser("env", help="an SGLang engine's environment on a GPU host: host profiles, the "
+                                     "environment lock, installing it pruned")
+    env = p.add_subparsers(dest="env_verb", required=True, metavar="ACTION")
+    q = env.add_parser("lock", help="resolve the wheels RUNTIME needs on HOST beyond what the host has "
+                                    "(pip's resolver for the host's platform) into lockfiles/envs/RUNTIME@HOST.toml")
+    q.add_argument("--runtime", required=True, help="a wheel runtime of lockfiles/runtimes.toml, e.g. sglang-0.5.17")
+    q.add_argument("--host", required=True, help="a host profile, lockfiles/hosts/HOST.toml")
+    q.set_defaults(handler=_env_lock)
+    q = env.add_parser("host-profile", help="write lockfiles/hosts/NAME.toml from the host's "
+                                            "`pip list --format=freeze`")
+    q.add_argument("--freeze", required=True, type=Path)
+    q.add_argument("--name", required=True)
+    q.add_argument("--python", required=True, help="the host's full Python version, e.g. 3.12.3")
+    q.add_argument("--glibc", required=True, help="the host's glibc (ldd --version), e.g. 2.39")
+    q.add_argument("--cuda", required=True, type=int, help="the host's CUDA major (nvidia-smi), e.g. 13")
+    q.set_defaults(handler=_env_host_profile)
+    q = env.add_parser("install", help="fetch, check, unpack and prune a setting's environment into a prefix "
+                                       "(what the bundle carries)")
+    q.add_argument("--setting", required=True)
+    q.add_argument("--arm", default="final", choices=ARMS)
+    q.add_argument("--target", required=True, type=Path, help="a new directory (the prefix)")
+    q.add_argument("overrides", nargs="*")
+    q.set_defaults(handler=_env_install)
+
     p = verbs.add_parser("models", help="fetch and verify exactly a setting's pinned checkpoint files")
     p.add_argument("--setting", required=True)
     p.add_argument("--mirror", type=Path, help="offline mirror of pinned files (default: $SPECPILOT_MIRROR, "
@@ -365,6 +389,55 @@ def _diff(args) -> int:
 
 
 # --- pins ----------------------------------------------------------------------------------------------------
+
+def _env_lock(args) -> int:
+    from specpilot_build.hub.environment import load_env_lock, load_host_profile
+    from specpilot_build.hub.envlock import resolve_env_lock, write_env_lock
+    from specpilot_build.hub.lockfile import WheelPin, load_lock
+
+    pin = load_lock().runtimes.get(args.runtime)
+    if not isinstance(pin, WheelPin):
+        raise SpecPilotError(f"runtime '{args.runtime}' is not a wheel runtime of lockfiles/runtimes.toml")
+    path = write_env_lock(resolve_env_lock(args.runtime, pin, load_host_profile(args.host)))
+    lock = load_env_lock(args.runtime, args.host)
+    print(f"{len(lock.wheels)} wheels travel ({sum(w.size for w in lock.wheels) / 2**20:.1f} MiB), "
+          f"{len(lock.staying)} stay on the host: {', '.join(f'{k} {v}' for k, v in lock.staying.items())}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _env_host_profile(args) -> int:
+    from specpilot_build.hub.environment import load_host_profile
+    from specpilot_build.hub.envlock import write_host_profile
+
+    path = write_host_profile(args.name, args.freeze, args.python, args.glibc, args.cuda)
+    profile = load_host_profile(args.name)
+    print(f"{len(profile.packages)} packages, profile {profile.digest}; wrote {path}")
+    return 0
+
+
+def _env_install(args) -> int:
+    from specpilot_build.build.environment import install_environment, native_rules
+    from specpilot_build.build.inputs import resolve_inputs
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.hub.environment import load_env_lock
+    from specpilot_build.hub.lockfile import load_lock
+
+    inputs = resolve_inputs(compose_setting(args.setting, args.arm, list(args.overrides)), load_lock())
+    if inputs.environment is None:
+        raise SpecPilotError(f"{args.setting}: not an SGLang setting on hardware with a host profile; it has no "
+                             f"environment to install")
+    if os.path.lexists(args.target):
+        raise SpecPilotError(f"{args.target} exists; give a new directory")
+    lock = load_env_lock(inputs.runtime.name, inputs.environment["host"])
+    record = install_environment(lock, native_rules(inputs.config), inputs.config, args.target)
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    print(f"{len(record['wheels'])} wheels ({mib(sum(w.size for w in lock.wheels if w.name in {x['name'] for x in record['wheels']}))}"
+          f" fetched), {len(record['dropped_distributions'])} distributions left out; {len(record['kept'])} files "
+          f"kept ({mib(record['kept_bytes'])}), {len(record['dropped'])} dropped ({mib(record['dropped_bytes'])}) "
+          f"into {args.target}")
+    return 0
+
 
 def _lock(args) -> int:
     from specpilot_build.config.compose import compose_setting

@@ -32,6 +32,9 @@ class Hardware:
     compute_capability: Optional[str] = None  # "9.0"
     arch: Optional[str] = None  # "sm_90", "sm_120a"
     memory_gib: int = field(default=0, metadata={"min": 0})
+    # the host profile (lockfiles/hosts/<host>.toml) its SGLang engines' environment is locked for; recorded in the
+    # manifest's inputs.environment, not in the config (build/inputs.py)
+    host: Optional[str] = None
 
 
 @dataclass

@@ -142,6 +142,9 @@ def write_placeholder_lock(directory: Path, repos: list[str]) -> Path:
     for name in ("runtimes.toml", "datasets.toml"):
         if (real / name).is_file():
             shutil.copyfile(real / name, directory / name)
+    for name in ("hosts", "envs"):  # host profiles and environment locks (hub/environment.py)
+        if (real / name).is_dir():
+            shutil.copytree(real / name, directory / name, dirs_exist_ok=True)
     text = (real / "checkpoints.toml").read_text()
     missing = sorted(set(repos) - set(tomllib.loads(text)))
     text += "\n" + PLACEHOLDER_NOTE
