@@ -95,10 +95,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin, where rotate_half(x) * sin
+    == roll(x, half) * signed_sin, signed_sin being sin with its first half negated (exact: a sign)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _projection(rows: int, cols: int, dtype, device) -> nn.Linear:
@@ -113,25 +113,26 @@ class Qwen3Layer(nn.Module):
         self.o = _projection(s.hidden_size, s.num_heads * s.head_dim, dtype, device)
         self.gate_up = _projection(2 * s.intermediate_size, s.hidden_size, dtype, device)
         self.down = _projection(s.hidden_size, s.intermediate_size, dtype, device)
-        ones = lambda n: nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
+        ones = lambda *n: nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)
         self.input_norm, self.post_norm = ones(s.hidden_size), ones(s.hidden_size)
-        self.q_norm, self.k_norm = ones(s.head_dim), ones(s.head_dim)
+        # q_norm for the query heads then k_norm for the key heads: one norm (and one rotary) for both
+        self.qk_norm = ones(s.num_heads + s.num_kv_heads, s.head_dim)
 
     def forward(self, x, cos, sin, positions, mask, k_cache, v_cache, rows):
         s = self.shape
         batch, steps, _ = x.shape
         eps = s.rms_norm_eps
         qkv = self.qkv(rms_norm(x, self.input_norm, eps)).view(batch, steps, -1, s.head_dim)
-        q, k, v = qkv.split([s.num_heads, s.num_kv_heads, s.num_kv_heads], dim=2)
-        q = rotate(rms_norm(q, self.q_norm, eps), cos, sin)
-        k = rotate(rms_norm(k, self.k_norm, eps), cos, sin)
+        qk = rotate(rms_norm(qkv[:, :, :s.num_heads + s.num_kv_heads], self.qk_norm, eps), cos, sin)
+        q, k, v = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:], qkv[:, :, s.num_heads + s.num_kv_heads:]
         k_cache[rows, :, positions] = k  # [batch, steps, kv_heads, head_dim] at each token's position
         v_cache[rows, :, positions] = v
         # Query head h reads KV head h // group: rows of one KV head are (token, head in group), token-major.
         q = q.reshape(batch, steps, s.num_kv_heads, s.group, s.head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.reshape(batch, s.num_kv_heads, steps * s.group, s.head_dim),
                                            k_cache, v_cache, attn_mask=mask)
-        o = o.view(batch, s.num_kv_heads, steps, s.group * s.head_dim).transpose(1, 2)
+        # (reshape: memory-efficient attention may return its output in another memory layout)
+        o = o.reshape(batch, s.num_kv_heads, steps, s.group * s.head_dim).transpose(1, 2)
         x = x + self.o(o.reshape(batch, steps, s.num_heads * s.head_dim))
         gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -150,8 +151,9 @@ class Qwen3(nn.Module):
         self.norm = nn.Parameter(torch.ones(s.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.lm_head = _projection(s.vocab_size, s.hidden_size, dtype, device)
         cos, sin = _rope_tables(s)
+        sin[:, : s.head_dim // 2].neg_()
         self.register_buffer("cos", cos.to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("signed_sin", sin.to(dtype=dtype, device=device), persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -169,10 +171,12 @@ class Qwen3(nn.Module):
         s = self.shape
         batch, steps = tokens.shape
         x = F.embedding(tokens, self.embed)
-        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
-        # Query row (token t, head g of a group) sees the keys at or before t's position.
-        visible = cache.key_positions <= positions[..., None]
-        mask = visible[:, None, :, None].expand(batch, 1, steps, s.group, cache.length).reshape(
+        cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]
+        # Query row (token t, head g of a group) sees the keys at or before t's position: an additive mask,
+        # made once for all layers.
+        hidden = torch.full((), float("-inf"), dtype=self.dtype, device=tokens.device)
+        mask = torch.where(cache.key_positions <= positions[..., None], 0.0, hidden).to(self.dtype)
+        mask = mask[:, None, :, None].expand(batch, 1, steps, s.group, cache.length).reshape(
             batch, 1, steps * s.group, cache.length)
         with sdpa_kernel(ATTENTION_BACKENDS):
             for i, layer in enumerate(self.layers):
@@ -227,6 +231,6 @@ def from_transformers(hf_model, device=None) -> Qwen3:
             ours.down.weight.copy_(mlp.down_proj.weight)
             ours.input_norm.copy_(theirs.input_layernorm.weight)
             ours.post_norm.copy_(theirs.post_attention_layernorm.weight)
-            ours.q_norm.copy_(att.q_norm.weight)
-            ours.k_norm.copy_(att.k_norm.weight)
+            ours.qk_norm[:shape.num_heads] = att.q_norm.weight
+            ours.qk_norm[shape.num_heads:] = att.k_norm.weight
     return model
