@@ -509,13 +509,20 @@ def _bundle(args) -> int:
     if args.host is not None and args.env is not None:
         raise SpecPilotError("bundle: give --host (its environment is built from the lock) or --env DIR, not both")
     engines = [resolve_engine(ref) for ref in args.engines]
+    recorded = {(e.manifest["inputs"].get("environment") or {}).get("host") for e in engines}
+    host = args.host
+    if host is None and args.env is None and recorded - {None}:
+        if len(recorded) > 1:
+            raise SpecPilotError(f"bundle: these engines were built for different hosts "
+                                 f"({', '.join(sorted(map(str, recorded)))}); bundle them separately")
+        host = recorded.pop()  # the host the engines were built for (their manifests' inputs.environment)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bundle-env-") as scratch:
         env_dir, env_files = args.env, None
-        if args.host is not None:
-            env_dir, env_files = _host_environment(engines, args.host, Path(scratch))
+        if host is not None:
+            env_dir, env_files = _host_environment(engines, host, Path(scratch))
         result = make_bundle(engines, part_bytes=int(args.part_mb * 2**20), env_dir=env_dir, env_files=env_files,
-                             host=args.host, out=args.out)
+                             host=host, out=args.out)
     archive = result.index["archive"]
     print(f"{archive['id']}  {result.path}")
     print(f"{archive['size']:,} bytes in {len(result.index['parts'])} part(s) of at most {archive['part_bytes']:,} "
@@ -541,6 +548,12 @@ def _host_environment(engines, host: str, target: Path) -> tuple[Path, dict[str,
         raise SpecPilotError(f"bundle --host {host}: these engines need different environments (runtimes "
                              f"{', '.join(sorted(runtimes))}); bundle them separately")
     lock = load_env_lock(runtimes.pop(), host)
+    for engine in engines:
+        built = engine.manifest["inputs"].get("environment")
+        if built is not None and (built.get("host") != host or built.get("digest") != lock.digest):
+            raise SpecPilotError(f"engine {engine.id[:12]} was built for host {built.get('host')} with environment "
+                                 f"lock {built.get('digest', '?')[:19]}…, not {host} with {lock.digest[:19]}… "
+                                 f"({lock.path.name}); rebuild it or bundle for its host")
     record = install_environment(lock, native_rules(configs[0]), configs[0], target)
     return target, {f["path"]: f["blake3"] for f in record["kept"]}
 
