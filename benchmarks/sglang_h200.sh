@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# SpecPilot-built engines through SpecPilot's own verbs, one group of arms at a time (issue #19 item 5):
+# serve (hardware gate, re-hash, engine-id check) -> the golden prompt via /generate -> bench (small LIMIT) -> stop,
+# with the import audit on; then verify every non-ar run against the ar engine by id, compare, audit the imports.
+# Prints one table and writes everything under $OUT.
+#
+#   PREFIX=<installed bundle> GOLDEN=<golden_greedy.json> OUT=<dir> [LIMIT=2] [DATASETS=gsm8k] [PORT=30000] \
+#     benchmarks/sglang_h200.sh LABEL:GOLDEN_MODE:AR_ID,STOCK_ID,FINAL_ID [...]
+#
+# GOLDEN_MODE: `golden` (the continuation must be llama2.c's, counted n/196) or `same` (dummy weights: each arm's
+# /generate output is compared with the ar arm's). STOCK_ID or FINAL_ID may be `-` (e.g. the W12 group: ar bf16 and
+# final only). Without PREFIX the `specpilot` on PATH and its data dir are used (the CPU dry run:
+#   GOLDEN=../shared/models/stories260K/golden_greedy.json OUT=/tmp/h200-dry benchmarks/sglang_h200.sh \
+#     cpu:golden:$(make -s engine ARM=ar | cut -d' ' -f1),$(...stock...),$(...final...)
+# Server start is ~60 s per SGLang engine on the H200: one group (3 serves + 2 verifies) per 10-minute command.
+set -euo pipefail
+
+: "${GOLDEN:?GOLDEN=<golden_greedy.json> (from a carried folder: ../shared does not travel to the device)}"
+: "${OUT:?OUT=<results folder>}"
+LIMIT=${LIMIT:-2}
+DATASETS=${DATASETS:-gsm8k}
+PORT=${PORT:-30000}
+VERIFY_PORT=${VERIFY_PORT:-$((PORT + 1))}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
+HERE=$(cd "$(dirname "$0")" && pwd -P)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd -P)
+GOLDEN=$(cd "$(dirname "$GOLDEN")" && pwd -P)/$(basename "$GOLDEN")
+
+if [[ -n "${PREFIX:-}" ]]; then
+    SPECPILOT=("$PREFIX/bin/specpilot")
+    # the launcher's environment, for the Python helpers below (benchmarks/import_audit.py)
+    PYENV=(env SPECPILOT_ENGINES="$PREFIX/engines" SPECPILOT_DATA="$PREFIX/data" HF_HUB_OFFLINE=1
+           PYTHONPATH="$PREFIX/specpilot:$PREFIX/env")
+else
+    SPECPILOT=(specpilot)
+    PYENV=(env)
+fi
+PY=${PYTHON:-python3}
+ROWS="$OUT/rows.tsv"
+: > "$ROWS"
+
+# /generate with the golden prompt ids: prints "<tokens matching the golden>/<golden tokens> <output ids as json>"
+generate_golden() {
+    "$PY" - "$1" "$GOLDEN" <<'PY'
+import json, sys, time, urllib.request
+port, golden = sys.argv[1], json.load(open(sys.argv[2]))
+prompt, want = golden["prompt_ids"], golden["sequence_ids"][len(golden["prompt_ids"]):]
+body = json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": len(want), "temperature": 0}}).encode()
+start = time.perf_counter()
+req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
+out = json.load(urllib.request.urlopen(req, timeout=300))
+seconds = time.perf_counter() - start
+got = out["output_ids"]
+same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+print(f"{same}/{len(want)} {len(got) / seconds:.1f} {json.dumps(got)}")
+PY
+}
+
+run_group() {
+    local label=$1 mode=$2 ids=$3 arm id status golden tps ar_out=""
+    IFS=, read -r -a arm_ids <<< "$ids"
+    local arms=(ar stock final)
+    for i in 0 1 2; do
+        arm=${arms[$i]}
+        id=${arm_ids[$i]:--}
+        [[ "$id" == "-" ]] && continue
+        local run="$label-$arm" log="$OUT/imports-$label-$arm.log"
+        rm -f "$log"
+        echo "== $run: serve $id" >&2
+        SPECPILOT_IMPORT_AUDIT="$log" "${SPECPILOT[@]}" serve --engine "$id" --port "$PORT" > "$OUT/$run.serve.txt" 2>&1 \
+            || { echo -e "$label\t$arm\t$id\tserve failed: $(tail -n 3 "$OUT/$run.serve.txt" | tr '\n\t' '  ')" >> "$ROWS"; continue; }
+        read -r golden tps output < <(generate_golden "$PORT") || { golden="generate failed"; tps="-"; output="[]"; }
+        echo "$output" > "$OUT/$run.generate.json"
+        if [[ "$mode" == "same" ]]; then
+            if [[ "$arm" == "ar" ]]; then ar_out=$output; golden="ar output"; 
+            elif [[ "$output" == "$ar_out" ]]; then golden="= ar output"; else golden="DIFFERS from ar"; fi
+        fi
+        status="bench ok"
+        "${SPECPILOT[@]}" bench --engine "$id" --name "$run" --port "$PORT" --limit "$LIMIT" --datasets "$DATASETS" \
+            --max-new-tokens "$MAX_NEW_TOKENS" --overwrite > "$OUT/$run.bench.txt" 2>&1 || status="bench failed"
+        "${SPECPILOT[@]}" stop --port "$PORT" > /dev/null 2>&1 || true
+        local audit
+        audit=$("${PYENV[@]}" "$PY" "$HERE/import_audit.py" "$id" "$log" --json "$OUT/imports-$run.json" 2>&1) || true
+        echo "$audit" > "$OUT/imports-$run.txt"
+        # imported / imported and kept / imported and pruned (must be 0) / kept but never imported
+        audit=$(echo "$audit" | awk '/files imported|imported and kept|imported and pruned|never imported/ {printf "%s%s", sep, $NF; sep="/"}')
+        audit=${audit:-"AUDIT FAILED: $(tail -n 1 "$OUT/imports-$run.txt")"}
+        echo -e "$label\t$arm\t${id:0:12}\t$golden\t$tps\t$status\t$audit" >> "$ROWS"
+    done
+    local ar_id=${arm_ids[0]}
+    for arm in stock final; do
+        local run="$label-$arm"
+        [[ -f "$OUT/$run.bench.txt" ]] || continue
+        "${SPECPILOT[@]}" verify "$run" --oracle "$ar_id" --port "$VERIFY_PORT" > "$OUT/$run.verify.txt" 2>&1 \
+            && v="verify ok" || v="verify FAILED"
+        echo -e "$label\t$arm\tverify\t$v: $(grep -m1 -E '^verdict|rror' "$OUT/$run.verify.txt" | tr '\t' ' ')" >> "$ROWS"
+    done
+    if [[ -f "$OUT/$label-stock.bench.txt" && -f "$OUT/$label-final.bench.txt" ]]; then
+        "${SPECPILOT[@]}" compare --ar "$label-ar" --stock "$label-stock" --final "$label-final" --name "compare-$label" \
+            --overwrite > "$OUT/compare-$label.txt" 2>&1 && c="compare ok" || c="compare FAILED"
+        echo -e "$label\tall\tcompare\t$c" >> "$ROWS"
+    fi
+}
+
+for group in "$@"; do
+    IFS=: read -r label mode ids <<< "$group"
+    [[ "$mode" == golden || "$mode" == same ]] || { echo "group $group: mode must be golden or same" >&2; exit 2; }
+    run_group "$label" "$mode" "$ids"
+done
+
+{
+    echo "# SpecPilot engines through serve / generate / bench / verify / compare — $(date -u +%F\ %H:%M) UTC"
+    echo "machine: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || uname -m)"
+    echo
+    printf '| %s | %s | %s | %s | %s | %s | %s |\n' group arm engine golden/output "tok/s (generate)" bench "imports: all/kept/pruned/never"
+    echo "|---|---|---|---|---|---|---|"
+    while IFS=$'\t' read -r a b c d e f g; do
+        printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$a" "$b" "$c" "$d" "${e:-}" "${f:-}" "${g:-}"
+    done < "$ROWS"
+} | tee "$OUT/table.md"
