@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from . import cuda
 from .format import W12Tensor, decode
 
 FUSED_MAX_M = 64
@@ -42,7 +41,6 @@ class Config:
     split_k: int = 1          # programs per row block, each over a K range; the last one sums
     block_m: int = 0          # rows of x per dot: 0 = the M bucket, at least 16 (8 needs swap: MMA n = 8)
     esc_after: bool = False   # load this block's escape entries after the main loop (fewer live registers)
-    kernel: str = "triton"    # "cuda": csrc/w12_gemm.cu (128-row CTAs, split_k K ranges, num_stages deep)
 
 
 def _load_tuned() -> dict[tuple[int, int, int], Config]:
@@ -57,14 +55,10 @@ TUNED: dict[tuple[int, int, int], Config] = _load_tuned()
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(n: int, k: int, bucket: int, triton_only: bool = False) -> Config:
+def default_config(n: int, k: int, bucket: int) -> Config:
     """For shapes not in TUNED (bucket: M <= 8, 16, 32 or 64): the tiles the H200 runs favoured on the four
     benchmark shapes, with split K so that ~480 programs stream weights when the row blocks alone are
-    fewer (as for N = 5120 there); above 16 rows the CUDA kernel with K split so that ~264 CTAs (two per
-    H200 multiprocessor) run. Heuristics from those runs, not measured on other shapes."""
-    if bucket > 16 and not triton_only:
-        row_blocks = -(-n // cuda.ROWS)
-        return Config(kernel="cuda", num_stages=4, split_k=max(1, min(8, round(132 / row_blocks))))
+    fewer (as for N = 5120 there). A heuristic from those runs, not measured on other shapes."""
     block_n = 32 if bucket <= 16 else 64
     blocks = -(-n // block_n)
     split = 1 if k < 4096 or blocks >= 300 else max(1, min(4, round(480 / blocks)))
@@ -107,27 +101,11 @@ def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
     return y.reshape(*lead, packed.rows)
 
 
-def prepare(packed: W12Tensor, bucket: int, config: Config | None = None):
-    """Compile (or find) the kernel for this weight and M bucket and keep its launch ready on the weight.
-    A CUDA config where the CUDA kernel cannot run (no nvcc, K/2 not a multiple of 64) takes the Triton
-    default for the bucket."""
-    cfg = config or pick_config(packed.rows, packed.cols, bucket)
-    plan = None
-    if cfg.kernel == "cuda":
-        try:
-            plan = _cuda_plan(packed, cfg)
-        except cuda.CudaKernelUnavailable:
-            cfg = default_config(packed.rows, packed.cols, bucket, triton_only=True)
-    plan = plan or Plan(packed, bucket, cfg)
+def prepare(packed: W12Tensor, bucket: int, config: Config | None = None) -> "Plan":
+    """Compile (or find) the kernel for this weight and M bucket and keep its launch ready on the weight."""
+    plan = Plan(packed, bucket, config)
     packed.plans[bucket] = plan
     return plan
-
-
-def _cuda_plan(packed: W12Tensor, cfg: Config) -> "cuda.CudaPlan":
-    row_blocks = triton.cdiv(packed.rows, cuda.ROWS)
-    partials, counters = _split_workspace(packed.device, cfg.split_k * FUSED_MAX_M * packed.rows
-                                          if cfg.split_k > 1 else 0, row_blocks)
-    return cuda.CudaPlan(packed, cfg.split_k, cfg.num_stages, partials, counters)
 
 
 def decode_on_device(packed: W12Tensor) -> torch.Tensor:
@@ -153,8 +131,6 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         raise TypeError(f"W12 GEMM takes bf16 activations, got {x.dtype}")
     x = x.contiguous()
     config = config or pick_config(packed.rows, k, bucket_of(m))
-    if config.kernel == "cuda":
-        return _cuda_plan(packed, config)(x, m)
     y = torch.empty((m, packed.rows), dtype=torch.bfloat16, device=x.device)
     grid, args, meta = _launch_args(packed, bucket_of(m), config)
     args.update(x_ptr=x, y_ptr=y, M=m, stride_xm=x.stride(0), stride_ym=y.stride(0))
