@@ -1,9 +1,9 @@
 """A second pinned SGLang base: 0.5.17 (the last release pinned to torch 2.11.0, what the H200 host serves) beside
 0.5.23, chosen per setting with the runtime option conf/runtime/sglang-0.5.17.yaml (`runtime=sglang-0.5.17`).
 
-Its pin, its pruning rules, its own cut of the engine-id patch, and the clear refusals: the 0.5.23 patches on
-0.5.17's files (W12's 0.5.17 cut: tests/test_w12_0517.py), and — in this builder environment — the build-time flag check,
-which cannot import 0.5.17's server_args on CPU (module-level torchvision and function-call imports)."""
+Its pin, its pruning rules, its own cut of the engine-id patch, the clear refusals of the 0.5.23 patches on 0.5.17's
+files (W12's 0.5.17 cut: tests/test_w12_0517.py), and the build-time flag check, read from 0.5.17's own parser in the
+flag-check environment its runtime file declares (pinned packages, torchvision as an import-only stand-in)."""
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +21,9 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.lockfile import WheelPin, load_lock
 from specpilot_build.locations import REPO_ROOT
 
-PADDED = "h200_c1_stories260k-padded_ngram"
+PADDED = "h200_c1_stories260k-padded_ngram"  # on sglang-0.5.17 (its preset's runtime choice)
 OLD = ["runtime=sglang-0.5.17"]
+NEW = ["runtime=sglang"]
 HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"
 ENGINE_ID_LINE = '"engine_id": os.environ.get("SPECPILOT_ENGINE_ID")'
 
@@ -59,8 +60,9 @@ def test_the_runtime_option_selects_the_0517_pin_and_its_overlay(arm):
     assert inputs.runtime_record["version"] == "0.5.17" and inputs.runtime_record["name"] == "sglang-0.5.17"
     assert [o["name"] for o in inputs.overlays] == ["engine-id-0.5.17"]
     assert inputs.config["runtime"]["launch_args"]["attention-backend"] == "triton"  # the setting's, kept
-    default = resolve_inputs(compose_setting(PADDED, arm), load_lock(REPO_ROOT / "lockfiles"))
-    assert default.runtime_record["version"] == "0.5.23"
+    assert resolve_inputs(compose_setting(PADDED, arm), load_lock(REPO_ROOT / "lockfiles")).record() == inputs.record()
+    new = resolve_inputs(compose_setting(PADDED, arm, NEW), load_lock(REPO_ROOT / "lockfiles"))
+    assert new.runtime_record["version"] == "0.5.23" and "flag_check" not in new.config["runtime"]
 
 
 def _tree_with_http_server(wheel: Path, root: Path, dist_info: bool) -> Path:
@@ -83,7 +85,7 @@ def test_the_0517_engine_id_patch_applies_and_the_0523_one_is_refused(wheel, tmp
     compile(text, HTTP_SERVER, "exec")
     assert [f["path"] for f in record["files"]] == [HTTP_SERVER]
     # 0.5.23's patch on 0.5.17's file: refused by its version range ...
-    new_cfg = effective_config(compose_setting(PADDED, "stock").config)
+    new_cfg = effective_config(compose_setting(PADDED, "stock", NEW).config)
     tree = _tree_with_http_server(wheel, tmp_path / "b", dist_info=True)
     with pytest.raises(SpecPilotError, match=r"overlays/engine-id/overlay.toml: applies to sglang >=0.5.23,<0.5.24, "
                                              r"but the pinned sglang is 0.5.17"):
@@ -118,18 +120,55 @@ def test_the_0517_pruning_rules_keep_what_the_padded_ngram_engine_loads(wheel):
 
 @pytest.mark.sglang
 @pytest.mark.slow
-def test_the_padded_setting_builds_on_0517_or_the_flag_check_says_why_not(wheel):
+def test_the_padded_setting_builds_on_0517_its_flags_read_with_the_torchvision_stand_in(wheel):
     from specpilot_build.build.builder import build_engine
 
-    try:
-        engine = build_engine(PADDED, "final", OLD).engine
-    except SpecPilotError as exc:
-        # Where this Python cannot import 0.5.17's argument parsing (here: torchvision and transformers 5.24's
-        # qwen3_asr clash), the build must refuse clearly, naming what is missing, and leave nothing behind.
-        message = str(exc)
-        assert "cannot read SGLang 0.5.17's launch flags" in message and "No module named" in message, message
-        assert len(message.splitlines()) == 1
-        return
+    engine = build_engine(PADDED, "final").engine
     assert engine.manifest["inputs"]["runtime"]["version"] == "0.5.17"
     assert engine.manifest["base"]["overlays"][0]["name"] == "engine-id-0.5.17"
     assert (engine.path / HTTP_SERVER).read_text().count(ENGINE_ID_LINE) == 2
+    # this Python has no torchvision: the placeholder stood in for it, and the manifest says so
+    [used] = engine.manifest["base"]["flag_check"]["stand_ins_used"]
+    assert used["module"] == "torchvision" and used["because"].startswith("ModuleNotFoundError")
+    assert engine.manifest["config"]["runtime"]["flag_check"]["stand_ins"] == ["torchvision"]
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_a_stand_in_is_used_only_where_the_real_module_fails_to_import(wheel):
+    from specpilot_build.build.builder import build_engine
+
+    # dill is among the pinned packages, so it imports for real; torchvision still does not
+    engine = build_engine(PADDED, "ar", ["runtime.flag_check.stand_ins=[torchvision,dill]"]).engine
+    assert [u["module"] for u in engine.manifest["base"]["flag_check"]["stand_ins_used"]] == ["torchvision"]
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.parametrize("override,named", [
+    ("+runtime.launch_args.sampling-backnd=pytorch", ["--sampling-backnd", "runtime.launch_args",
+                                                      "is not a flag of SGLang 0.5.17",
+                                                      "did you mean --sampling-backend?"]),
+    ("runtime.launch_args.attention-backend=tritn", ["--attention-backend", "'tritn'", "triton"]),
+])
+def test_a_flag_0517_would_refuse_fails_the_build_naming_it(wheel, override, named):
+    from specpilot_build.build.builder import build_engine
+    from specpilot_build.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        build_engine(PADDED, "stock", [override])
+    assert all(part in str(error.value) for part in named), str(error.value)
+
+
+@pytest.mark.parametrize("override,named", [
+    ("runtime.flag_check.packages=['transformers>=5']", ["runtime.flag_check.packages", "'transformers>=5'",
+                                                         "exact pin", "override runtime.flag_check.packages="]),
+    ("runtime.flag_check.stand_ins=[torchvision.io]", ["runtime.flag_check.stand_ins", "'torchvision.io'"]),
+    ("+runtime.flag_check.extra=1", ["runtime.flag_check.extra"]),
+])
+def test_a_flag_check_that_is_not_exact_pins_and_module_names_is_refused_at_compose(override, named):
+    from specpilot_build.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        compose_setting(PADDED, "ar", [override])
+    assert all(part in str(error.value) for part in named), str(error.value)

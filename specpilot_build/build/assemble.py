@@ -37,7 +37,10 @@ def assemble_tree(tree: Path, inputs: BuildInputs, store: Path) -> tuple[dict, d
         record = {"kind": "directory", "dir": pin.dir}
     record["overlays"] = apply_overlays(tree, list(inputs.overlays), cfg)
     if isinstance(pin, WheelPin):  # every launch flag and value against this SGLang's own parser
-        table = flag_table(tree / "python", pin.sha256, list(inputs.overlays), pin.version)
+        flag_check = cfg["runtime"].get("flag_check")
+        table, stand_ins = flag_table(tree / "python", pin.sha256, list(inputs.overlays), pin.version, flag_check)
+        if flag_check is not None:  # the table was read in that environment: say so in the manifest
+            record["flag_check"] = {"stand_ins_used": stand_ins}
         check_launch_args(sglang_flags(cfg), table, flag_origins(cfg, inputs.composed.config.get("final")),
                           pin.version)
     for kernel in inputs.kernels:

@@ -5,14 +5,24 @@ The flag table (option, action kind, nargs, value type, choices) is read once fr
 adds `--quantization w12`) — and cached per wheel sha256 and overlay digests under <data>/cache/sglang-flags/,
 the cached table checked against its own digest before it is used. A build then checks every launch argument in
 milliseconds: an unknown flag is refused naming the nearest one and where it was set, a value of the wrong type
-or outside the flag's choices naming the flag and the value."""
+or outside the flag's choices naming the flag and the value.
+
+A runtime whose parser this interpreter's packages cannot import declares `runtime.flag_check` (schema.FlagCheck):
+its exact pins are installed once with `pip install --target --no-deps` into <data>/cache/flag-env/<digest>/
+(a temporary folder renamed into place; every file re-hashed against the folder's record before use), put first on
+the child's sys.path; each stand-in is an import-only placeholder module, put in place only when the real module
+fails to import in the child, so that argparse's table can be read. The flags still come from SGLang's own
+parser; the table records which stand-ins were used."""
 from __future__ import annotations
 
 import difflib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 from pathlib import Path
 
 from specpilot_build.errors import ConfigError, SpecPilotError
@@ -20,7 +30,44 @@ from specpilot_build.locations import data_dir
 from specpilot_build.store.manifest import canonical_json, digest_bytes
 
 _EXTRACT = r"""
-import argparse, json, sys
+import argparse, importlib, importlib.abc, importlib.machinery, json, sys, types
+
+class _Placeholder(types.ModuleType):
+    # import-only: any attribute is another placeholder, so `from x.y import z` at module level succeeds
+    # transformers asks importlib whether a package exists, then parses its version: "0+stand.in" sorts below
+    # every real release, so version-gated code takes its oldest path
+    __path__ = []
+    __version__ = "0+stand.in"
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(f"{self.__name__}.{name}")
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.__name__} is a stand-in placeholder for reading SGLang's flags")
+
+class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots):
+        self.roots = set(roots)
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+    def create_module(self, spec):
+        return _Placeholder(spec.name)
+    def exec_module(self, module):
+        pass
+
+used = []
+for root in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(root)
+    except Exception as exc:  # absent, or present but broken beside this torch: a placeholder instead
+        for loaded in [m for m in sys.modules if m == root or m.startswith(root + ".")]:
+            del sys.modules[loaded]
+        used.append({"module": root, "because": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+if used:
+    sys.meta_path.insert(0, _StandIns(u["module"] for u in used))
+
 from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
@@ -30,6 +77,7 @@ for action in parser._actions:
         flags[option] = {"kind": type(action).__name__, "nargs": action.nargs,
                          "type": getattr(action.type, "__name__", None) if action.type else None,
                          "choices": [str(c) for c in action.choices] if action.choices is not None else None}
+print("STANDINS " + json.dumps(used))
 print("FLAGS " + json.dumps(flags))
 """
 CHECKED_TYPES = {"int": int, "float": float}
@@ -73,35 +121,92 @@ def check_launch_args(args: dict, table: dict, where: dict[str, str], version: s
                                       f"{version} requires") from None
 
 
-def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict], version: str) -> dict:
-    """The flag table of the SGLang in `python_dir` (an assembled tree's python/), cached by its inputs."""
-    key = digest_bytes(canonical_json({"wheel": wheel_sha256, "overlays": overlays})).split(":")[1]
+def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict], version: str,
+               flag_check: dict | None = None) -> tuple[dict, list[dict]]:
+    """The flag table of the SGLang in `python_dir` (an assembled tree's python/), cached by its inputs, and the
+    stand-ins used to read it ([] without `flag_check`: the builder's own packages)."""
+    inputs = {"wheel": wheel_sha256, "overlays": overlays}
+    if flag_check is not None:
+        inputs["flag_check"] = flag_check
+    key = digest_bytes(canonical_json(inputs)).split(":")[1]
     cache = data_dir() / "cache" / "sglang-flags" / f"{key}.json"
     try:
         record = json.loads(cache.read_text())
-        if record["digest"] == digest_bytes(canonical_json(record["flags"])):
-            return record["flags"]
+        body = {"flags": record["flags"], "stand_ins_used": record["stand_ins_used"]}
+        if record["digest"] == digest_bytes(canonical_json(body)):
+            return record["flags"], record["stand_ins_used"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
         pass  # absent or damaged: extract again
-    flags = _extract(python_dir, version)
+    env = flag_env(flag_check["packages"]) if flag_check and flag_check.get("packages") else None
+    flags, used = _extract(python_dir, version, env, list((flag_check or {}).get("stand_ins") or []))
+    body = {"flags": flags, "stand_ins_used": used}
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-    tmp.write_bytes(canonical_json({"flags": flags, "digest": digest_bytes(canonical_json(flags))}))
+    tmp.write_bytes(canonical_json({**body, "digest": digest_bytes(canonical_json(body))}))
     os.replace(tmp, cache)
-    return flags
+    return flags, used
 
 
-def _extract(python_dir: Path, version: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(python_dir), "PYTHONDONTWRITEBYTECODE": "1"}
+ENV_RECORD = ".specpilot-flag-env.json"
+
+
+def flag_env(packages: list[str]) -> Path:
+    """The folder holding exactly `packages` (exact pins, no dependencies) for this interpreter, installed once."""
+    spec = {"packages": sorted(packages), "python": sys.implementation.cache_tag, "platform": sysconfig.get_platform()}
+    key = digest_bytes(canonical_json(spec)).split(":")[1]
+    target = data_dir() / "cache" / "flag-env" / key
+    if target.is_dir():
+        _check_env(target, spec)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))
     try:
-        done = subprocess.run([sys.executable, "-c", _EXTRACT], capture_output=True, text=True, env=env,
-                              timeout=600, cwd=python_dir)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                               "--no-deps", "--no-compile", "--target", str(tmp), *spec["packages"]],
+                              capture_output=True, text=True, timeout=1200)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise SpecPilotError(f"installing runtime.flag_check.packages for the flag check failed: {last}")
+        (tmp / ENV_RECORD).write_bytes(canonical_json({**spec, "files": _listing(tmp)}))
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _listing(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): digest_bytes(p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ENV_RECORD}
+
+
+def _check_env(target: Path, spec: dict) -> None:
+    try:
+        record = json.loads((target / ENV_RECORD).read_text())
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or {k: record.get(k) for k in spec} != spec \
+            or record.get("files") != _listing(target):
+        raise SpecPilotError(f"the flag-check environment {target} differs from its record {ENV_RECORD}; "
+                             f"remove that folder and build again")
+
+
+def _extract(python_dir: Path, version: str, env_dir: Path | None, stand_ins: list[str]) -> tuple[dict, list]:
+    path = [str(env_dir)] if env_dir is not None else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [str(python_dir)]), "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _EXTRACT, json.dumps(stand_ins)], capture_output=True,
+                              text=True, env=env, timeout=600, cwd=python_dir)
     except subprocess.TimeoutExpired:
         raise SpecPilotError("reading SGLang's launch flags took over 600 s; try again") from None
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("FLAGS ")), None)
-    if done.returncode != 0 or line is None:
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in done.stdout.splitlines()
+             if ln.startswith(("FLAGS ", "STANDINS "))}
+    if done.returncode != 0 or "FLAGS" not in lines:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        hint = ("add what it imports to the runtime's flag_check (packages or stand_ins)" if env_dir is not None
+                or stand_ins else
+                "the builder's Python needs what that SGLang's argument parsing imports (for the default SGLang: "
+                ".venv/bin/pip install -e '.[sglang-check]'), or the runtime a flag_check")
         raise SpecPilotError(f"cannot read SGLang {version}'s launch flags from the engine tree to check them "
-                             f"({last}); the builder's Python needs what that SGLang's argument parsing imports "
-                             f"(for the default SGLang: .venv/bin/pip install -e '.[sglang-check]')")
-    return json.loads(line[len("FLAGS "):])
+                             f"({last}); {hint}")
+    return json.loads(lines["FLAGS"]), json.loads(lines["STANDINS"])

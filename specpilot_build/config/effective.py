@@ -26,6 +26,8 @@ def effective_config(config: dict) -> dict:
         kernels += [k for k in mech.get("kernels", []) if k not in kernels]
         runtime_options.update(mech.get("runtime_options", {}))
         launch_args.update(mech.get("launch_args", {}))
+    if cfg["runtime"].get("flag_check", "absent") is None:  # undeclared: not part of any engine id
+        del cfg["runtime"]["flag_check"]
     runtime = cfg["runtime"]["name"]
     cfg["mechanisms"] = [{"name": m["name"], "overlay": (m.get("overlay_cuts") or {}).get(runtime, m.get("overlay"))}
                          for m in mechanisms]

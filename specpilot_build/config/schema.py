@@ -11,6 +11,7 @@ Every group is validated at compose time: an unknown key or a wrong type fails n
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
@@ -80,11 +81,22 @@ class Arm:
 
 
 @dataclass
+class FlagCheck:
+    """Where the build-time flag check (build/sglang_flags.py) reads an SGLang's parser when this interpreter's own
+    packages cannot import it: exact pins installed once into a cached folder put first on the child's path, and
+    modules replaced by import-only placeholders only where the real one fails to import there."""
+    packages: List[str] = field(default_factory=list)  # "name==version", each exact
+    stand_ins: List[str] = field(default_factory=list)  # top-level module names
+
+
+@dataclass
 class Runtime:
     name: str = MISSING  # "reference" | "sglang"
     launch_args: Dict[str, Any] = field(default_factory=dict)  # SGLang args every arm of this runtime gets
     prune: Optional[Dict[str, Any]] = None  # wheel pruning rules (prune.py); None keeps every member
     overlays: List[str] = field(default_factory=list)  # overlays every arm of this runtime gets, applied first
+    # None: the flag check imports SGLang's parser with the builder's own packages (effective.py leaves it out)
+    flag_check: Optional[FlagCheck] = None
 
 
 # Ranges of the reference runtime's options (their names and types are its own: specpilot_runtime.config).
@@ -151,6 +163,7 @@ def check_composed(config: dict, choices: dict[str, Any], overrides: list[str] =
     for group, schema in GROUP_SCHEMAS:
         for key, value in (config.get(group) or {}).items():
             _check_range(schema, key, value, f"{group}.{key}", src.of(f"{group}.{key}", group))
+    _check_flag_check(config["runtime"].get("flag_check"), src.of("runtime.flag_check", "runtime"))
     runtime = config["runtime"]["name"]
     mechanisms = (config.get("final") or {}).get("mechanisms") or {}
     for name, mech in mechanisms.items():
@@ -327,6 +340,23 @@ def _runtime_options() -> dict[str, type]:
 
 
 # values -------------------------------------------------------------------------------------------------
+
+
+EXACT_PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+")
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_flag_check(node: dict | None, where: str) -> None:
+    if node is None:
+        return
+    if not node.get("packages") and not node.get("stand_ins"):
+        raise ConfigError(f"runtime.flag_check ({where}) names no packages and no stand-ins; leave it out instead")
+    for pin in node.get("packages") or []:
+        if not EXACT_PIN.fullmatch(pin):
+            raise ConfigError(f"runtime.flag_check.packages ({where}): {pin!r} is not an exact pin name==version")
+    for name in node.get("stand_ins") or []:
+        if not MODULE_NAME.fullmatch(name):
+            raise ConfigError(f"runtime.flag_check.stand_ins ({where}): {name!r} is not a top-level module name")
 
 
 def _check_range(schema: Any, key: str, value: Any, path: str, where: str) -> None:
