@@ -25,6 +25,7 @@ from specpilot_build.locations import KERNELS_DIR, OVERLAYS_DIR, REPO_ROOT
 
 PADDED_BF16 = "h200_c1_stories260k-padded-bf16_ngram"
 OLD = ["runtime=sglang-0.5.17"]
+NEW = ["runtime=sglang"]  # the padded presets run 0.5.17; 0.5.23 by override
 METHOD = "python/sglang/srt/layers/quantization/w12.py"
 REGISTRY = "python/sglang/srt/layers/quantization/__init__.py"
 CHOICES = "python/sglang/srt/server_args.py"
@@ -47,7 +48,7 @@ def _cfg(overrides=OLD) -> dict:
 def test_the_mechanism_picks_the_0517_cut_on_0517_and_overlays_w12_on_0523():
     lock = load_lock(REPO_ROOT / "lockfiles")
     old = resolve_inputs(compose_setting(PADDED_BF16, "final", OLD), lock)
-    new = resolve_inputs(compose_setting(PADDED_BF16, "final"), lock)
+    new = resolve_inputs(compose_setting(PADDED_BF16, "final", NEW), lock)
     assert [o["name"] for o in old.overlays] == ["engine-id-0.5.17", "w12-0.5.17"]
     assert [o["name"] for o in new.overlays] == ["engine-id", "w12"]
     assert [k.name for k in old.kernels] == ["w12"]
@@ -61,7 +62,7 @@ def test_each_w12_overlay_is_refused_on_the_other_release():
         overlay_inputs(["w12"], _cfg())
     with pytest.raises(SpecPilotError, match=r"overlays/w12-0.5.17/overlay.toml: applies to runtime "
                                              r"'sglang-0.5.17', but this setting runs 'sglang'"):
-        overlay_inputs(["w12-0.5.17"], _cfg([]))
+        overlay_inputs(["w12-0.5.17"], _cfg(NEW))
 
 
 def test_a_cut_for_a_runtime_that_does_not_exist_is_refused_naming_it():
@@ -103,7 +104,7 @@ def test_the_0517_cut_applies_strictly_to_the_pinned_wheel_and_the_0523_cut_does
     # 0.5.23's cut on 0.5.17's files, with no dist-info to read the version from: the strict patcher names the hunk
     plain = _tree_from_wheel(wheel, tmp_path / "b")
     shutil.rmtree(plain / "python" / "sglang-0.5.17.dist-info")
-    new_cfg = _cfg([])
+    new_cfg = _cfg(NEW)
     with pytest.raises(SpecPilotError, match=r"overlay w12: patches/0001-register-w12.patch: .*__init__.py: "
                                              r"hunk #1 .* does not apply"):
         apply_overlays(plain, overlay_inputs(["w12"], new_cfg), new_cfg)
