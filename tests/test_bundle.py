@@ -301,3 +301,28 @@ def test_served_from_the_prefix_it_answers_as_from_the_store_and_a_tampered_tree
     refused = specpilot_in(prefix, "serve", "--engine", engine.id, "--port", str(prefix_port))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "runtime/specpilot_runtime/server.py" in refused.stderr and "refusing to serve" in refused.stderr
+
+
+def test_the_bundle_carries_the_pinned_benchmark_files_where_bench_looks_for_them(tmp_path, monkeypatch):
+    import shutil
+
+    from specpilot_build.bundle.contents import dataset_members
+    from specpilot_build.measure.datasets import BENCHMARKS, dataset_file, load_split
+
+    members = dataset_members()
+    assert len(members) == len(BENCHMARKS)
+    prefix_data = tmp_path / "data"  # as install.py lays the prefix out; no mirror on the host
+    for m in members:
+        (prefix_data / m.name[len("data/"):]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(m.source, prefix_data / m.name[len("data/"):])
+    monkeypatch.setenv("SPECPILOT_DATA", str(prefix_data))
+    monkeypatch.setenv("SPECPILOT_MIRROR", "")
+    import specpilot_build.measure.datasets as datasets
+
+    def no_download(pin, cached):  # the host has no network: a file not where bench looks is a failure here
+        raise AssertionError(f"{pin['file']} not found in the prefix")
+
+    monkeypatch.setattr(datasets, "_download", no_download)
+    for name in BENCHMARKS:
+        assert dataset_file(name).is_relative_to(prefix_data)
+        assert len(load_split(name, limit=2)) == 2

@@ -7,6 +7,8 @@ The layout is the installed prefix's:
                                         the pinned checkpoint files (regular files, no blob links)
     data/converted/<repo>/<revision>/<name>[-padded]/...
                                         llama2.c checkpoints as serve loads them (converted, checked)
+    data/synthetic/<repo>/<revision>/...  checkpoints SpecPilot writes itself (and their tokenizer source)
+    data/datasets/<file>                the pinned benchmark files bench reads
     env/...                             the engine's environment, first on the engine's PYTHONPATH after its tree
     specpilot/specpilot_build/, specpilot/lockfiles/, specpilot/conf/
                                         SpecPilot itself, to run serve/stop/bench/verify/compare there
@@ -22,8 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot_build.errors import IntegrityError, SpecPilotError
-from specpilot_build.hub.checkpoints import LLAMA2C_FORMATS, model_dirs, padded_pins, snapshot_dir
-from specpilot_build.locations import REPO_ROOT, data_dir, hf_cache_dir
+from specpilot_build.hub.checkpoints import (
+    LLAMA2C_FORMATS,
+    model_dirs,
+    padded_pins,
+    snapshot_dir,
+    synthetic_tokenizer_dir,
+)
+from specpilot_build.hub.synthetic import is_synthetic
+from specpilot_build.locations import REPO_ROOT, data_dir, hf_cache_dir, mirror_dir
 from specpilot_build.store.engines import Engine, check_engine, checked_manifest
 from specpilot_build.store.manifest import MANIFEST_NAME, entry_kind
 
@@ -55,7 +64,8 @@ def bundle_members(engines: list[Engine], env_dir: Path | None = None,
     for engine in engines:
         for member in engine_members(engine) + model_members(engine):
             _add(members, member)
-    groups = [specpilot_members(), [Member("bin/specpilot", LAUNCHER, True), Member("install.py", INSTALLER, True)]]
+    groups = [specpilot_members(), dataset_members(),
+              [Member("bin/specpilot", LAUNCHER, True), Member("install.py", INSTALLER, True)]]
     if env_dir is not None:
         groups.append(environment_members(env_dir, env_files))
     for group in groups:
@@ -92,6 +102,9 @@ def model_members(engine: Engine) -> list[Member]:
         if record is None:
             continue
         section = config[role]
+        if is_synthetic(record["repo"]):
+            members += _synthetic_members(record, dirs[role], cache, data)
+            continue
         files = [f for f in record.get("files", []) if not section.get("files") or f["path"] in section["files"]]
         if not files:
             raise SpecPilotError(f"engine {engine.id[:12]}: {record['repo']} ({role}) is pinned without its files "
@@ -108,6 +121,28 @@ def model_members(engine: Engine) -> list[Member]:
             for path in sorted(converted.iterdir()):
                 name = "data/" + path.relative_to(data).as_posix()
                 members.append(Member(name, path, False, sha256=expected.get(path.name)))
+    return members
+
+
+def _synthetic_members(record: dict, directory: Path, cache: Path, data: Path) -> list[Member]:
+    """A checkpoint SpecPilot writes itself (hub/synthetic.py): its generated files, checked against the pin's
+    `converted`, and the tokenizer source serve materializes (and verifies) before it finds them already written."""
+    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.hub.synthetic import TOKENIZER_SOURCE
+
+    members = [Member("data/" + (directory / f["path"]).relative_to(data).as_posix(), directory / f["path"], False,
+                      sha256=f["sha256"]) for f in record["converted"]]
+    repo = TOKENIZER_SOURCE["repo"]
+    pin = load_lock().checkpoints[repo]
+    snapshot = snapshot_dir(cache, repo, pin.revision)
+    for f in pin.files:
+        if f.path in TOKENIZER_SOURCE["files"]:
+            name = "data/huggingface/hub/" + (snapshot / f.path).relative_to(cache).as_posix()
+            members.append(Member(name, (snapshot / f.path).resolve(), False, sha256=f.sha256))
+    converted = synthetic_tokenizer_dir()
+    expected = {f.path: f.sha256 for f in pin.converted}
+    for path in sorted(converted.iterdir()):
+        members.append(Member("data/" + path.relative_to(data).as_posix(), path, False, sha256=expected.get(path.name)))
     return members
 
 
@@ -131,6 +166,25 @@ def environment_members(env_dir: Path, env_files: dict[str, str] | None) -> list
         what = f"{extra[0]} is not in its record" if extra else f"{missing[0]} is missing"
         raise IntegrityError(f"environment {env_dir}: {what}; refusing to bundle it")
     return [Member(m.name, m.source, m.executable, blake3=env_files[m.name[len("env/"):]]) for m in members]
+
+
+def dataset_members() -> list[Member]:
+    """The pinned benchmark files (lockfiles/datasets.toml) as data/datasets/<file>, where bench's loader looks
+    first (measure/datasets.py), each checked against its pinned sha256 while packed; a file in neither the data
+    directory nor the mirror is refused (bench here fetches it once)."""
+    import tomllib
+
+    lock_path = REPO_ROOT / "lockfiles" / "datasets.toml"
+    members = []
+    for name, pin in sorted(tomllib.loads(lock_path.read_text()).items()):
+        places = [data_dir() / "datasets" / pin["file"]] + \
+                 ([mirror_dir() / "datasets" / pin["file"]] if mirror_dir() is not None else [])
+        source = next((p for p in places if p.is_file()), None)
+        if source is None:
+            raise SpecPilotError(f"{lock_path} [{name}]: {pin['file']} is in neither {places[0].parent.parent} nor "
+                                 f"the mirror; run `specpilot bench` once here (it fetches it) and bundle again")
+        members.append(Member(f"data/datasets/{pin['file']}", source.resolve(), False, sha256=pin["sha256"]))
+    return members
 
 
 def specpilot_members() -> list[Member]:
