@@ -182,7 +182,7 @@ def test_the_sgl_kernel_rules_drop_exactly_those_files(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPILOT_MIRROR", "")
     lock = _kernel_lock(tmp_path, tmp_path / "data")
     cfg = _padded_cfg()
-    rules = [r for r in native_rules(cfg) if r.get("files")]
+    rules = [r for r in native_rules(cfg) if any(g.startswith("sgl_kernel/") for g in r.get("files") or ())]
     record = install_environment(lock, rules, cfg, tmp_path / "prefix")
     assert {f["path"] for f in record["dropped"]} == DROPPED_BY_RULES
     assert {f["path"] for f in record["kept"]} == set(KERNEL_FILES) - DROPPED_BY_RULES
@@ -204,3 +204,18 @@ def test_install_refuses_a_wheel_whose_sha256_differs(tmp_path, monkeypatch):
                                        r"[0-9a-f]{16}… \(\d+ bytes\) does not match the lock's [0-9a-f]{16}…"):
         install_environment(lock, [], cfg, tmp_path / "prefix")
     assert not (tmp_path / "prefix").exists()
+
+
+def test_keep_rules_hold_what_the_runtime_imports_without_declaring_it():
+    """dill reaches the 0.5.17 lock only through `datasets` (left out for such engines), but SGLang imports it at
+    start (custom_logit_processor.py): the `keep` rule holds it and what it needs; without the rule it would go, and
+    a keep rule naming a distribution the lock does not know is an error."""
+    cfg = _padded_cfg()
+    lock = load_env_lock("sglang-0.5.17", "h200")
+    rules = native_rules(cfg)
+    kept = {w.name for w in select_distributions(lock, rules, cfg)[0]}
+    assert {"dill", "jsonschema", "referencing", "rpds-py"} <= kept
+    without = [r for r in rules if not r.get("keep")]
+    assert "dill" not in {w.name for w in select_distributions(lock, without, cfg)[0]}
+    with pytest.raises(ConfigError, match=r"rule 'x': distribution no-such-dist is not in sglang-0.5.17@h200.toml"):
+        select_distributions(lock, rules + [{"why": "x", "keep": ["no-such-dist"]}], cfg)

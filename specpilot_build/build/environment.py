@@ -5,6 +5,7 @@ The native prune rules are data beside the Python ones (conf/runtime/<runtime>.y
 `why` and an optional `when` (dotted config keys; a value, or a list of values any of which matches):
 - `distributions: [names]` leaves whole distributions out (and with them what only they need, following the
   lock's `requires` edges from the requirements); a name the lock does not know is an error;
+- `keep: [names]` keeps distributions the runtime imports without declaring them (walked from like a requirement);
 - `files: [globs]` leaves files out of the kept wheels (paths in the prefix; `*` crosses `/`); a glob that
   matches no file is an error (a rule gone stale with a new wheel must not silently keep more).
 A kept distribution built for another CUDA major than the host's (`…-cu12` on a CUDA 13 host) is refused."""
@@ -27,7 +28,7 @@ from specpilot_build.locations import data_dir, mirror_dir
 from specpilot_build.store.manifest import digest_bytes
 from specpilot_build.store.names import plain_name, plain_relpath
 
-RULE_KEYS = {"why", "when", "distributions", "files"}
+RULE_KEYS = {"why", "when", "distributions", "files", "keep"}
 CUDA_NAME = re.compile(r"-cu(?:da)?(\d\d)\d?x?(?:-|$)")
 
 
@@ -46,8 +47,8 @@ def native_rules(cfg: dict) -> list[dict]:
     for rule in rules:
         if not isinstance(rule, dict) or not isinstance(rule.get("why"), str) or set(rule) - RULE_KEYS:
             raise ConfigError(f"{where}: each rule has `why` and only {', '.join(sorted(RULE_KEYS))}; got {rule!r}")
-        if bool(rule.get("distributions")) == bool(rule.get("files")):
-            raise ConfigError(f"{where} '{rule['why']}': give either `distributions` or `files`")
+        if sum(bool(rule.get(kind)) for kind in ("distributions", "files", "keep")) != 1:
+            raise ConfigError(f"{where} '{rule['why']}': give one of `distributions`, `files` or `keep`")
         if not isinstance(rule.get("when") or {}, dict):
             raise ConfigError(f"{where} '{rule['why']}': `when` maps config keys to values")
     return rules
@@ -67,14 +68,20 @@ def select_distributions(lock: EnvLock, rules: list[dict], cfg: dict) -> tuple[l
     """(the wheels to install, {dropped distribution: the rule's why}) for this setting."""
     by_name = {w.name: w for w in lock.wheels}
     dropped: dict[str, str] = {}
+    roots = [canonicalize_name(Requirement(r).name) for r in lock.requirements]
     for rule in rules:
+        for name in map(canonicalize_name, rule.get("keep") or ()):
+            if name not in by_name and name not in lock.staying:
+                raise ConfigError(f"prune.native rule '{rule['why']}': distribution {name} is not in "
+                                  f"{lock.path.name}; fix the rule")
+            if rule_applies(rule, cfg):
+                roots.append(name)
         for name in map(canonicalize_name, rule.get("distributions") or ()):
             if name not in by_name and name not in lock.staying:
                 raise ConfigError(f"prune.native rule '{rule['why']}': distribution {name} is not in "
                                   f"{lock.path.name}; fix the rule")
             if rule_applies(rule, cfg) and name in by_name:
                 dropped[name] = rule["why"]
-    roots = [canonicalize_name(Requirement(r).name) for r in lock.requirements]
     keep: set[str] = set()
     stack = [n for n in roots if n in by_name]
     while stack:

@@ -59,7 +59,7 @@ class Member:
 def bundle_members(engines: list[Engine], env_dir: Path | None = None,
                    env_files: dict[str, str] | None = None) -> list[Member]:
     """Every member of a bundle of `engines` (and the environment directory `env_dir`, whose files must be
-    exactly `env_files`, path → "blake3:<hex>", when given), sorted by name."""
+    exactly `env_files`, path → "blake3:<hex>", when given), in a fixed order (`_order`)."""
     members: dict[str, Member] = {}
     for engine in engines:
         for member in engine_members(engine) + model_members(engine):
@@ -71,7 +71,15 @@ def bundle_members(engines: list[Engine], env_dir: Path | None = None,
     for group in groups:
         for member in group:
             _add(members, member)
-    return [members[name] for name in sorted(members, key=lambda n: n.encode("utf-8", "surrogateescape"))]
+    return [members[name] for name in sorted(members, key=_order)]
+
+
+def _order(name: str) -> tuple[bytes, bytes]:
+    """Each engine tree's files side by side with the same file of the other engines (engines/<id>/<path> by
+    <path> first), so that the compressor's window sees the copies together and stores them once."""
+    parts = name.split("/", 2)
+    inner = parts[2] if parts[0] == "engines" and len(parts) == 3 else name
+    return inner.encode("utf-8", "surrogateescape"), name.encode("utf-8", "surrogateescape")
 
 
 def engine_members(engine: Engine) -> list[Member]:

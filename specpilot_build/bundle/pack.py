@@ -1,7 +1,7 @@
 """`make bundle`: engines, their models, their environment and SpecPilot itself as one content-addressed
 archive, split into parts that fit the host's transfer limit, with an index of every digest.
 
-The archive is deterministic (members sorted by their UTF-8 names, files only, mtime/uid/gid/owner names
+The archive is deterministic (members in a fixed order — the same file of several engines side by side —, files only, mtime/uid/gid/owner names
 fixed, mode 0644 or 0755 from the executable bit, tar + xz at a fixed preset), so two bundles of the same
 engines are byte-identical. Its id is the BLAKE3 of the archive bytes; the index also records the archive's
 and every part's sha256, which is what the installer checks on a host without blake3."""
