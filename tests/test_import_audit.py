@@ -95,3 +95,15 @@ def test_an_empty_or_malformed_log_is_one_clear_error(tmp_path):
     bad.write_text("123\tsglang\n")
     with pytest.raises(SpecPilotError, match=r"bad.log: line 1 is not pid<TAB>module<TAB>file"):
         compare_imports(bad, [], "sglang")
+
+
+def test_another_distributions_subpackage_of_the_same_name_is_not_counted(tmp_path):
+    """Seen on the H200: smg_grpc_servicer ships smg_grpc_servicer/sglang/zmq_plugin.py; judged by its path alone it
+    read as SGLang's own sglang/zmq_plugin.py, 'imported but pruned'. Membership is by module name."""
+    log = tmp_path / "imports.log"
+    log.write_text("7\tsglang.srt.utils\t/p/engine/python/sglang/srt/utils.py\n"
+                   "7\tsmg_grpc_servicer.sglang.zmq_plugin\t/p/env/smg_grpc_servicer/sglang/zmq_plugin.py\n"
+                   "7\tsglang\t/p/engine/python/sglang/__init__.py\n")
+    audit = compare_imports(log, ["python/sglang/__init__.py", "python/sglang/srt/utils.py"], "sglang")
+    assert audit.imported == ("sglang/__init__.py", "sglang/srt/utils.py")
+    assert audit.imported_pruned == ()

@@ -117,7 +117,9 @@ def compare_imports(log: Path, manifest_files: list[str], package: str,
         if len(parts) != 3:
             raise SpecPilotError(f"import log {log}: line {number} is not pid<TAB>module<TAB>file")
         pids.add(parts[0])
-        rel = package_path(parts[2], package)
+        module = parts[1]
+        # by module name: another distribution's `<dist>/sglang/...` subpackage is not SGLang's file
+        rel = package_path(parts[2], package) if module == package or module.startswith(package + ".") else None
         if rel is not None:
             imported.add(rel)
     kept = {rel for rel in (package_path(p, package) for p in manifest_files) if rel is not None}
