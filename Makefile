@@ -73,7 +73,7 @@ stop: $(STAMP)
 	$(SP) stop --port $(PORT)
 
 bench: $(STAMP)
-	$(SP) bench --engine $(ENGINE) --name $(NAME) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(if $(OVERWRITE),--overwrite)
+	$(SP) bench --engine $(ENGINE) --name $(NAME) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(if $(OVERWRITE),--overwrite) $(if $(ORACLE),--oracle $(ORACLE))
 
 compare: $(STAMP)
 	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL) $(if $(NAME),--name $(NAME)) $(if $(OVERWRITE),--overwrite)

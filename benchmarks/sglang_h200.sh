@@ -77,8 +77,10 @@ run_group() {
             elif [[ "$output" == "$ar_out" ]]; then golden="= ar output"; else golden="DIFFERS from ar"; fi
         fi
         status="bench ok"
+        # the oracle by id: the host has no builder (an installed bundle carries engines, not conf/ + the runtime)
         "${SPECPILOT[@]}" bench --engine "$id" --name "$run" --port "$PORT" --limit "$LIMIT" --datasets "$DATASETS" \
-            --max-new-tokens "$MAX_NEW_TOKENS" --overwrite > "$OUT/$run.bench.txt" 2>&1 || status="bench failed"
+            --max-new-tokens "$MAX_NEW_TOKENS" --oracle "${arm_ids[0]}" --overwrite > "$OUT/$run.bench.txt" 2>&1 \
+            || status="bench failed"
         "${SPECPILOT[@]}" stop --port "$PORT" > /dev/null 2>&1 || true
         local audit
         audit=$("${PYENV[@]}" "$PY" "$HERE/import_audit.py" "$id" "$log" --json "$OUT/imports-$run.json" 2>&1) || true

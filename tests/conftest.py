@@ -72,7 +72,7 @@ def session_data(tmp_path_factory):
     wheels = OUTER_DATA / "wheels"
     if wheels.is_dir():
         (data / "wheels").mkdir()
-        for whl in wheels.glob("*.whl"):
+        for whl in wheels.glob("sglang-*.whl"):
             shutil.copyfile(whl, data / "wheels" / whl.name)
     saved = {k: os.environ.get(k) for k in ("SPECPILOT_DATA", "SPECPILOT_ENGINES")}
     os.environ["SPECPILOT_DATA"] = str(data)

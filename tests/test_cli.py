@@ -94,3 +94,25 @@ def test_a_sweep_override_with_several_values_builds_one_engine_per_value():
     assert len(rows) == 2 and len({row.split()[5] for row in rows}) == 2  # two different engine ids
     bad = cli("sweep", "--settings", "cpu_c1_stories260k_ngram", "--arms", "stock", "drafter.num_draft_tokens=4,-6")
     assert bad.returncode == 2 and "drafter.num_draft_tokens" in bad.stderr and "-6" in bad.stderr
+
+
+def test_bench_takes_its_oracle_by_id_where_no_builder_runs(session_data):
+    """An installed bundle has engines but no builder: `bench --oracle <ar id>` names the ar engine in the store,
+    checked to be the ar arm of the engine's own setting (seen on the H200: bench of a stock arm tried to build its
+    oracle and failed on the missing runtime package)."""
+    from specpilot_build.cli.main import _oracle_of
+    from specpilot_build.errors import SpecPilotError
+
+    ar = build_engine("cpu_c1_stories260k_ngram", "ar").engine
+    final = build_engine("cpu_c1_stories260k_ngram", "final").engine
+    other_ar = build_engine("cpu_c16_stories260k_ngram", "ar").engine
+    assert _oracle_of(final, ar.id[:12]).id == ar.id
+    assert _oracle_of(ar).id == ar.id
+    with pytest.raises(SpecPilotError, match=r"is cpu_c1_stories260k_ngram/final, not the ar arm of "
+                                             r"cpu_c1_stories260k_ngram"):
+        _oracle_of(final, final.id)
+    with pytest.raises(SpecPilotError, match=r"is cpu_c16_stories260k_ngram/ar, not the ar arm of "
+                                             r"cpu_c1_stories260k_ngram"):
+        _oracle_of(final, other_ar.id)
+    with pytest.raises(SpecPilotError, match=r"is an ar arm: it is its own oracle"):
+        _oracle_of(ar, final.id)

@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
+    p.add_argument("--oracle", default=None,
+                   help="the setting's ar engine by id, already in the store (default: build or find it from this "
+                        "checkout; on a host without the builder, e.g. an installed bundle, name it)")
     p.set_defaults(handler=_bench)
 
     p = verbs.add_parser("compare", help="speedups with 95%% CIs and output identity of ar, stock and final runs")
@@ -569,7 +572,7 @@ def _bench(args) -> int:
     engine = resolve_engine(args.engine)
     path = bench(engine, args.name, args.limit, args.max_new_tokens, args.port,
                  args.datasets.split(",") if args.datasets else None, overwrite=args.overwrite,
-                 oracle_engine_id=_oracle_of(engine).id)
+                 oracle_engine_id=_oracle_of(engine, args.oracle).id)
     data = json.loads(path.read_text())
     skipped = f", {len(data['skipped'])} prompts skipped (too long)" if data.get("skipped") else ""
     print(f"wrote {path}: {len(data['requests'])} requests{skipped}, {data['wall_s']:.1f} s, client overhead "
@@ -577,17 +580,28 @@ def _bench(args) -> int:
     return 0
 
 
-def _oracle_of(engine):
-    """The oracle of a bench run: the engine's setting's `ar` engine, built (or found) from the same conf/ and
-    lockfiles/ the engine was built from; an ar engine is its own."""
-    if engine.manifest.get("arm") == "ar":
-        return engine
-    from specpilot_build.build.builder import build_engine
-
+def _oracle_of(engine, named: str | None = None):
+    """The oracle of a bench run: the engine's setting's `ar` engine — `named` (an id in the store, checked to be
+    that setting's ar arm), or built (or found) from the same conf/ and lockfiles/ the engine was built from; an
+    ar engine is its own."""
     setting = engine.manifest.get("setting")
+    if engine.manifest.get("arm") == "ar":
+        if named and not engine.id.startswith(named):
+            raise SpecPilotError(f"engine {engine.id[:12]} is an ar arm: it is its own oracle, not {named}")
+        return engine
     if not setting:
         raise SpecPilotError(f"engine {engine.id[:12]} names no setting: cannot build its ar oracle")
-    oracle = build_engine(setting, "ar").engine
+    if named:
+        from specpilot_build.store.engines import resolve_engine
+
+        oracle = resolve_engine(named)
+        if (oracle.manifest.get("setting"), oracle.manifest.get("arm")) != (setting, "ar"):
+            raise SpecPilotError(f"--oracle {oracle.id[:12]} is {oracle.manifest.get('setting')}/"
+                                 f"{oracle.manifest.get('arm')}, not the ar arm of {setting}")
+    else:
+        from specpilot_build.build.builder import build_engine
+
+        oracle = build_engine(setting, "ar").engine
     if dict(oracle.model_pin) != dict(engine.model_pin):
         raise SpecPilotError(f"the ar engine {oracle.id[:12]} of setting {setting} serves target "
                              f"{oracle.model_pin['repo']}@{oracle.model_pin['revision'][:12]}, engine "
