@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -326,3 +327,73 @@ def test_the_bundle_carries_the_pinned_benchmark_files_where_bench_looks_for_the
     for name in BENCHMARKS:
         assert dataset_file(name).is_relative_to(prefix_data)
         assert len(load_split(name, limit=2)) == 2
+
+
+# --- measure on a host with only the installed bundle ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def measured_prefix(engine, tmp_path_factory) -> tuple[Path, Engine]:
+    """ar + final bundled and installed: the stock/final arms' oracle is then in the store, never built."""
+    ar = build_engine(EMBEDDED, "ar").engine
+    bundle = make_bundle([ar, engine], part_bytes=4 * PART_BYTES, out=tmp_path_factory.mktemp("bundles") / "m").path
+    target = tmp_path_factory.mktemp("host") / "prefix"
+    assert run_installer(bundle, target).returncode == 0
+    return target, ar
+
+
+def without_the_builder(folder: Path) -> dict:
+    """The CLI process sees the prefix's SpecPilot, then packages only the builder needs that fail to import,
+    as on a host with an installed bundle (this test session's venv has both on its path)."""
+    for name in ("specpilot_runtime", "hydra"):
+        (folder / "blocked" / name).mkdir(parents=True)
+        (folder / "blocked" / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n")
+    python = folder / "python"  # bin/specpilot sets PYTHONPATH itself: the folder goes on after it, here
+    python.write_text(f"#!/bin/sh\nPYTHONPATH=\"$PYTHONPATH:{folder / 'blocked'}\" exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    return {**prefix_env(), "PYTHON": str(python)}
+
+
+@pytest.mark.slow
+def test_without_the_builder_bench_and_verify_take_the_ar_engine_by_id(measured_prefix, engine, tmp_path):
+    prefix, ar = measured_prefix
+    env = without_the_builder(tmp_path)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(prefix / "bin" / "specpilot"), *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+
+    port = free_port()
+    bench = ("bench", "--engine", engine.id[:12], "--port", str(port), "--limit", "1", "--max-new-tokens", "24",
+             "--datasets", "gsm8k")
+    served = cli("serve", "--engine", engine.id[:12], "--port", str(port))
+    assert served.returncode == 0, served.stderr
+    try:
+        pid = json.loads((prefix / "data" / "runs" / f"{port}.json").read_text())["pid"]
+        child = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+        assert "blocked" not in child["PYTHONPATH"]  # the engine imports its runtime from its own tree
+        built = cli(*bench, "--name", "no_oracle")
+        named = cli(*bench, "--name", "final", "--oracle", ar.id)
+        wrong = cli(*bench, "--name", "wrong", "--oracle", engine.id)
+    finally:
+        stopped = cli("stop", "--port", str(port))
+    assert stopped.returncode == 0, stopped.stderr
+
+    assert built.returncode == 2 and "Traceback" not in built.stderr, built.stderr
+    assert built.stderr.count("\n") == 1 and f"cannot build the ar engine of {EMBEDDED} here" in built.stderr
+    assert re.search(r"no module named '(specpilot_runtime|hydra)'", built.stderr), built.stderr
+    assert f"pass --oracle {ar.id[:12]}" in built.stderr
+    assert not (prefix / "data" / "results" / "no_oracle.json").exists()
+
+    assert named.returncode == 0, named.stderr
+    results = json.loads((prefix / "data" / "results" / "final.json").read_text())
+    assert results["engine_id"] == engine.id and results["oracle_engine_id"] == ar.id and results["requests"]
+
+    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
+    assert f"--oracle {engine.id[:12]} is {EMBEDDED}/final, not the ar arm of {EMBEDDED}" in wrong.stderr
+    assert not (prefix / "data" / "results" / "wrong.json").exists()
+
+    verified = cli("verify", "final", "--oracle", ar.id, "--port", str(free_port()))
+    assert verified.returncode == 0 and "lossless" in verified.stdout, verified.stdout + verified.stderr
+    report = json.loads((prefix / "data" / "results" / "final.verify.json").read_text())
+    assert report["verdict"] == "lossless" and report["oracle_engine_id"] == ar.id

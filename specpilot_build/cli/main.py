@@ -599,15 +599,30 @@ def _oracle_of(engine, named: str | None = None):
             raise SpecPilotError(f"--oracle {oracle.id[:12]} is {oracle.manifest.get('setting')}/"
                                  f"{oracle.manifest.get('arm')}, not the ar arm of {setting}")
     else:
-        from specpilot_build.build.builder import build_engine
-
-        oracle = build_engine(setting, "ar").engine
+        oracle = _build_ar(setting, "--oracle")
     if dict(oracle.model_pin) != dict(engine.model_pin):
         raise SpecPilotError(f"the ar engine {oracle.id[:12]} of setting {setting} serves target "
                              f"{oracle.model_pin['repo']}@{oracle.model_pin['revision'][:12]}, engine "
                              f"{engine.id[:12]} {engine.model_pin['repo']}@{engine.model_pin['revision'][:12]}: "
                              "rebuild the engine from this checkout's pins")
     return oracle
+
+
+def _build_ar(setting: str, flag: str):
+    """The setting's ar engine built (or found) from this checkout; where the builder's packages are missing (an
+    installed bundle ships only what serving and measuring need) an error naming the flag that names it by id."""
+    try:
+        from specpilot_build.build.builder import build_engine
+
+        return build_engine(setting, "ar").engine
+    except ModuleNotFoundError as exc:
+        from specpilot_build.store.engines import list_engines
+
+        ars = [e.id[:12] for e in list_engines()
+               if (e.manifest.get("setting"), e.manifest.get("arm")) == (setting, "ar")]
+        raise SpecPilotError(f"cannot build the ar engine of {setting} here: no module named '{exc.name}' (the "
+                             f"builder is not installed, e.g. on a host with an installed bundle); pass {flag} "
+                             f"{ars[0] if len(ars) == 1 else '<its ar engine id>'}") from None
 
 
 def _compare(args) -> int:
@@ -653,7 +668,6 @@ def _verify(args) -> int:
 def _default_oracle(run: str):
     """The run's recorded oracle: the engine of that id from the store, else built from this checkout's conf/
     and lockfiles/ only if the build gives exactly that id; otherwise an error naming what differs."""
-    from specpilot_build.build.builder import build_engine
     from specpilot_build.measure.results import load_results, require_current
     from specpilot_build.store.diff import diff_engines
     from specpilot_build.store.engines import Engine, list_engines
@@ -669,7 +683,7 @@ def _default_oracle(run: str):
     if not data.get("setting"):
         raise SpecPilotError(f"{path} names no setting and its oracle {recorded[:12]} is not in the store; "
                              "pass ORACLE=<engine id>")
-    built = build_engine(data["setting"], "ar").engine
+    built = _build_ar(data["setting"], "--oracle")
     if built.id == recorded:
         return built
     manifest = (data.get("oracle") or {}).get("manifest")
