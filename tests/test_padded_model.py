@@ -246,7 +246,10 @@ def test_padded_h200_settings_build_with_sglangs_ngram(padded_engines):
             assert engine.manifest["config"]["model"]["source_format"] == "llama2c-padded"
             assert (_flag(argv, "--dtype"), _flag(argv, "--attention-backend"), _flag(argv, "--sampling-backend")) == \
                 (dtype, "triton", "pytorch")
-            assert engine.manifest["base"]["overlays"][0]["name"] == "engine-id"
+            # the engine-id patch cut for the engine's SGLang (0.5.17: its own cut)
+            runtime = engine.manifest["config"]["runtime"]["name"]
+            assert runtime == "sglang-0.5.17"
+            assert engine.manifest["base"]["overlays"][0]["name"] == "engine-id-0.5.17"
             assert "python/sglang/srt/models/llama.py" in {f["path"] for f in engine.manifest["files"]}
         assert "--speculative-algorithm" not in _argv(ar)
         assert _flag(_argv(stock), "--speculative-algorithm") == "NGRAM"

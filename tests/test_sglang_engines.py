@@ -25,7 +25,14 @@ HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("dummy-model")
+    """A model folder with only a small Llama config.json: SGLang 0.5.17's prepare_server_args reads the model
+    type (0.5.23's does not look)."""
+    folder = tmp_path_factory.mktemp("dummy-model")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 176,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "num_hidden_layers": 2,
+        "vocab_size": 512, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}))
+    return folder
 
 
 BAD_FLAG_ID = "f" * 64
@@ -46,10 +53,18 @@ def launch_results(builds, model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def wheel_members(builds):
-    engine = next(iter(builds.engines.values()))
-    wheel = data_dir() / "wheels" / engine.manifest["base"]["wheel"]
-    with zipfile.ZipFile(wheel) as zf:
-        return {i.filename: i.file_size for i in zf.infolist() if not i.is_dir()}
+    """{wheel file name: {member: size}} for every SGLang wheel the engines were built from."""
+    members = {}
+    for wheel in {e.manifest["base"]["wheel"] for e in builds.engines.values()}:
+        with zipfile.ZipFile(data_dir() / "wheels" / wheel) as zf:
+            members[wheel] = {i.filename: i.file_size for i in zf.infolist() if not i.is_dir()}
+    return members
+
+
+# the engine-id patch has one cut per SGLang release it applies to
+ENGINE_ID_OVERLAY = {"sglang": "engine-id", "sglang-0.5.17": "engine-id-0.5.17"}
+# kept share of the wheel's bytes: 0.5.17's wheel has no Rust radix-tree core or *.plans.json tables to drop
+MAX_KEPT = {"sglang": 0.60, "sglang-0.5.17": 0.70}
 
 
 def test_the_sglang_settings_include_the_seeds_six_and_the_real_pinned_ones():
@@ -80,7 +95,8 @@ def test_every_arm_carries_the_engine_id_overlay_and_final_adds_tuned_arguments(
     for engine in (stock, final):  # the engine-id overlay is part of the SGLang base, applied first
         server = (engine.path / HTTP_SERVER).read_text()
         assert server.count('"engine_id": os.environ.get("SPECPILOT_ENGINE_ID")') == 2
-        [record] = [r for r in engine.manifest["base"]["overlays"] if r["name"] == "engine-id"]
+        cut = ENGINE_ID_OVERLAY[engine.manifest["config"]["runtime"]["name"]]
+        [record] = [r for r in engine.manifest["base"]["overlays"] if r["name"] == cut]
         assert engine.manifest["base"]["overlays"][0] == record  # applied first
         assert [f["path"] for f in record["files"]] == [HTTP_SERVER]
         assert record["files"][0]["before"] != record["files"][0]["after"]
@@ -97,6 +113,9 @@ def test_pruned_engines_keep_at_most_60_percent_of_the_wheel_and_say_what_they_d
         builds, wheel_members, setting, arm):
     engine = builds.engines[setting, arm]
     base = engine.manifest["base"]
+    runtime = engine.manifest["config"]["runtime"]["name"]
+    wheel_members = wheel_members[base["wheel"]]
+    version = base["wheel"].split("-")[1]
     assert (base["total_files"], base["total_bytes"]) == (len(wheel_members), sum(wheel_members.values()))
     added_by_overlays = {f["path"] for r in base["overlays"] for f in r["files"] if f["before"] is None}
     shipped = {f["path"][len("python/"):] for f in engine.manifest["files"]
@@ -105,8 +124,8 @@ def test_pruned_engines_keep_at_most_60_percent_of_the_wheel_and_say_what_they_d
     assert base["kept_files"] == len(shipped)
     assert base["kept_bytes"] == sum(wheel_members[p] for p in shipped)
     assert base["dropped_files"] == len(wheel_members) - len(shipped)
-    assert base["kept_bytes"] <= 0.60 * base["total_bytes"]
-    assert "sglang-0.5.23.dist-info/licenses/LICENSE" in shipped
+    assert base["kept_bytes"] <= MAX_KEPT[runtime] * base["total_bytes"]
+    assert f"sglang-{version}.dist-info/licenses/LICENSE" in shipped
     assert not any(p.startswith("sglang/multimodal_gen/") for p in shipped)
 
 
@@ -126,10 +145,14 @@ def test_engines_keep_what_their_setting_loads_dynamically_and_not_other_setting
     assert not any("gfx9" in p for p in dflash if p.startswith("python/sglang/kernels/jit/"))
 
 
-def test_all_sglang_engines_together_take_at_most_1_3_times_one_engine_on_disk_usage(builds):
-    paths = [e.path for e in builds.engines.values()]
-    one = max(disk_usage([p]) for p in paths)
-    assert disk_usage(paths) <= 1.3 * one
+def test_all_sglang_engines_of_one_wheel_together_take_at_most_1_3_times_one_engine_on_disk_usage(builds):
+    by_wheel: dict[str, list] = {}
+    for engine in builds.engines.values():
+        by_wheel.setdefault(engine.manifest["base"]["wheel"], []).append(engine.path)
+    assert len(by_wheel) == 2     # 0.5.23 and 0.5.17: their files share no objects, each group shares its own
+    for paths in by_wheel.values():
+        one = max(disk_usage([p]) for p in paths)
+        assert disk_usage(paths) <= 1.3 * one
 
 
 def _endpoint(engine: Engine, name: str):

@@ -136,11 +136,15 @@ def test_a_w12_sglang_engine_ships_the_kernel_the_overlay_and_its_arguments(buil
     engine = builds.engines[setting, "final"]
     for name in ("__init__.py", "format.py", "gemm.py", "tuned_h200.json"):
         assert (engine.path / "kernels" / "w12" / name).read_bytes() == (KERNEL / name).read_bytes()
-    [record] = [r for r in engine.manifest["base"]["overlays"] if r["name"] == "w12"]
-    assert [(f["path"], f["before"] is None) for f in record["files"]] == [
-        ("python/sglang/srt/arg_groups/choices.py", False),
+    # the W12 method's cut for the engine's SGLang: 0.5.17 keeps its quantization choices in server_args.py
+    runtime = engine.manifest["config"]["runtime"]["name"]
+    cut, choices = {"sglang": ("w12", "python/sglang/srt/arg_groups/choices.py"),
+                    "sglang-0.5.17": ("w12-0.5.17", "python/sglang/srt/server_args.py")}[runtime]
+    [record] = [r for r in engine.manifest["base"]["overlays"] if r["name"] == cut]
+    assert sorted((f["path"], f["before"] is None) for f in record["files"]) == sorted([
+        (choices, False),
         ("python/sglang/srt/layers/quantization/__init__.py", False),
-        (OVERLAY_MODULE, True)]
+        (OVERLAY_MODULE, True)])
     spec = json.loads((engine.path / "launch.json").read_bytes())
     argv = spec["argv"]
     assert argv[argv.index("--quantization") + 1] == "w12"

@@ -14,6 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from specpilot_build.build.sglang_flags import STAND_IN_PREAMBLE, flag_env
 from specpilot_build.store.engines import Engine
 
 PLACEHOLDER_DEFAULTS = {"host": "127.0.0.1", "port": "30000"}
@@ -46,10 +47,21 @@ print("RESULTS " + json.dumps(results))
 
 
 def server_argv(engine: Engine, model_dir: Path, draft_dir: Path | None = None) -> list[str]:
-    """The engine's launch argv after `-m sglang.launch_server`, placeholders filled for a check."""
+    """The engine's launch argv after `-m sglang.launch_server`, placeholders filled for a check. Where the argv
+    names no device, the check names the engine's hardware device: SGLang 0.5.17 asks the machine otherwise and
+    refuses one with no accelerator, which says nothing about the engine."""
     argv = [arg.format(**_values(engine, model_dir, draft_dir)) for arg in _spec(engine)["argv"]]
     module = argv.index("sglang.launch_server")
-    return argv[module + 1:]
+    argv = argv[module + 1:]
+    device = _hardware_device(engine)
+    return argv + ["--device", device] if device and "--device" not in argv else argv
+
+
+def _hardware_device(engine: Engine) -> str | None:
+    try:
+        return engine.manifest["config"].get("hardware", {}).get("device")
+    except FileNotFoundError:
+        return None
 
 
 def python_path(engine: Engine) -> list[str]:
@@ -68,15 +80,37 @@ def _values(engine: Engine, model_dir: Path, draft_dir: Path | None) -> dict:
 
 
 def check_launch_args(engines: list[Engine], model_dir: Path, timeout: float = 900) -> dict[str, str | None]:
-    """{engine id: None when its SGLang accepts its argv, else the error line}. One subprocess for all."""
-    if not engines:
+    """{engine id: None when its SGLang accepts its argv, else the error line}. One subprocess per flag-check
+    environment: a runtime whose SGLang this interpreter cannot import (runtime.flag_check, as for the build's
+    flag table) is checked with its pinned packages first on the path and its stand-ins."""
+    groups: dict[str, list[Engine]] = {}
+    for engine in engines:
+        spec = _flag_check_of(engine)
+        groups.setdefault(json.dumps(spec, sort_keys=True), []).append(engine)
+    results: dict[str, str | None] = {}
+    for spec, members in groups.items():
+        results.update(_check_group(members, json.loads(spec), model_dir, timeout))
+    return results
+
+
+def _flag_check_of(engine: Engine) -> dict:
+    """The engine's runtime.flag_check; a tree without a manifest (a hand-made copy for a check) has none."""
+    try:
+        return engine.manifest["config"].get("runtime", {}).get("flag_check") or {}
+    except FileNotFoundError:
         return {}
+
+
+def _check_group(engines: list[Engine], flag_check: dict, model_dir: Path, timeout: float) -> dict[str, str | None]:
     paths = [python_path(e) for e in engines]
     everyone = sorted({entry for path in paths for entry in path})
     jobs = [{"id": e.id, "python": str(e.path / "python"), "path": path, "others": everyone,
              "argv": server_argv(e, model_dir)} for e, path in zip(engines, paths)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths[0]), "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(jobs), capture_output=True,
+    packages = list(flag_check.get("packages") or [])
+    first = [str(flag_env(packages))] if packages else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(first + paths[0]), "PYTHONDONTWRITEBYTECODE": "1"}
+    driver = f"STAND_INS = {json.dumps(list(flag_check.get('stand_ins') or []))}\n" + STAND_IN_PREAMBLE + _DRIVER
+    proc = subprocess.run([sys.executable, "-c", driver], input=json.dumps(jobs), capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=str(model_dir))
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULTS ")), None)
     if line is None:

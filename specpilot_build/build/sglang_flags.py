@@ -29,7 +29,7 @@ from specpilot_build.errors import ConfigError, SpecPilotError
 from specpilot_build.locations import data_dir
 from specpilot_build.store.manifest import canonical_json, digest_bytes
 
-_EXTRACT = r"""
+STAND_IN_PREAMBLE = r"""
 import argparse, importlib, importlib.abc, importlib.machinery, json, sys, types
 
 class _Placeholder(types.ModuleType):
@@ -58,7 +58,7 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 used = []
-for root in json.loads(sys.argv[1]):
+for root in STAND_INS:
     try:
         importlib.import_module(root)
     except Exception as exc:  # absent, or present but broken beside this torch: a placeholder instead
@@ -68,6 +68,8 @@ for root in json.loads(sys.argv[1]):
 if used:
     sys.meta_path.insert(0, _StandIns(u["module"] for u in used))
 
+"""
+_EXTRACT = STAND_IN_PREAMBLE + r"""
 from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
@@ -195,7 +197,8 @@ def _extract(python_dir: Path, version: str, env_dir: Path | None, stand_ins: li
     path = [str(env_dir)] if env_dir is not None else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [str(python_dir)]), "PYTHONDONTWRITEBYTECODE": "1"}
     try:
-        done = subprocess.run([sys.executable, "-c", _EXTRACT, json.dumps(stand_ins)], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", f"STAND_INS = {json.dumps(stand_ins)}\n" + _EXTRACT],
+                              capture_output=True,
                               text=True, env=env, timeout=600, cwd=python_dir)
     except subprocess.TimeoutExpired:
         raise SpecPilotError("reading SGLang's launch flags took over 600 s; try again") from None
