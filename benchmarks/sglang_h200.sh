@@ -5,7 +5,7 @@
 # Prints one table and writes everything under $OUT.
 #
 #   PREFIX=<installed bundle> GOLDEN=<golden_greedy.json> OUT=<dir> [LIMIT=2] [DATASETS=gsm8k] [PORT=30000] \
-#     benchmarks/sglang_h200.sh LABEL:GOLDEN_MODE:AR_ID,STOCK_ID,FINAL_ID [...]
+#     [TARBALL=<one .tgz of OUT>] benchmarks/sglang_h200.sh LABEL:GOLDEN_MODE:AR_ID,STOCK_ID,FINAL_ID [...]
 #
 # GOLDEN_MODE: `golden` (the continuation must be llama2.c's, counted n/196) or `same` (dummy weights: each arm's
 # /generate output is compared with the ar arm's). STOCK_ID or FINAL_ID may be `-` (e.g. the W12 group: ar bf16 and
@@ -121,3 +121,8 @@ done
         printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$a" "$b" "$c" "$d" "${e:-}" "${f:-}" "${g:-}"
     done < "$ROWS"
 } | tee "$OUT/table.md"
+
+# The device returns at most 8 files per call: TARBALL=<file> packs the whole results folder into one.
+if [[ -n "${TARBALL:-}" ]]; then
+    tar czf "$TARBALL" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+fi
