@@ -33,10 +33,9 @@ import torch
 import triton
 import triton.testing
 
-from . import gemm
 from .families import FAMILIES, SHAPES, draw, normal_with_escapes
 from .format import W12Tensor, decode, encode
-from .gemm import TUNED, Config, default_config, fused_gemm, linear
+from .gemm import FUSED_MAX_M, TUNED, Config, bucket_of, fused_gemm, linear, pick_config
 
 DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}   # --dry-run
 MS = (1, 2, 4, 8, 16, 32, 64)           # the normal family
@@ -50,19 +49,11 @@ BUFFERS = 3               # weight copies rotated per measurement
 LABELS = {"stories260k": "stories260k (real rows, tiled to the shape)"}
 
 
-def fused_max_m() -> int:
-    return getattr(gemm, "FUSED_MAX_M", 32)
-
-
 def w12_path(m: int, device) -> str:
     """Which path w12.gemm.linear takes at M (by its FUSED_MAX_M): the fused kernel or decode + cuBLAS."""
     if torch.device(device).type == "cpu":
         return "reference (CPU)"
-    return "fused" if m <= fused_max_m() else "decode+cuBLAS"
-
-
-def bucket_of(m: int) -> int:
-    return next((b for b in getattr(gemm, "BUCKETS", (8, 16, 32)) if m <= b), 64)
+    return "fused" if m <= FUSED_MAX_M else "decode+cuBLAS"
 
 
 # --- timing -------------------------------------------------------------------------------------------------
@@ -134,18 +125,17 @@ def sync(device) -> None:
 
 def family_weights(family: str, shapes: dict, device) -> dict:
     """BUFFERS distinct matrices per shape (bf16 and W12), drawn from the family on the device."""
-    weights = {}
-    for i, (name, (n, k)) in enumerate(shapes.items()):
-        bf16s = [draw(family, n, k, seed=10 * i + b, device=device) for b in range(BUFFERS)]
-        weights[name] = {"bf16": bf16s, "w12": [encode(w) for w in bf16s]}
-    sync(device)
-    return weights
+    return _encoded(lambda n, k, seed: draw(family, n, k, seed=seed, device=device), shapes, device)
 
 
 def escape_weights(rate: float, shapes: dict, device) -> dict:
+    return _encoded(lambda n, k, seed: normal_with_escapes(n, k, rate, seed=seed, device=device), shapes, device)
+
+
+def _encoded(make, shapes: dict, device) -> dict:
     weights = {}
     for i, (name, (n, k)) in enumerate(shapes.items()):
-        bf16s = [normal_with_escapes(n, k, rate, seed=10 * i + b, device=device) for b in range(BUFFERS)]
+        bf16s = [make(n, k, 10 * i + b) for b in range(BUFFERS)]
         weights[name] = {"bf16": bf16s, "w12": [encode(w) for w in bf16s]}
     sync(device)
     return weights
@@ -253,7 +243,7 @@ def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]
                 roofline_w12_us=(w12_bytes + act) / COPY_TBPS / 1e6,
                 roofline_bf16_us=(2 * n * k + act) / COPY_TBPS / 1e6,
                 max_abs_diff=diff.item(),
-                config=vars(TUNED.get((n, k, bucket_of(m))) or default_config(n, k, bucket_of(m))))
+                config=vars(pick_config(n, k, bucket_of(m))) if m <= FUSED_MAX_M else None)
             rows.append(row)
             print(f"{family:12s} {name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us (repeat {t_ref2:.1f})  W12 {t_w12:7.1f} us "
                   f"[{row['path']}] ({row['w12_tbps']:.2f} TB/s)  x{row['speedup']:.3f}  "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,7 +174,9 @@ class Plan:
         kernel = _w12_gemm_kernel.warmup(**args, **meta, grid=grid)
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
         self.config, self.bucket, self.rows, self.device = cfg, bucket, n, packed.device
-        self._keep = packed               # the planes whose addresses the arguments hold
+        # the weight holds its plans (W12Tensor.plans); a strong reference back would make a cycle that keeps
+        # freed planes on the GPU until the cycle collector runs
+        self._weight = weakref.ref(packed)
         self._grid = grid
         self._launch = kernel.run
         self._head = (kernel.function, kernel.packed_metadata, None, None, None)
@@ -186,8 +189,11 @@ class Plan:
         self._index = packed.device.index if packed.device.index is not None else torch.cuda.current_device()
 
     def __call__(self, x: torch.Tensor, m: int) -> torch.Tensor:
+        packed = self._weight()           # alive while its planes, whose addresses the arguments hold, are
+        if packed is None:
+            raise RuntimeError("this W12 launch plan outlived its weight")
         if m > self.bucket or x.data_ptr() % 16 or _launch_hooked():
-            return fused_gemm(x, self._keep, self.config)
+            return fused_gemm(x, packed, self.config)
         y = torch.empty((m, self.rows), dtype=torch.bfloat16, device=self.device)
         args = self._args
         args[self._x], args[self._y], args[self._m] = x.data_ptr(), y.data_ptr(), m
