@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from specpilot_build.build.prune import rule_applies
 from specpilot_build.errors import ConfigError, PinError, SpecPilotError
 from specpilot_build.hub.environment import EnvLock, LockedWheel
 from specpilot_build.locations import data_dir, mirror_dir
@@ -52,16 +53,6 @@ def native_rules(cfg: dict) -> list[dict]:
         if not isinstance(rule.get("when") or {}, dict):
             raise ConfigError(f"{where} '{rule['why']}': `when` maps config keys to values")
     return rules
-
-
-def rule_applies(rule: dict, cfg: dict) -> bool:
-    for key, wanted in (rule.get("when") or {}).items():
-        node = cfg
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node not in (wanted if isinstance(wanted, list) else [wanted]):
-            return False
-    return True
 
 
 def select_distributions(lock: EnvLock, rules: list[dict], cfg: dict) -> tuple[list[LockedWheel], dict]:

@@ -4,7 +4,7 @@ Kept: the static import closure (imports inside functions too, relative imports,
 a submodule; not those under `if TYPE_CHECKING:`) of the launcher plus the modules the setting's rules name,
 and the files the rules keep by glob (what is loaded by path or by a computed name: licences, metadata, JIT
 sources, tuning JSON). The rules are data in conf/runtime/sglang.yaml (`prune`); a rule applies when all its
-`when` keys equal the setting's config.
+`when` keys equal the setting's config (a list: any of its values; the native rules use the same test).
 
 The wheel's import graph is derived data: it is computed once per wheel sha256 and cached under
 <data>/cache/import-graph/, so a build only walks a graph and matches globs."""
@@ -47,7 +47,9 @@ def select_members(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo], cfg: dic
 
 
 def rule_applies(rule: dict, cfg: dict) -> bool:
-    return all(_lookup(cfg, key) == value for key, value in (rule.get("when") or {}).items())
+    """Every `when` key (dotted, into the config) has the value given, or one of the values of a list."""
+    return all(_lookup(cfg, key) in (value if isinstance(value, list) else [value])
+               for key, value in (rule.get("when") or {}).items())
 
 
 def reach(graph: dict, roots: list[str]) -> set[str]:

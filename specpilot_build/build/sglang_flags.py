@@ -150,6 +150,7 @@ def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict], versio
 
 
 ENV_RECORD = ".specpilot-flag-env.json"
+_CHECKED: set[Path] = set()   # flag-check environments re-hashed against their record in this process
 
 
 def flag_env(packages: list[str]) -> Path:
@@ -157,8 +158,11 @@ def flag_env(packages: list[str]) -> Path:
     spec = {"packages": sorted(packages), "python": sys.implementation.cache_tag, "platform": sysconfig.get_platform()}
     key = digest_bytes(canonical_json(spec)).split(":")[1]
     target = data_dir() / "cache" / "flag-env" / key
+    if target in _CHECKED:
+        return target
     if target.is_dir():
         _check_env(target, spec)
+        _CHECKED.add(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))

@@ -115,8 +115,12 @@ def profile_body(name: str, python: str, platforms: list[str], cuda_major: int, 
             "packages": {canonicalize_name(k): str(v) for k, v in sorted(packages.items())}}
 
 
+def host_profile_path(name: str, directory: Path | None = None) -> Path:
+    return hosts_dir(directory) / f"{_plain(name, 'host profile')}.toml"
+
+
 def load_host_profile(name: str, directory: Path | None = None) -> HostProfile:
-    path = hosts_dir(directory) / f"{_plain(name, 'host profile')}.toml"
+    path = host_profile_path(name, directory)
     data = _read(path, f"a host profile is made with `specpilot env host-profile --freeze FILE --name {name}`")
     unknown = sorted(set(data) - PROFILE_KEYS)
     missing = sorted(PROFILE_KEYS - set(data))

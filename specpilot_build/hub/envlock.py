@@ -30,7 +30,7 @@ from specpilot_build.hub.environment import (
     HostProfile,
     digest_of,
     env_lock_path,
-    hosts_dir,
+    host_profile_path,
     lock_body,
     profile_body,
 )
@@ -245,9 +245,9 @@ def parse_freeze(text: str, where: str) -> dict[str, str]:
 
 def write_host_profile(name: str, freeze: Path, python: str, glibc: str, cuda_major: int,
                        directory: Path | None = None, note: str = "") -> Path:
+    path = host_profile_path(name, directory)     # a plain name, checked before anything is read or written
     packages = parse_freeze(freeze.read_text(), str(freeze))
     body = profile_body(name, python, manylinux_tags(glibc), cuda_major, packages)
-    path = hosts_dir(directory) / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     head = (f"# Host profile {name}: what the host's Python already has (written by `specpilot env host-profile "
             f"--freeze {freeze.name} --name {name} --python {python} --glibc {glibc} --cuda {cuda_major}`).\n"
