@@ -15,7 +15,6 @@ import fnmatch
 import hashlib
 import os
 import re
-import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
@@ -23,11 +22,11 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from specpilot_build.build.prune import rule_applies
+from specpilot_build.build.runtime_base import cached_wheel
 from specpilot_build.errors import ConfigError, PinError, SpecPilotError
 from specpilot_build.hub.environment import EnvLock, LockedWheel
-from specpilot_build.locations import data_dir, mirror_dir
 from specpilot_build.store.manifest import digest_bytes
-from specpilot_build.store.names import plain_name, plain_relpath
+from specpilot_build.store.names import plain_relpath
 
 RULE_KEYS = {"why", "when", "distributions", "files", "keep"}
 CUDA_NAME = re.compile(r"-cu(?:da)?(\d\d)\d?x?(?:-|$)")
@@ -88,45 +87,37 @@ def select_distributions(lock: EnvLock, rules: list[dict], cfg: dict) -> tuple[l
     return kept, dropped
 
 
-def fetch_wheel(wheel: LockedWheel, cache: Path | None = None) -> Path:
+def fetch_wheel(wheel: LockedWheel) -> Path:
     """The locked wheel in <data>/wheels (from there, the mirror's wheels/, or its https url), checked."""
-    cache = cache or data_dir() / "wheels"
-    target = cache / plain_name(wheel.filename, f"{wheel.name}: wheel filename", error=PinError)
-    if os.path.lexists(target):
-        _check(target, wheel, f"remove {target} to fetch it again")
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    mirror = mirror_dir()
-    with tempfile.NamedTemporaryFile(dir=cache, prefix=".fetch-", delete=False) as tmp:
-        try:
-            if mirror and (mirror / "wheels" / wheel.filename).is_file():
-                with open(mirror / "wheels" / wheel.filename, "rb") as src:
-                    while chunk := src.read(1 << 20):
-                        tmp.write(chunk)
-            else:
-                import httpx
+    return cached_wheel(wheel.filename, f"{wheel.name}: wheel filename",
+                        check=lambda path, hint: _check(path, wheel, hint),
+                        download=lambda into: _download(wheel, into),
+                        fresh_hint="the download is not what the lock pins; nothing was kept")
 
-                with httpx.stream("GET", wheel.url, follow_redirects=True, timeout=120) as response:
-                    response.raise_for_status()
-                    for chunk in response.iter_bytes(1 << 20):
-                        tmp.write(chunk)
-            tmp.close()
-            _check(Path(tmp.name), wheel, "the download is not what the lock pins; nothing was kept")
-            os.replace(tmp.name, target)
-        except Exception as exc:
-            os.unlink(tmp.name)
-            if isinstance(exc, SpecPilotError):
-                raise
-            raise SpecPilotError(f"could not fetch {wheel.filename} from {wheel.url}: {exc}") from None
+
+def _download(wheel: LockedWheel, into: Path) -> Path:
+    import httpx
+
+    target = into / wheel.filename
+    try:
+        with httpx.stream("GET", wheel.url, follow_redirects=True, timeout=120) as response, \
+                open(target, "wb") as out:
+            response.raise_for_status()
+            for chunk in response.iter_bytes(1 << 20):
+                out.write(chunk)
+    except (httpx.HTTPError, OSError) as exc:
+        raise SpecPilotError(f"could not fetch {wheel.filename} from {wheel.url}: {exc}") from None
     return target
 
 
 def _check(path: Path, wheel: LockedWheel, hint: str) -> None:
-    if not os.path.isfile(path) or os.path.islink(path):
-        raise PinError(f"{path}: not a regular file; {hint}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        raise PinError(f"{path}: not a regular file; {hint}") from None
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as fh:
+    with os.fdopen(fd, "rb") as fh:
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
             size += len(chunk)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from specpilot_build.errors import PinError, SpecPilotError
@@ -22,19 +23,30 @@ from specpilot_build.store.names import plain_name, plain_relpath
 
 def wheel_file(pin: WheelPin) -> Path:
     """The pinned wheel in <data>/wheels, fetched with pip (or taken from the mirror) and sha256-verified."""
+    return cached_wheel(
+        pin.filename, f"runtime '{pin.name}': wheel filename (lockfiles/runtimes.toml)",
+        check=lambda path, hint: _check_sha256(path, pin, hint),
+        download=lambda into: _pip_download(pin, into),
+        fresh_hint="the download is not what lockfiles/runtimes.toml pins; nothing was kept")
+
+
+def cached_wheel(filename: str, what: str, *, check: Callable[[Path, str], None],
+                 download: Callable[[Path], Path], fresh_hint: str) -> Path:
+    """<data>/wheels/<filename>: `check`ed where it already is; else taken from $SPECPILOT_MIRROR/wheels or
+    `download(into a temp folder)`, `check`ed, then renamed into place (a failed check keeps nothing). Shared by
+    the runtime's wheel and an engine environment's locked wheels."""
     cache = data_dir() / "wheels"
-    target = cache / plain_name(pin.filename, f"runtime '{pin.name}': wheel filename (lockfiles/runtimes.toml)",
-                                error=PinError)
+    target = cache / plain_name(filename, what, error=PinError)
     kind = _kind(target)
     if kind is not None and kind != "file":
         raise PinError(f"{target}: a {kind}, not a wheel file; refused (remove it to fetch the wheel again)")
     if kind == "file":
-        _check_sha256(target, pin, hint=f"remove {target} to fetch it again")
+        check(target, f"remove {target} to fetch it again")
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
-        fetched = _from_mirror(pin, Path(tmp)) or _pip_download(pin, Path(tmp))
-        _check_sha256(fetched, pin, hint="the download is not what lockfiles/runtimes.toml pins; nothing was kept")
+        fetched = _from_mirror(filename, Path(tmp)) or download(Path(tmp))
+        check(fetched, fresh_hint)
         os.replace(fetched, target)
     return target
 
@@ -46,13 +58,13 @@ def _kind(path: Path) -> str | None:
         return None
 
 
-def _from_mirror(pin: WheelPin, into: Path) -> Path | None:
+def _from_mirror(filename: str, into: Path) -> Path | None:
     mirror = mirror_dir()
-    candidate = mirror / "wheels" / pin.filename if mirror else None
+    candidate = mirror / "wheels" / filename if mirror else None
     if candidate is None or _kind(candidate) is None:
         return None
-    (into / pin.filename).write_bytes(read_regular(candidate, "the mirror")[0])
-    return into / pin.filename
+    (into / filename).write_bytes(read_regular(candidate, "the mirror")[0])
+    return into / filename
 
 
 def _pip_download(pin: WheelPin, into: Path) -> Path:
