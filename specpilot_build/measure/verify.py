@@ -239,9 +239,10 @@ def check_record(data: dict, renderer) -> list[dict]:
     items = _rendered_items(data, renderer, failures)
     stop, any_eos = eos_ids(renderer)
     run_budget = data.get("max_new_tokens")
+    runtime = (data.get("engine_manifest") or {}).get("config", {}).get("runtime", {}).get("name", "")
     for r in data["requests"]:
         failures += check_request_fields(r, renderer, items.get((r["dataset"], r["item_id"])), run_budget, context,
-                                         stop, any_eos)
+                                         stop, any_eos, detokenizer_context(runtime))
     recorded = data.get("prompts_digest")
     recomputed = prompts_digest([{"dataset": r["dataset"], "item_id": r["item_id"],
                                   "prompt_digest": prompt_digest(r["prompt_ids"])} for r in data["requests"]])
@@ -301,9 +302,28 @@ def _rendered_items(data: dict, renderer, failures: list) -> dict:
     return rendered
 
 
+def detokenizer_context(runtime: str) -> int:
+    """How many prompt ids a runtime's output_text is decoded after. SGLang's detokenizer decodes the output
+    incrementally behind the last 5 prompt ids (INIT_INCREMENTAL_DETOKENIZATION_OFFSET in managers/schedule_batch.py,
+    0.5.17 and 0.5.23), so a leading space that a SentencePiece tokenizer drops at the start of a text stays;
+    the reference runtime decodes the output ids alone."""
+    return 5 if runtime.split("-", 1)[0] == "sglang" else 0
+
+
+def output_text(tokenizer, prompt: list[int], output: list[int], context: int) -> str:
+    """The text a server reports for `output` after `prompt`, decoded behind its last `context` prompt ids."""
+    surround = prompt[len(prompt) - context:] if context else []
+    if not surround:
+        return tokenizer.decode(output, skip_special_tokens=True)
+    head = tokenizer.decode(surround, skip_special_tokens=True)
+    return tokenizer.decode(surround + output, skip_special_tokens=True)[len(head):]
+
+
 def check_request_fields(r: dict, renderer, rendered: list[int] | None, run_budget: int | None,
-                         context: int | None, stop: set[int], any_eos: set[int]) -> list[dict]:
-    """The fields of one request that can be recomputed from its ids, the dataset, the budget and the context."""
+                         context: int | None, stop: set[int], any_eos: set[int],
+                         text_context: int = 0) -> list[dict]:
+    """The fields of one request that can be recomputed from its ids, the dataset, the budget and the context;
+    output_text as the runtime decodes it (`text_context`: detokenizer_context)."""
     out = []
     prompt, output = list(r.get("prompt_ids") or []), list(r.get("output_ids") or [])
     if r.get("prompt_digest") != prompt_digest(prompt):
@@ -350,7 +370,7 @@ def check_request_fields(r: dict, renderer, rendered: list[int] | None, run_budg
                                 len(output) - 1 if output else 0))
     else:
         out.append(_failure(r, "finish_reason", f"{reason!r}: neither 'length' nor 'stop'"))
-    text = renderer.tokenizer.decode(output, skip_special_tokens=True)
+    text = output_text(renderer.tokenizer, prompt, output, text_context)
     if r.get("output_text") != text:
         at = _first_difference(text, r.get("output_text") or "")
         out.append(_failure(r, "output_text", f"is not the decoding of output_ids (first difference at "
