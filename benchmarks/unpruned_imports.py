@@ -6,9 +6,15 @@ its processes import, and check that each imported SGLang file is one the pruned
 
 The unpruned tree is a copy of the engine tree (its overlaid files win) with every other member of the wheel added,
 launched from the engine's own launch spec and audit hook (run/serve.py, run/audit.py), on the GPU the setting
-names; one golden prompt through /generate, then the whole process group is stopped. Prints the audit table
-(imported and pruned must be 0) and writes <out>/unpruned-<id12>.json. Exit 1 when the pruned engine lacks a file
-the unpruned run imported."""
+names; one golden prompt through /generate, then the whole process group is stopped. `--log <file>` re-reads
+such a run's import log instead of serving.
+
+The unpruned run imports files the pruned engine does not have: registries that import every module they find
+(the model registry walks sglang.srt.models with pkgutil; kernel op groups load by computed names) import whatever
+is on disk. What matters is whether anything the pruned engine *kept* names one of them in an import statement
+(run/audit.static_importers, at any depth, lazy imports included): such a file could fail on a path the served
+run did not take. Prints the audit table, that count (must be 0) with each offender, and writes
+<out>/unpruned-<id12>.json. Exit 1 when it is not 0."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from specpilot_build.hub.checkpoints import model_dirs
-from specpilot_build.run.audit import AUDIT_ENV, audit_env, compare_imports
+from specpilot_build.run.audit import AUDIT_ENV, audit_env, compare_imports, module_name, static_importers
 from specpilot_build.run.serve import HOST, _terminate, _wait_healthy, launch_command
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
 
@@ -46,23 +52,11 @@ def unpruned_tree(engine: Engine, wheel: Path, dest: Path) -> int:
     return added
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine")
-    parser.add_argument("--wheel", type=Path, required=True)
-    parser.add_argument("--golden", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=30002)
-    parser.add_argument("--timeout", type=float, default=300.0)
-    args = parser.parse_args()
-    engine = resolve_engine(args.engine)
-    problems = check_engine(engine)
-    if problems:
-        sys.exit(f"engine {engine.id[:12]} differs from its manifest: {problems[:3]}")
-    args.out.mkdir(parents=True, exist_ok=True)
+def serve_unpruned(engine: Engine, args) -> tuple[Path, str]:
+    """Serve the engine tree over the whole wheel with the import audit on, one golden prompt; (log, golden n/N)."""
     out = args.out.resolve()
     tree = Path(tempfile.mkdtemp(prefix="unpruned-")) / engine.id[:12]  # not under --out: a whole tree
-    added = unpruned_tree(engine, args.wheel, tree)
+    unpruned_tree(engine, args.wheel, tree)
     log = out / f"unpruned-imports-{engine.id[:12]}.log"
     log.unlink(missing_ok=True)
     os.environ[AUDIT_ENV] = str(log)
@@ -84,15 +78,44 @@ def main() -> int:
     finally:
         _terminate(proc.pid)
         shutil.rmtree(tree.parent)
+    return log, f"{same}/{len(want)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine")
+    parser.add_argument("--wheel", type=Path, required=True)
+    parser.add_argument("--golden", type=Path, help="golden_greedy.json (when serving)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--port", type=int, default=30002)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--log", type=Path, help="an unpruned run's import log: compare it, serve nothing")
+    args = parser.parse_args()
+    engine = resolve_engine(args.engine)
+    problems = check_engine(engine)
+    if problems:
+        sys.exit(f"engine {engine.id[:12]} differs from its manifest: {problems[:3]}")
+    if not args.log and not args.golden:
+        sys.exit("--golden <golden_greedy.json> is needed to serve (or --log <an unpruned run's import log>)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log, golden = (args.log, "not served (--log)") if args.log else serve_unpruned(engine, args)
     with zipfile.ZipFile(args.wheel) as zf:
         universe = [name for name in zf.namelist() if not name.endswith("/")]
-    audit = compare_imports(log, [f["path"] for f in engine.manifest["files"]], "sglang", universe)
-    print(f"engine {engine.id[:12]}: unpruned tree = engine tree + {added} wheel members; golden {same}/{len(want)}")
-    print(audit.table())
-    (out / f"unpruned-{engine.id[:12]}.json").write_text(json.dumps(
-        {"engine": engine.id, "wheel": args.wheel.name, "added": added, "golden": f"{same}/{len(want)}",
-         **audit.__dict__}, indent=1) + "\n")
-    return 1 if audit.imported_pruned else 0
+    files = [f["path"] for f in engine.manifest["files"]]
+    audit = compare_imports(log, files, "sglang", universe)
+    kept = [path.removeprefix("python/") for path in files if path.startswith("python/sglang/")]
+    importers = static_importers(engine.path / "python", kept, {module_name(p) for p in audit.imported_pruned})
+    named = {module: paths for module, paths in sorted(importers.items()) if paths}
+    print(f"engine {engine.id[:12]} over the whole {args.wheel.name}; golden {golden}")
+    print(audit.table().split("\n  pruned but imported")[0].replace("imported and pruned (must be 0)",
+                                                                   "imported, not kept  "))
+    print(f"imported by the unpruned run, pruned, and named by a kept file's import (must be 0): {len(named)}")
+    for module, paths in named.items():
+        print(f"  {module}: imported by {', '.join(paths)}")
+    (args.out / f"unpruned-{engine.id[:12]}.json").write_text(json.dumps(
+        {"engine": engine.id, "wheel": args.wheel.name, "golden": golden, **audit.__dict__,
+         "pruned_named_by_kept": named}, indent=1) + "\n")
+    return 1 if named else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 from reference_runtime_helpers import free_port
 from specpilot_build.build.builder import build_engine
 from specpilot_build.locations import REPO_ROOT
-from specpilot_build.run.audit import compare_imports, package_path
+from specpilot_build.run.audit import compare_imports, module_name, package_path, static_importers
 from specpilot_build.run.serve import read_record, serve, stop
 
 EMBEDDED = "cpu_c1_stories260k_ngram"
@@ -107,3 +107,30 @@ def test_another_distributions_subpackage_of_the_same_name_is_not_counted(tmp_pa
     audit = compare_imports(log, ["python/sglang/__init__.py", "python/sglang/srt/utils.py"], "sglang")
     assert audit.imported == ("sglang/__init__.py", "sglang/srt/utils.py")
     assert audit.imported_pruned == ()
+
+
+def test_static_importers_name_the_files_whose_imports_reach_a_module(tmp_path):
+    """What decides whether an unpruned run's extra imports matter: a kept file that names the module in an import
+    statement — absolute, `from` or relative, at module level or lazily inside a function."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/models/__init__.py": "import pkgutil\n",
+        "pkg/models/llama.py": "from pkg.layers import linear\n",
+        "pkg/models/grok.py": "from ..layers.router import Router\n",
+        "pkg/runner.py": "def load():\n    import pkg.kernels.fused as f\n    return f\n",
+        "pkg/layers/__init__.py": "",
+        "pkg/layers/linear.py": "from . import quant\n",
+        "pkg/layers/quant.py": "",
+        "pkg/layers/router.py": "",
+        "pkg/kernels/fused.py": "",
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    modules = {"pkg.layers.linear", "pkg.layers.quant", "pkg.layers.router", "pkg.kernels.fused", "pkg.models.grok"}
+    found = static_importers(tmp_path, [p for p in files if p != "pkg/models/grok.py"], modules)
+    assert found == {"pkg.layers.linear": ["pkg/models/llama.py"], "pkg.layers.quant": ["pkg/layers/linear.py"],
+                     "pkg.layers.router": [], "pkg.kernels.fused": ["pkg/runner.py"], "pkg.models.grok": []}
+    assert static_importers(tmp_path, list(files), {"pkg.layers.router"}) == {
+        "pkg.layers.router": ["pkg/models/grok.py"]}
+    assert module_name("pkg/models/__init__.py") == "pkg.models"

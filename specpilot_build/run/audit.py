@@ -142,3 +142,37 @@ def package_path(path: str, package: str) -> str | None:
 
 def _sorted(items) -> tuple[str, ...]:
     return tuple(sorted(items, key=str.encode))
+
+
+def module_name(path: str) -> str:
+    """`sglang/srt/models/llama.py` → `sglang.srt.models.llama`; a package's `__init__.py` → the package."""
+    parts = path.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def static_importers(root: Path, files: list[str], modules: set[str]) -> dict[str, list[str]]:
+    """For each of `modules`, the `.py` files among `files` (paths under `root`) with an import statement naming it,
+    at any depth (a lazy import inside a function counts): `import a.b`, `from a import b` and relative imports,
+    which name `a` and `a.b`. A module named by no kept file is reached only by enumeration (pkgutil, computed
+    names) or through other pruned modules."""
+    import ast
+
+    found: dict[str, list[str]] = {module: [] for module in modules}
+    for path in sorted(p for p in files if p.endswith(".py")):
+        try:
+            tree = ast.parse((root / path).read_bytes(), filename=path)
+        except (OSError, SyntaxError, ValueError):
+            continue
+        package = module_name(path).split(".") if path.endswith("__init__.py") else module_name(path).split(".")[:-1]
+        named = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                named.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                named.add(source)
+                named.update(f"{source}.{alias.name}" for alias in node.names)
+        for module in named & found.keys():
+            found[module].append(path)
+    return found
