@@ -26,6 +26,11 @@ HERE=$(cd "$(dirname "$0")" && pwd -P)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd -P)
 GOLDEN=$(cd "$(dirname "$GOLDEN")" && pwd -P)/$(basename "$GOLDEN")
+if [[ -n "${TARBALL:-}" ]]; then
+    # inside OUT it would pack itself and travel back among OUT's many files (the device returns 8): refuse
+    TARBALL=$(mkdir -p "$(dirname "$TARBALL")" && cd "$(dirname "$TARBALL")" && pwd -P)/$(basename "$TARBALL")
+    [[ "$TARBALL" == "$OUT"/* ]] && { echo "TARBALL=$TARBALL is inside OUT=$OUT: put it beside OUT" >&2; exit 2; }
+fi
 
 if [[ -n "${PREFIX:-}" ]]; then
     SPECPILOT=("$PREFIX/bin/specpilot")
