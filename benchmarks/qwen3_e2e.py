@@ -18,8 +18,14 @@ batch decodes again. The lm_head stays bf16 in both runs by default (--lm-head w
 comparison is of the 256 layer matrices, and the logits that decide a near tie come from the same kernel.
 
 Tokens: per batch, how many sequences came out identical; for each that did not, its first divergence is
-classified from the bf16 run's logits at that token (same context in both runs up to there): a near tie
-when its top-1 and top-2 logits are within one bf16 ulp of the top-1 value, else a real difference.
+classified as verify classifies a token, from the bf16 run's logits at that token (same context in both runs up
+to there): margin = bf16's top-1 logit minus its logit for W12's token, a near tie within verify's bf16
+tolerance (2^-2), else a real difference (a token below bf16's top 2 has no kept logit: real).
+
+`--control` decodes once more with the bf16 weights as an fp32 GEMM of the same values (every product exact,
+summed in fp32 as the bf16 GEMM sums, in another kernel's order; eager steps) and classifies its divergences
+from plain bf16 the same way: what a different summation order alone does to this model's tokens, beside what
+W12's kernel does.
 
 Before timing, each format checks that the graph-replayed steps give the eager steps' tokens and logits bit
 for bit (8 tokens at the largest batch; printed, and in --out).
@@ -37,8 +43,10 @@ import argparse
 import gc
 import json
 import time
+from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from specpilot_runtime.decode import Decoded, divergences, greedy_decode
 from specpilot_runtime.qwen3 import Qwen3, Qwen3Shape
@@ -88,6 +96,10 @@ def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torc
     largest = prompts[max(prompts)]
     checks = {"bf16": graph_check(model, largest)} if graph else {}
     bf16 = {b: decode(model, "bf16", p, args, graph) for b, p in prompts.items()}
+    control = {}
+    if args.control:
+        with fp32_products(model):
+            control = {b: decode(model, "control (fp32 GEMM)", p, args, False) for b, p in prompts.items()}
     say("encoding to W12 in place, layer by layer")
     model.to_w12(lm_head=args.lm_head == "w12", progress=lambda i: (i + 1) % 16 == 0 and say(
         f"  W12: {i + 1}/{shape.num_layers} layers encoded{_memory(device)}"))
@@ -102,7 +114,7 @@ def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torc
     _release_memory(device)
     return {"family": family, "bf16_weight_bytes": bf16_bytes, "w12_weight_bytes": w12_bytes,
             "w12_escapes": escapes, "w12_matrices": encoded, "graph_equals_eager": checks,
-            "rows": [compare(family, b, bf16[b], w12[b]) for b in prompts]}
+            "rows": [compare(family, b, bf16[b], w12[b], control.get(b)) for b in prompts]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -123,6 +135,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--lm-head", choices=("bf16", "w12"), default="bf16")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (one launch at a time)")
+    p.add_argument("--control", action="store_true",
+                   help="also decode bf16 as an fp32 GEMM of the same weights (another summation order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the rows and the run's settings to this JSON file")
@@ -173,10 +187,27 @@ def decode(model: Qwen3, label: str, prompts: torch.Tensor, args, graph: bool) -
     return result
 
 
-def compare(family: str, batch: int, bf16: Decoded, w12: Decoded) -> dict:
+@contextmanager
+def fp32_products(model: Qwen3):
+    """Every layer projection as an fp32 GEMM of its bf16 values (TF32 off): the control's other summation order."""
+    linears = [linear for _, linear in model.projections()]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for linear in linears:
+        linear.forward = lambda x, w=linear.weight: F.linear(x.float(), w.float()).to(x.dtype)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        for linear in linears:
+            del linear.forward
+
+
+def compare(family: str, batch: int, bf16: Decoded, w12: Decoded, control: Decoded | None = None) -> dict:
     """Speed and token identity of one batch; each divergence classified from the bf16 logits there."""
     diverged = divergences(bf16, w12)
     steps = bf16.tokens.shape[1] - 1
+    reordered = divergences(bf16, control) if control is not None else None
     return dict(
         family=family, batch=batch,
         bf16_tok_s=bf16.tokens_per_second, w12_tok_s=w12.tokens_per_second,
@@ -185,17 +216,23 @@ def compare(family: str, batch: int, bf16: Decoded, w12: Decoded) -> dict:
         identical=batch - len(diverged), diverged=len(diverged),
         near_ties=sum(d["near_tie"] for d in diverged), divergences=diverged,
         cuda_graphs=bf16.graphed and w12.graphed,
+        control=None if reordered is None else dict(
+            identical=batch - len(reordered), diverged=len(reordered),
+            near_ties=sum(d["near_tie"] for d in reordered), divergences=reordered),
     )
 
 
 def table(rows: list[dict]) -> str:
     lines = [("| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
-              "| identical | diverged | near ties |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| identical | diverged | near ties | control: identical | control: near ties |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        c = r["control"]
+        shown = (f"{c['identical']}/{r['batch']} | {c['near_ties']}/{c['diverged']}" if c else "– | –")
         lines.append(f"| {r['family']} | {r['batch']} | {r['bf16_tok_s']:.1f} | {r['w12_tok_s']:.1f} "
                      f"| {r['speedup']:.3f} | {r['bf16_ms_step']:.2f} | {r['w12_ms_step']:.2f} "
-                     f"| {r['identical']}/{r['batch']} | {r['diverged']} | {r['near_ties']}/{r['diverged']} |")
+                     f"| {r['identical']}/{r['batch']} | {r['diverged']} | {r['near_ties']}/{r['diverged']} "
+                     f"| {shown} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from specpilot_runtime.decode import Decoded, divergences, greedy_decode
+from specpilot_runtime.decode import NEAR_TIE_BF16, Decoded, divergences, greedy_decode
 from specpilot_runtime.qwen3 import from_transformers, qwen3_shape
 
 VOCAB = 256
@@ -90,11 +90,23 @@ def test_w12_weights_give_the_bf16_tokens():
     assert torch.equal(w12.top2, bf16.top2)
 
 
-def test_divergences_are_found_at_the_first_differing_token_and_classified_by_bf16_ulps():
-    reference = Decoded(torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]]), torch.zeros(3, 3, 2), 1.0, False)
-    reference.top2[1, 1] = torch.tensor([4.0, 3.984375])     # 4.0's bf16 ulp is 1/32: a gap of half an ulp
-    reference.top2[2, 1] = torch.tensor([-0.5, -0.5078125])  # ulp 1/256 at 0.5: a gap of two ulps
-    other = Decoded(torch.tensor([[1, 2, 3], [1, 5, 9], [1, 7, 3]]), torch.zeros(3, 3, 2), 1.0, False)
+def test_divergences_are_found_at_the_first_differing_token_and_classified_as_verify_does():
+    """margin = the reference's top-1 logit minus its logit for the other run's token, near tie within verify's
+    bf16 tolerance; a token below the reference's top 2 has no known margin and counts as real."""
+    tokens = torch.tensor([[1, 2, 3]] * 4)
+    reference = Decoded(tokens, torch.zeros(4, 3, 2), torch.zeros(4, 3, 2, dtype=torch.long), 1.0, False)
+    reference.top2[1, 1], reference.top2_ids[1, 1] = torch.tensor([4.0, 3.75]), torch.tensor([2, 5])   # 0.25
+    reference.top2[2, 1], reference.top2_ids[2, 1] = torch.tensor([4.0, 3.5]), torch.tensor([2, 7])    # 0.5
+    reference.top2[3, 1], reference.top2_ids[3, 1] = torch.tensor([4.0, 4.0]), torch.tensor([2, 6])    # tie
+    other = Decoded(torch.tensor([[1, 2, 3], [1, 5, 9], [1, 7, 3], [1, 8, 3]]), torch.zeros(4, 3, 2),
+                    torch.zeros(4, 3, 2, dtype=torch.long), 1.0, False)
     found = divergences(reference, other)
-    assert [(d["sequence"], d["token"], d["gap_ulps"], d["near_tie"]) for d in found] == [
-        (1, 1, 0.5, True), (2, 1, 2.0, False)]
+    assert [(d["sequence"], d["token"], d["emitted"], d["margin"], d["near_tie"]) for d in found] == [
+        (1, 1, 5, 0.25, True), (2, 1, 7, 0.5, False), (3, 1, 8, None, False)]
+    assert found[0]["gap_ulps"] == 8.0  # 4.0's bf16 ulp is 1/32
+
+
+def test_the_near_tie_tolerance_is_verifys_for_bfloat16():
+    from specpilot_build.measure.verify import dtype_tolerance
+
+    assert NEAR_TIE_BF16 == dtype_tolerance("bfloat16")

@@ -2,8 +2,8 @@
 on CUDA is captured once in a CUDA graph and replayed (no per-token host work beyond the replay).
 
 The step reads the current tokens and positions from fixed buffers and writes the next ones back into them,
-so the same graph decodes token after token. It also keeps the two largest logits of each sequence, so a
-run can later tell a near tie (top-1 and top-2 within one bf16 ulp) from a real difference.
+so the same graph decodes token after token. It also keeps the two largest logits of each sequence and their
+ids, so a run can later tell a near tie from a real difference the way verify does (`divergences`).
 """
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ from dataclasses import dataclass
 import torch
 
 CACHE_ROUNDING = 64  # cache length rounded up to this many positions (aligned keys for the attention kernel)
+# verify's default near-tie tolerance for bfloat16 (specpilot_build/measure/verify.py, dtype_tolerance): a
+# log-prob margin, i.e. a logit gap; tests/test_qwen3_runtime.py pins the two equal
+NEAR_TIE_BF16 = 2.0 ** -2
 
 
 @dataclass
 class Decoded:
     tokens: torch.Tensor   # [B, N] the greedy tokens: the first from the prefill, the others from decode steps
     top2: torch.Tensor     # [B, N, 2] float32: the largest and second-largest logit behind each token
+    top2_ids: torch.Tensor  # [B, N, 2] their token ids
     seconds: float         # wall time of the N - 1 decode steps (prefill excluded), after warm-up
     graphed: bool
 
@@ -46,8 +50,10 @@ def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | N
     logits = prefill(model, prompts.to(device), cache)
     tokens_out = torch.empty(new_tokens, batch, dtype=torch.long, device=device)
     top2_out = torch.empty(new_tokens, batch, 2, dtype=torch.float32, device=device)
+    ids_out = torch.empty(new_tokens, batch, 2, dtype=torch.long, device=device)
     tokens_out[0] = logits.argmax(-1)
-    top2_out[0] = logits.topk(2, dim=-1).values.float()
+    top = logits.topk(2, dim=-1)
+    top2_out[0], ids_out[0] = top.values.float(), top.indices
 
     step = DecodeStep(model, cache, tokens_out[0], torch.full((batch,), prompt_len, device=device), graph)
     for _ in range(min(warmup_steps, new_tokens - 1)):
@@ -58,25 +64,32 @@ def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | N
     for i in range(1, new_tokens):
         step()
         tokens_out[i] = step.next_tokens
-        top2_out[i] = step.top2
+        top2_out[i], ids_out[i] = step.top2, step.top2_ids
     _synchronize(device)
     seconds = time.perf_counter() - start
-    return Decoded(tokens_out.t().cpu(), top2_out.transpose(0, 1).cpu(), seconds, graph)
+    return Decoded(tokens_out.t().cpu(), top2_out.transpose(0, 1).cpu(), ids_out.transpose(0, 1).cpu(), seconds,
+                   graph)
 
 
-def divergences(reference: Decoded, other: Decoded) -> list[dict]:
-    """Each sequence whose tokens differ, at its first differing token, classified from the reference run's
-    logits there (both runs had the same context up to it): a near tie when the top-1 and top-2 logits are
-    within one bf16 ulp of the top-1 value, else a real difference."""
+def divergences(reference: Decoded, other: Decoded, tolerance: float = NEAR_TIE_BF16) -> list[dict]:
+    """Each sequence whose tokens differ, at its first differing token, classified as verify classifies a token
+    from the reference run's logits there (both runs had the same context up to it): margin = the reference's
+    top-1 logit minus its logit for the other run's token; a near tie when the margin is within `tolerance`, else
+    a real difference. The logit of a token below the reference's top 2 is not kept: its margin is unknown (at
+    least top-1 minus top-2) and it counts as real."""
     found = []
     for b in range(reference.tokens.shape[0]):
         differ = (reference.tokens[b] != other.tokens[b]).nonzero()
         if len(differ):
             at = int(differ[0])
             top1, top2 = (float(v) for v in reference.top2[b, at])
-            gap_ulps = (top1 - top2) / bf16_ulp(top1)
-            found.append(dict(sequence=b, token=at, top1=top1, top2=top2, gap_ulps=gap_ulps,
-                              near_tie=gap_ulps <= 1.0, other_top2=[float(v) for v in other.top2[b, at]]))
+            emitted = int(other.tokens[b, at])
+            ranks = [j for j, token in enumerate(reference.top2_ids[b, at].tolist()) if token == emitted]
+            margin = top1 - float(reference.top2[b, at, ranks[0]]) if ranks else None
+            found.append(dict(sequence=b, token=at, emitted=emitted, top1=top1, top2=top2, margin=margin,
+                              gap_ulps=(top1 - top2) / bf16_ulp(top1),
+                              near_tie=margin is not None and margin <= tolerance,
+                              other_top2=[float(v) for v in other.top2[b, at]]))
     return found
 
 
@@ -101,6 +114,7 @@ class DecodeStep:
         self.positions = positions.clone()
         self.next_tokens = torch.empty_like(self.tokens)
         self.top2 = torch.empty(len(tokens), 2, dtype=torch.float32, device=tokens.device)
+        self.top2_ids = torch.empty(len(tokens), 2, dtype=torch.long, device=tokens.device)
         self.graph = self._capture() if graph else None
 
     def __call__(self) -> None:
@@ -116,7 +130,9 @@ class DecodeStep:
     def _step(self) -> None:
         logits = self.model(self.tokens[:, None], self.positions[:, None], self.cache)[:, 0]
         self.next_tokens.copy_(logits.argmax(-1))
-        self.top2.copy_(logits.topk(2, dim=-1).values)
+        top = logits.topk(2, dim=-1)
+        self.top2.copy_(top.values)
+        self.top2_ids.copy_(top.indices)
         self.tokens.copy_(self.next_tokens)
         self.positions.add_(1)
 
