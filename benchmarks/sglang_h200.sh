@@ -96,6 +96,9 @@ run_group() {
         echo -e "$label\t$arm\t${id:0:12}\t$golden\t$tps\t$status\t$audit" >> "$ROWS"
     done
     local ar_id=${arm_ids[0]}
+    # the oracle served once for both verifies (verify uses a server already serving the oracle on its port)
+    [[ -f "$OUT/$label-stock.bench.txt" || -f "$OUT/$label-final.bench.txt" ]] \
+        && "${SPECPILOT[@]}" serve --engine "$ar_id" --port "$VERIFY_PORT" > "$OUT/$label-oracle.serve.txt" 2>&1
     for arm in stock final; do
         local run="$label-$arm"
         [[ -f "$OUT/$run.bench.txt" ]] || continue
@@ -103,6 +106,7 @@ run_group() {
             && v="verify ok" || v="verify FAILED"
         echo -e "$label\t$arm\tverify\t$v: $(grep -m1 -E '^verdict|rror' "$OUT/$run.verify.txt" | tr '\t' ' ')" >> "$ROWS"
     done
+    "${SPECPILOT[@]}" stop --port "$VERIFY_PORT" > /dev/null 2>&1 || true
     if [[ -f "$OUT/$label-stock.bench.txt" && -f "$OUT/$label-final.bench.txt" ]]; then
         "${SPECPILOT[@]}" compare --ar "$label-ar" --stock "$label-stock" --final "$label-final" --name "compare-$label" \
             --overwrite > "$OUT/compare-$label.txt" 2>&1 && c="compare ok" || c="compare FAILED"
