@@ -134,3 +134,6 @@ def test_static_importers_name_the_files_whose_imports_reach_a_module(tmp_path):
     assert static_importers(tmp_path, list(files), {"pkg.layers.router"}) == {
         "pkg.layers.router": ["pkg/models/grok.py"]}
     assert module_name("pkg/models/__init__.py") == "pkg.models"
+    (tmp_path / "pkg/broken.py").write_text("def f(:\n")
+    with pytest.raises(SpecPilotError, match="pkg/broken.py"):
+        static_importers(tmp_path, ["pkg/broken.py"], {"pkg.layers.router"})

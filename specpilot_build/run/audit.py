@@ -161,8 +161,8 @@ def static_importers(root: Path, files: list[str], modules: set[str]) -> dict[st
     for path in sorted(p for p in files if p.endswith(".py")):
         try:
             tree = ast.parse((root / path).read_bytes(), filename=path)
-        except (OSError, SyntaxError, ValueError):
-            continue
+        except (OSError, SyntaxError, ValueError) as exc:  # an unread file could hide an importer: no verdict
+            raise SpecPilotError(f"import audit: cannot read the imports of {root / path}: {exc}") from None
         package = module_name(path).split(".") if path.endswith("__init__.py") else module_name(path).split(".")[:-1]
         named = set()
         for node in ast.walk(tree):
