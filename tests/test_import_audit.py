@@ -12,6 +12,7 @@ import pytest
 
 from reference_runtime_helpers import free_port
 from specpilot_build.build.builder import build_engine
+from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.run.audit import compare_imports, module_name, package_path, static_importers
 from specpilot_build.run.serve import read_record, serve, stop
@@ -85,7 +86,6 @@ def test_without_the_variable_the_launch_environment_is_untouched(monkeypatch):
 
 
 def test_an_empty_or_malformed_log_is_one_clear_error(tmp_path):
-    from specpilot_build.errors import SpecPilotError
 
     empty = tmp_path / "empty.log"
     empty.write_text("")
