@@ -86,7 +86,6 @@ def test_without_the_variable_the_launch_environment_is_untouched(monkeypatch):
 
 
 def test_an_empty_or_malformed_log_is_one_clear_error(tmp_path):
-
     empty = tmp_path / "empty.log"
     empty.write_text("")
     with pytest.raises(SpecPilotError, match=r"empty.log is empty: was the engine served with SPECPILOT_IMPORT_AUDIT"):
