@@ -117,6 +117,8 @@ def test_static_importers_name_the_files_whose_imports_reach_a_module(tmp_path):
         "pkg/models/llama.py": "from pkg.layers import linear\n",
         "pkg/models/grok.py": "from ..layers.router import Router\n",
         "pkg/runner.py": "def load():\n    import pkg.kernels.fused as f\n    return f\n",
+        "pkg/plugins.py": "import importlib\nLOADER = importlib.import_module('pkg.kernels.extra')\n",
+        "pkg/kernels/extra.py": "",
         "pkg/layers/__init__.py": "",
         "pkg/layers/linear.py": "from . import quant\n",
         "pkg/layers/quant.py": "",
@@ -126,10 +128,12 @@ def test_static_importers_name_the_files_whose_imports_reach_a_module(tmp_path):
     for path, text in files.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
-    modules = {"pkg.layers.linear", "pkg.layers.quant", "pkg.layers.router", "pkg.kernels.fused", "pkg.models.grok"}
+    modules = {"pkg.layers.linear", "pkg.layers.quant", "pkg.layers.router", "pkg.kernels.fused", "pkg.models.grok",
+               "pkg.kernels.extra"}
     found = static_importers(tmp_path, [p for p in files if p != "pkg/models/grok.py"], modules)
     assert found == {"pkg.layers.linear": ["pkg/models/llama.py"], "pkg.layers.quant": ["pkg/layers/linear.py"],
-                     "pkg.layers.router": [], "pkg.kernels.fused": ["pkg/runner.py"], "pkg.models.grok": []}
+                     "pkg.layers.router": [], "pkg.kernels.fused": ["pkg/runner.py"], "pkg.models.grok": [],
+                     "pkg.kernels.extra": ["pkg/plugins.py"]}
     assert static_importers(tmp_path, list(files), {"pkg.layers.router"}) == {
         "pkg.layers.router": ["pkg/models/grok.py"]}
     assert module_name("pkg/models/__init__.py") == "pkg.models"

@@ -153,7 +153,7 @@ def module_name(path: str) -> str:
 def static_importers(root: Path, files: list[str], modules: set[str]) -> dict[str, list[str]]:
     """For each of `modules`, the `.py` files among `files` (paths under `root`) with an import statement naming it,
     at any depth (a lazy import inside a function counts): `import a.b`, `from a import b` and relative imports,
-    which name `a` and `a.b`. A module named by no kept file is reached only by enumeration (pkgutil, computed
+    which name `a` and `a.b`, and a string that spells the whole name (`importlib.import_module("a.b")`). A module named by no kept file is reached only by enumeration (pkgutil, computed
     names) or through other pruned modules."""
     import ast
 
@@ -173,6 +173,8 @@ def static_importers(root: Path, files: list[str], modules: set[str]) -> dict[st
                 source = ".".join(base + ([node.module] if node.module else []))
                 named.add(source)
                 named.update(f"{source}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):  # importlib.import_module("a.b")
+                named.add(node.value)
         for module in named & found.keys():
             found[module].append(path)
     return found
