@@ -1,5 +1,5 @@
 """W12 on SGLang 0.5.17: the w12-weights mechanism picks overlays/w12-0.5.17 there (`overlay_cuts`), whose patches
-apply strictly to the pinned 0.5.17 wheel's files, whose method module is overlays/w12's code, and which — loaded
+apply strictly to the pinned 0.5.17 wheel's files, whose method module is overlays/w12's file (files_from), and which — loaded
 from a 0.5.17 tree against that release's own quantization base classes — encodes a real bf16 layer of stories260K
 to W12 planes at load, decodes it back bit for bit and computes it exactly on CPU."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from specpilot_build.build.inputs import resolve_inputs
-from specpilot_build.build.overlay import apply_overlays, overlay_inputs
+from specpilot_build.build.overlay import apply_overlays, overlay_inputs, read_descriptor
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import ConfigError, SpecPilotError
 from specpilot_build.hub.lockfile import load_lock
 from specpilot_build.locations import KERNELS_DIR, OVERLAYS_DIR, REPO_ROOT
+from specpilot_build.store.manifest import overlay_digest, overlay_files_dir
 
 PADDED_BF16 = "h200_c1_stories260k-padded-bf16_ngram"
 OLD = ["runtime=sglang-0.5.17"]
@@ -71,12 +73,45 @@ def test_a_cut_for_a_runtime_that_does_not_exist_is_refused_naming_it():
         compose_setting(PADDED_BF16, "final", ["+final.mechanisms.w12-weights.overlay_cuts.vllm=w12"])
 
 
-def test_the_method_module_is_overlays_w12s_code():
-    """One method, two cuts: only the header comment differs, so a fix to one cannot silently miss the other."""
-    ours = (OVERLAYS_DIR / "w12-0.5.17" / "files" / METHOD).read_text().splitlines()
-    theirs = (OVERLAYS_DIR / "w12" / "files" / METHOD).read_text().splitlines()
-    assert ours[0] != theirs[0] and "w12-0.5.17" in ours[0]
-    assert ours[1:] == theirs[1:]
+def test_the_method_module_is_overlays_w12s_one_file(tmp_path):
+    """One method, two cuts: the 0.5.17 cut takes overlays/w12's files/ (files_from), and its digest (an input of
+    the engine id) follows that file, so a fix to the method reaches both cuts and both ids."""
+    assert not (OVERLAYS_DIR / "w12-0.5.17" / "files").exists()
+    assert overlay_files_dir(OVERLAYS_DIR / "w12-0.5.17") == OVERLAYS_DIR / "w12" / "files"
+    shutil.copytree(OVERLAYS_DIR, tmp_path / "overlays")
+    cut = tmp_path / "overlays" / "w12-0.5.17"
+    before = overlay_digest(cut)
+    method = tmp_path / "overlays" / "w12" / "files" / METHOD
+    method.write_text(method.read_text() + "# a fix\n")
+    assert overlay_digest(cut) != before
+
+
+@pytest.mark.parametrize("files_from,own_files,message", [
+    ("w12-0.5.17", False, "takes files from another overlay or has its own files/, not both"),
+    ("w12", True, "takes files from another overlay or has its own files/, not both"),
+    ("no-such-overlay", False, "overlays/no-such-overlay/ with an overlay.toml and files/ does not exist"),
+    ("chained", False, "that overlay takes its files from another"),
+    ("../w12", False, "is not a plain name"),
+])
+def test_a_bad_files_from_is_refused_naming_it(tmp_path, files_from, own_files, message):
+    shutil.copytree(OVERLAYS_DIR, tmp_path / "overlays")
+    cut = tmp_path / "overlays" / "w12-0.5.17"
+    (tmp_path / "overlays" / "chained").mkdir()
+    (tmp_path / "overlays" / "chained" / "overlay.toml").write_text('files_from = "w12"\n')
+    descriptor = cut / "overlay.toml"
+    descriptor.write_text(descriptor.read_text().replace('files_from = "w12"', f'files_from = "{files_from}"'))
+    if own_files:
+        (cut / "files").mkdir()
+    with pytest.raises(SpecPilotError, match=re.escape(message)):
+        overlay_digest(cut)
+
+
+def test_an_unknown_descriptor_key_is_refused_naming_it(tmp_path):
+    shutil.copytree(OVERLAYS_DIR / "w12-0.5.17", tmp_path / "w12-0.5.17")
+    descriptor = tmp_path / "w12-0.5.17" / "overlay.toml"
+    descriptor.write_text(descriptor.read_text() + 'file_from = "w12"\n')
+    with pytest.raises(SpecPilotError, match=r"overlay.toml: unknown key\(s\) file_from"):
+        read_descriptor(tmp_path / "w12-0.5.17")
 
 
 def _tree_from_wheel(wheel: Path, root: Path) -> Path:
@@ -94,6 +129,7 @@ def test_the_0517_cut_applies_strictly_to_the_pinned_wheel_and_the_0523_cut_does
     [record] = apply_overlays(tree, overlay_inputs(["w12-0.5.17"], cfg), cfg)
     assert [(f["path"], f["before"] is None) for f in record["files"]] == [
         (REGISTRY, False), (METHOD, True), (CHOICES, False)]
+    assert (tree / METHOD).read_bytes() == (OVERLAYS_DIR / "w12" / "files" / METHOD).read_bytes()
     registry, choices = (tree / REGISTRY).read_text(), (tree / CHOICES).read_text()
     assert "from sglang.srt.layers.quantization.w12 import W12Config" in registry
     assert '    "w12": W12Config,  # SpecPilot (overlays/w12-0.5.17)\n}' in registry  # inside BASE_QUANTIZATION_METHODS

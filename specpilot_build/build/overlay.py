@@ -1,6 +1,6 @@
 """Overlays: overlays/<name>/ = overlay.toml (what it is for, the runtime and version range it applies to),
-files/ copied on top of the engine tree at the same relative path, and patches/*.patch unified diffs applied
-strictly: every context and removed line must match exactly at the line the hunk names (no fuzz, no offset).
+files/ copied on top of the engine tree at the same relative path (or, with `files_from = "<overlay>"`, another
+overlay's files/: two cuts of one overlay ship one copy), and patches/*.patch unified diffs applied strictly: every context and removed line must match exactly at the line the hunk names (no fuzz, no offset).
 
 Paths are confined to the tree: absolute paths, `..` and paths through links are refused before anything is
 written. The manifest records each overlay's digest and, per touched file, its digest before and after."""
@@ -16,9 +16,10 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import OVERLAYS_DIR
 from specpilot_build.store.manifest import (
     digest_bytes,
+    overlay_digest,
+    overlay_files_dir,
     plain_directory,
     read_regular,
-    source_dir_digest,
     source_files,
 )
 from specpilot_build.store.names import plain_name, plain_relpath
@@ -33,7 +34,7 @@ def overlay_inputs(names: list[str], cfg: dict) -> list[dict]:
         directory = overlay_dir(name)
         descriptor = read_descriptor(directory)
         _check_runtime(name, descriptor, cfg["runtime"]["name"], None)
-        out.append({"name": name, "digest": source_dir_digest(directory, f"overlay '{name}'")})
+        out.append({"name": name, "digest": overlay_digest(directory, f"overlay '{name}'")})
     return out
 
 
@@ -91,6 +92,10 @@ def read_descriptor(directory: Path) -> dict:
     for key in ("description", "runtime", "versions"):
         if not isinstance(data.get(key), str) or not data[key].strip():
             raise SpecPilotError(f"{path}: key '{key}' (a non-empty string) is required")
+    unknown = sorted(set(data) - {"description", "runtime", "versions", "files_from"})
+    if unknown:
+        raise SpecPilotError(f"{path}: unknown key(s) {', '.join(unknown)} (known: description, runtime, versions, "
+                             f"files_from)")
     return data
 
 
@@ -141,7 +146,7 @@ def _check_runtime(name: str, descriptor: dict, runtime: str, version: str | Non
 
 
 def _overlay_files(directory: Path) -> list[tuple[str, Path]]:
-    files_dir = directory / "files"
+    files_dir = overlay_files_dir(directory)
     if not os.path.lexists(files_dir):
         return []
     return source_files(files_dir, f"overlay '{directory.name}'")

@@ -28,6 +28,7 @@ from specpilot_build.store.engines import (
 from specpilot_build.store.manifest import (
     canonical_json,
     digest_bytes,
+    overlay_files_dir,
     read_regular,
     walk_files,
 )
@@ -98,7 +99,8 @@ class EngineSources:
             name, _, inner = rel[len("kernels/"):].partition("/")
             candidates.append((_inputs.KERNELS_DIR / plain_name(name, "kernel name"), inner))
         for overlay in inputs.get("overlays", []):
-            candidates.append((_overlay.OVERLAYS_DIR / plain_name(overlay["name"], "overlay name") / "files", rel))
+            directory = _overlay.OVERLAYS_DIR / plain_name(overlay["name"], "overlay name")
+            candidates.append((overlay_files_dir(directory), rel))
         for base, inner in candidates:
             if _plain_path(base, inner):
                 return read_regular(base / inner)[0]

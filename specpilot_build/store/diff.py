@@ -126,11 +126,11 @@ def _overlay_changes(ma: dict, mb: dict) -> list[dict]:
 def _overlay_hunks(name: str, digest: str) -> list[str] | str:
     """The overlay's patch hunks, read from overlays/<name>/ when its digest is the one the engine recorded."""
     from specpilot_build.locations import OVERLAYS_DIR
-    from specpilot_build.store.manifest import source_dir_digest
+    from specpilot_build.store.manifest import overlay_digest
     from specpilot_build.store.names import plain_name
     try:
         directory = OVERLAYS_DIR / plain_name(name, "overlay name")
-        if source_dir_digest(directory) != digest:
+        if overlay_digest(directory) != digest:
             return f"overlays/{name} in this checkout is not the recorded {digest[:19]}…; hunks not shown"
     except (OSError, SpecPilotError):
         return f"overlays/{name} is not in this checkout; hunks not shown"

@@ -180,3 +180,51 @@ def files_digest(files: list[tuple[str, Path]]) -> str:
 
 def source_dir_digest(src: Path, where: str | None = None) -> str:
     return files_digest(source_files(src, where))
+
+
+OVERLAY_DESCRIPTOR = "overlay.toml"
+
+
+def overlay_files_dir(directory: Path) -> Path:
+    """An overlay's files/: its own, or — `files_from = "<overlay>"` in its overlay.toml — that sibling overlay's
+    (one copy of a file that two cuts of an overlay ship; the sibling must have files/ and no files_from itself)."""
+    source = _files_from(directory)
+    return directory / "files" if source is None else source
+
+
+def overlay_digest(directory: Path, where: str | None = None) -> str:
+    """An overlay's content digest: its folder's; for one with files_from, also the digest of the files it takes."""
+    own = source_dir_digest(directory, where)
+    source = _files_from(directory)
+    if source is None:
+        return own
+    taken = source_dir_digest(source, f"overlay '{source.parent.name}': files/")
+    return digest_bytes(canonical_json({"overlay": own, "files_from": source.parent.name, "files": taken}))
+
+
+def _files_from(directory: Path) -> Path | None:
+    import tomllib
+
+    from specpilot_build.store.names import plain_name
+
+    descriptor = directory / OVERLAY_DESCRIPTOR
+    try:
+        value = tomllib.loads(read_regular(descriptor)[0].decode("utf-8")).get("files_from")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SpecPilotError(f"{descriptor}: not valid TOML: {exc}") from None
+    if value is None:
+        return None
+    where = f"{descriptor}: files_from"
+    name = plain_name(value, where, error=SpecPilotError)
+    source = directory.parent / name
+    if name == directory.name or os.path.lexists(directory / "files"):
+        raise SpecPilotError(f"{where} = {name!r}: an overlay takes files from another overlay or has its own "
+                             f"files/, not both")
+    if not (source / OVERLAY_DESCRIPTOR).is_file():
+        raise SpecPilotError(f"{where} = {name!r}: overlays/{name}/ with an overlay.toml and files/ does not exist")
+    if _files_from(source) is not None:
+        raise SpecPilotError(f"{where} = {name!r}: that overlay takes its files from another; name the one that "
+                             f"holds them")
+    if not os.path.lexists(source / "files"):
+        raise SpecPilotError(f"{where} = {name!r}: overlays/{name}/ with an overlay.toml and files/ does not exist")
+    return source / "files"
