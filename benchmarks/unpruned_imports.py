@@ -18,6 +18,7 @@ run did not take. Prints the audit table, that count (must be 0) with each offen
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -29,10 +30,12 @@ from pathlib import Path
 
 import httpx
 
+from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.checkpoints import model_dirs
 from specpilot_build.run.audit import AUDIT_ENV, audit_env, compare_imports, module_name, static_importers
 from specpilot_build.run.serve import HOST, _terminate, _wait_healthy, launch_command
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
+from specpilot_build.store.names import plain_relpath
 
 
 def unpruned_tree(engine: Engine, wheel: Path, dest: Path) -> int:
@@ -43,8 +46,10 @@ def unpruned_tree(engine: Engine, wheel: Path, dest: Path) -> int:
     added = 0
     with zipfile.ZipFile(wheel) as zf:
         for name in zf.namelist():
-            target = dest / "python" / name
-            if name.endswith("/") or target.exists():
+            if name.endswith("/"):
+                continue
+            target = dest / "python" / plain_relpath(name, f"{wheel.name}: member", error=SpecPilotError)
+            if target.exists():
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(zf.read(name))
@@ -113,7 +118,8 @@ def main() -> int:
     for module, paths in named.items():
         print(f"  {module}: imported by {', '.join(paths)}")
     (args.out / f"unpruned-{engine.id[:12]}.json").write_text(json.dumps(
-        {"engine": engine.id, "wheel": args.wheel.name, "golden": golden, **audit.__dict__,
+        {"engine": engine.id, "wheel": args.wheel.name,
+         "wheel_sha256": hashlib.sha256(args.wheel.read_bytes()).hexdigest(), "golden": golden, **audit.__dict__,
          "pruned_named_by_kept": named}, indent=1) + "\n")
     return 1 if named else 0
 
