@@ -5,8 +5,6 @@ to W12 planes at load, decodes it back bit for bit and computes it exactly on CP
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import re
 import shutil
 import subprocess
@@ -24,6 +22,7 @@ from specpilot_build.errors import ConfigError, SpecPilotError
 from specpilot_build.hub.lockfile import load_lock
 from specpilot_build.locations import KERNELS_DIR, OVERLAYS_DIR, REPO_ROOT
 from specpilot_build.store.manifest import overlay_digest, overlay_files_dir
+from w12_overlay_helpers import EXPECTED, run_method
 
 PADDED_BF16 = "h200_c1_stories260k-padded-bf16_ngram"
 OLD = ["runtime=sglang-0.5.17"]
@@ -146,48 +145,10 @@ def test_the_0517_cut_applies_strictly_to_the_pinned_wheel_and_the_0523_cut_does
         apply_overlays(plain, overlay_inputs(["w12"], new_cfg), new_cfg)
 
 
-# Run in a child Python with the overlaid 0.5.17 tree first on sys.path. SGLang 0.5.17's sglang.srt.utils imports
-# torchvision at module level for JPEG decoding only; PyPI's torchvision wheels are CUDA builds that do not load
-# beside CPU torch, so when the real one cannot be imported the child gets a torchvision whose decode_jpeg raises.
-# Everything the W12 method touches (base_config, set_weight_attrs, the overlay module, kernels/w12) is real.
-_RUN_0517_METHOD = r"""
-import importlib, json, sys, types
-import torch, torch.nn.functional as F
-from safetensors.torch import load_file
-import sglang.srt.layers as layers
-# The quantization package's __init__ imports every method (some GPU-only); register the package without running
-# it, so 0.5.17's base_config and the overlay's module load from the tree as they are.
-package = types.ModuleType("sglang.srt.layers.quantization")
-package.__path__ = [layers.__path__[0] + "/quantization"]
-sys.modules[package.__name__] = package
-overlay = importlib.import_module("sglang.srt.layers.quantization.w12")
-base = importlib.import_module("sglang.srt.layers.quantization.base_config")
-import w12
-overlay.ENCODE_ROWS = 50  # several encode chunks joined by w12.cat
-weights = load_file(sys.argv[1])
-out = {"from": [overlay.__file__, base.__file__],
-       "abstract_left": sorted(overlay.W12Config.__abstractmethods__ | overlay.W12LinearMethod.__abstractmethods__),
-       "bases": [issubclass(overlay.W12Config, base.QuantizationConfig),
-                 issubclass(overlay.W12LinearMethod, base.LinearMethodBase)],
-       "round_trip": [], "exact": []}
-cfg = overlay.W12Config.from_config({})
-out["name"], out["files"] = cfg.get_name(), cfg.get_config_filenames()
-for name, with_bias in (("model.layers.0.mlp.gate_proj.weight", False), ("model.layers.3.mlp.down_proj.weight", True)):
-    w = weights[name].to(torch.bfloat16)
-    layer, method = torch.nn.Module(), overlay.W12LinearMethod()
-    method.create_weights(layer, w.shape[1], [w.shape[0]], w.shape[1], w.shape[0], torch.bfloat16,
-                          weight_loader=lambda p, t: p.data.copy_(t))
-    layer.weight.weight_loader(layer.weight, w)
-    method.process_weights_after_loading(layer)
-    out["round_trip"].append(isinstance(layer.w12_weight, w12.W12Tensor)
-                             and torch.equal(w12.decode(layer.w12_weight).view(torch.int16), w.view(torch.int16)))
-    bias = torch.randn(w.shape[0]).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(7, w.shape[1]).to(torch.bfloat16)
-    out["exact"].append(torch.equal(method.apply(layer, x, bias), F.linear(x, w, bias)))
-    out["weight_freed"] = "weight" not in dict(layer.named_parameters())
-print("RESULT " + json.dumps(out))
-"""
-
+# Run in a child Python with the overlaid 0.5.17 tree first on sys.path (w12_overlay_helpers). SGLang 0.5.17's
+# sglang.srt.utils imports torchvision at module level for JPEG decoding only; PyPI's torchvision wheels are CUDA
+# builds that do not load beside CPU torch, so when the real one cannot be imported the child gets a torchvision
+# whose decode_jpeg raises.
 _TORCHVISION_JPEG_ONLY = "def decode_jpeg(*args, **kwargs):\n    raise RuntimeError('no torchvision here')\n"
 
 
@@ -205,12 +166,6 @@ def test_the_0517_method_encodes_a_real_layer_to_w12_and_back_bit_exactly_agains
         (stand_in / "__init__.py").write_text("")
         (stand_in / "io" / "__init__.py").write_text(_TORCHVISION_JPEG_ONLY)
         path.append(str(stand_in.parent))
-    env = {**os.environ, "PYTHONPATH": ":".join(path), "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RUN_0517_METHOD, str(stories_dir / "model.safetensors")],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, proc.stderr[-2000:]
-    result = json.loads(line[len("RESULT "):])
+    result = run_method(path, stories_dir / "model.safetensors", tmp_path)
     assert result.pop("from") == [f"{tree}/{METHOD}", f"{tree}/python/sglang/srt/layers/quantization/base_config.py"]
-    assert result == {"abstract_left": [], "bases": [True, True], "round_trip": [True, True],
-                      "exact": [True, True], "name": "w12", "files": [], "weight_freed": True}
+    assert result == EXPECTED

@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -23,6 +21,7 @@ from specpilot_build.run.serve import serve, stop
 from specpilot_build.store.engines import Engine
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
 from specpilot_runtime.model import LeanLlama, load_hf_model
+from w12_overlay_helpers import EXPECTED, run_method
 
 KERNEL = KERNELS_DIR / "w12"
 OVERLAY_MODULE = "python/sglang/srt/layers/quantization/w12.py"
@@ -169,50 +168,13 @@ def test_sglang_accepts_quantization_w12_only_with_the_overlay(builds, tmp_path)
     assert "w12" in results["0" * 64] and "invalid choice" in results["0" * 64]
 
 
-_RUN_OVERLAY_METHOD = r"""
-import importlib, json, sys, types
-import torch, torch.nn.functional as F
-from safetensors.torch import load_file
-import sglang.srt.layers as layers
-# The quantization package's __init__ imports every method, some of them GPU-only (tvm_ffi); register the package
-# without running it, so SGLang's base_config and the overlay's module load from the engine tree as they are.
-package = types.ModuleType("sglang.srt.layers.quantization")
-package.__path__ = [layers.__path__[0] + "/quantization"]
-sys.modules[package.__name__] = package
-overlay = importlib.import_module("sglang.srt.layers.quantization.w12")
-from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
-overlay.ENCODE_ROWS = 50  # several encode chunks joined by w12.cat
-weights = load_file(sys.argv[1])
-out = {"config": [type(overlay.W12Config.from_config(c)).__name__ for c in ({}, None)],
-       "bases": [issubclass(overlay.W12Config, QuantizationConfig), issubclass(overlay.W12LinearMethod, LinearMethodBase)],
-       "exact": []}
-cfg = overlay.W12Config.from_config({})
-out["name"], out["files"], out["capability"] = cfg.get_name(), cfg.get_config_filenames(), cfg.get_min_capability()
-for name, with_bias in (("model.layers.0.mlp.gate_proj.weight", False), ("model.layers.3.mlp.down_proj.weight", True)):
-    w = weights[name].to(torch.bfloat16)
-    layer, method = torch.nn.Module(), overlay.W12LinearMethod()
-    method.create_weights(layer, w.shape[1], [w.shape[0]], w.shape[1], w.shape[0], torch.bfloat16,
-                          weight_loader=lambda p, t: p.data.copy_(t))
-    layer.weight.weight_loader(layer.weight, w)
-    method.process_weights_after_loading(layer)
-    bias = torch.randn(w.shape[0]).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(7, w.shape[1]).to(torch.bfloat16)
-    out["exact"].append(torch.equal(method.apply(layer, x, bias), F.linear(x, w, bias)))
-    out["weight_freed"] = "weight" not in dict(layer.named_parameters())
-print("RESULT " + json.dumps(out))
-"""
-
-
 def test_the_overlay_method_encodes_a_real_layer_at_load_and_computes_it_exactly(builds, stories_dir):
     engine = builds.engines["h100_c1_qwen38-27b_dflash2", "final"]
-    env = {**os.environ, "PYTHONPATH": f"{engine.path}/python:{engine.path}/kernels", "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RUN_OVERLAY_METHOD, str(stories_dir / "model.safetensors")],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=engine.path)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, proc.stderr[-2000:]
-    result = json.loads(line[len("RESULT "):])
-    assert result == {"config": ["W12Config", "W12Config"], "bases": [True, True], "exact": [True, True],
-                      "name": "w12", "files": [], "capability": 80, "weight_freed": True}
+    result = run_method([f"{engine.path}/python", f"{engine.path}/kernels"], stories_dir / "model.safetensors",
+                        engine.path)
+    assert result.pop("from") == [f"{engine.path}/{OVERLAY_MODULE}",
+                                  f"{engine.path}/python/sglang/srt/layers/quantization/base_config.py"]
+    assert result == EXPECTED
 
 
 def _sglang_imports(path: Path) -> set[str]:
