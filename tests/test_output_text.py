@@ -31,3 +31,22 @@ def test_a_prompt_shorter_than_the_context_is_decoded_whole(tokenizer):
     prompt, output = ids[:2], ids[2:]
     whole, head = (tokenizer.decode(part, skip_special_tokens=True) for part in (ids, prompt))
     assert output_text(tokenizer, prompt, output, 5) == whole[len(head):]
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("runtime", ["sglang", "sglang-0.5.17"])
+def test_the_sglang_context_is_the_pinned_wheels_own(runtime, session_data):
+    """The 5 is SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET, read from each pinned wheel: a release that changes
+    it fails here rather than in verify on a GPU host."""
+    import re
+    import zipfile
+
+    from specpilot_build.build.runtime_base import wheel_file
+    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.locations import REPO_ROOT
+
+    pin = load_lock(REPO_ROOT / "lockfiles").runtimes[runtime]
+    with zipfile.ZipFile(wheel_file(pin)) as zf:
+        source = zf.read("sglang/srt/managers/schedule_batch.py").decode()
+    [value] = re.findall(r"^INIT_INCREMENTAL_DETOKENIZATION_OFFSET = (\d+)$", source, re.MULTILINE)
+    assert int(value) == detokenizer_context(runtime)
