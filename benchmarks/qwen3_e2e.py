@@ -172,7 +172,7 @@ def graph_check(model: Qwen3, prompts: torch.Tensor, new_tokens: int = 8) -> boo
     """Whether replaying the captured step gives the eager step's tokens and logits, bit for bit."""
     eager = greedy_decode(model, prompts, new_tokens, graph=False, warmup_steps=0)
     graphed = greedy_decode(model, prompts, new_tokens, graph=True, warmup_steps=0)
-    same = torch.equal(eager.tokens, graphed.tokens) and torch.equal(eager.top2, graphed.top2)
+    same = torch.equal(eager.tokens, graphed.tokens) and torch.equal(eager.top, graphed.top)
     say(f"graph replay equals eager steps (batch {prompts.shape[0]}, {new_tokens} tokens): {same}")
     _release_memory(model.device)
     return same

@@ -69,7 +69,7 @@ def test_static_cache_greedy_equals_full_recompute():
         sequence = torch.cat([sequence, logits.argmax(-1, keepdim=True)], dim=1)
     assert decoded.tokens.tolist() == sequence[:, 10:].tolist()
     assert not decoded.graphed
-    assert (decoded.top2[..., 0] >= decoded.top2[..., 1]).all()
+    assert (decoded.top[..., :-1] >= decoded.top[..., 1:]).all()
 
 
 @torch.inference_mode()
@@ -87,22 +87,26 @@ def test_w12_weights_give_the_bf16_tokens():
     w12 = greedy_decode(model, tokens, new_tokens=10)
     assert w12.tokens.tolist() == bf16.tokens.tolist()
     # On CPU the W12 path decodes the exact bf16 weights for the same F.linear: the logits are the same bits.
-    assert torch.equal(w12.top2, bf16.top2)
+    assert torch.equal(w12.top, bf16.top) and torch.equal(w12.top_ids, bf16.top_ids)
 
 
 def test_divergences_are_found_at_the_first_differing_token_and_classified_as_verify_does():
     """margin = the reference's top-1 logit minus its logit for the other run's token, near tie within verify's
-    bf16 tolerance; a token below the reference's top 2 has no known margin and counts as real."""
-    tokens = torch.tensor([[1, 2, 3]] * 4)
-    reference = Decoded(tokens, torch.zeros(4, 3, 2), torch.zeros(4, 3, 2, dtype=torch.long), 1.0, False)
-    reference.top2[1, 1], reference.top2_ids[1, 1] = torch.tensor([4.0, 3.75]), torch.tensor([2, 5])   # 0.25
-    reference.top2[2, 1], reference.top2_ids[2, 1] = torch.tensor([4.0, 3.5]), torch.tensor([2, 7])    # 0.5
-    reference.top2[3, 1], reference.top2_ids[3, 1] = torch.tensor([4.0, 4.0]), torch.tensor([2, 6])    # tie
-    other = Decoded(torch.tensor([[1, 2, 3], [1, 5, 9], [1, 7, 3], [1, 8, 3]]), torch.zeros(4, 3, 2),
-                    torch.zeros(4, 3, 2, dtype=torch.long), 1.0, False)
+    bf16 tolerance; found among the kept top logits even when more than two tie; a token below them has no known
+    margin and counts as real."""
+    tokens = torch.tensor([[1, 2, 3]] * 5)
+    reference = Decoded(tokens, torch.zeros(5, 3, 3), torch.zeros(5, 3, 3, dtype=torch.long), 1.0, False)
+    kept = {1: ([4.0, 3.75, 3.5], [2, 5, 6]),   # the other run took the runner-up, 0.25 below: a near tie
+            2: ([4.0, 3.5, 3.0], [2, 7, 6]),    # 0.5 below: real
+            3: ([4.0, 4.0, 4.0], [2, 6, 9]),    # a three-way tie, the other run took the third: margin 0
+            4: ([4.0, 4.0, 3.0], [2, 6, 9])}    # the other run's token is not kept: real, margin unknown
+    for b, (values, ids) in kept.items():
+        reference.top[b, 1], reference.top_ids[b, 1] = torch.tensor(values), torch.tensor(ids)
+    other = Decoded(torch.tensor([[1, 2, 3], [1, 5, 9], [1, 7, 3], [1, 9, 3], [1, 8, 3]]), torch.zeros(5, 3, 3),
+                    torch.zeros(5, 3, 3, dtype=torch.long), 1.0, False)
     found = divergences(reference, other)
     assert [(d["sequence"], d["token"], d["emitted"], d["margin"], d["near_tie"]) for d in found] == [
-        (1, 1, 5, 0.25, True), (2, 1, 7, 0.5, False), (3, 1, 8, None, False)]
+        (1, 1, 5, 0.25, True), (2, 1, 7, 0.5, False), (3, 1, 9, 0.0, True), (4, 1, 8, None, False)]
     assert found[0]["gap_ulps"] == 8.0  # 4.0's bf16 ulp is 1/32
 
 

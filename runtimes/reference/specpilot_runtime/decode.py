@@ -2,7 +2,7 @@
 on CUDA is captured once in a CUDA graph and replayed (no per-token host work beyond the replay).
 
 The step reads the current tokens and positions from fixed buffers and writes the next ones back into them,
-so the same graph decodes token after token. It also keeps the two largest logits of each sequence and their
+so the same graph decodes token after token. It also keeps the TOP_K largest logits of each sequence and their
 ids, so a run can later tell a near tie from a real difference the way verify does (`divergences`).
 """
 from __future__ import annotations
@@ -17,13 +17,16 @@ CACHE_ROUNDING = 64  # cache length rounded up to this many positions (aligned k
 # verify's default near-tie tolerance for bfloat16 (specpilot_build/measure/verify.py, dtype_tolerance): a
 # log-prob margin, i.e. a logit gap; tests/test_qwen3_runtime.py pins the two equal
 NEAR_TIE_BF16 = 2.0 ** -2
+# logits kept per token: bf16 logits tie exactly often (several tokens can share the top value), so two are too few
+# to find the other run's token
+TOP_K = 8
 
 
 @dataclass
 class Decoded:
     tokens: torch.Tensor   # [B, N] the greedy tokens: the first from the prefill, the others from decode steps
-    top2: torch.Tensor     # [B, N, 2] float32: the largest and second-largest logit behind each token
-    top2_ids: torch.Tensor  # [B, N, 2] their token ids
+    top: torch.Tensor      # [B, N, TOP_K] float32: the largest logits behind each token, largest first
+    top_ids: torch.Tensor  # [B, N, TOP_K] their token ids
     seconds: float         # wall time of the N - 1 decode steps (prefill excluded), after warm-up
     graphed: bool
 
@@ -49,13 +52,14 @@ def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | N
     cache = model.new_cache(batch, length)
     logits = prefill(model, prompts.to(device), cache)
     tokens_out = torch.empty(new_tokens, batch, dtype=torch.long, device=device)
-    top2_out = torch.empty(new_tokens, batch, 2, dtype=torch.float32, device=device)
-    ids_out = torch.empty(new_tokens, batch, 2, dtype=torch.long, device=device)
+    k = min(TOP_K, logits.shape[-1])
+    top_out = torch.empty(new_tokens, batch, k, dtype=torch.float32, device=device)
+    ids_out = torch.empty(new_tokens, batch, k, dtype=torch.long, device=device)
     tokens_out[0] = logits.argmax(-1)
-    top = logits.topk(2, dim=-1)
-    top2_out[0], ids_out[0] = top.values.float(), top.indices
+    top = logits.topk(k, dim=-1)
+    top_out[0], ids_out[0] = top.values.float(), top.indices
 
-    step = DecodeStep(model, cache, tokens_out[0], torch.full((batch,), prompt_len, device=device), graph)
+    step = DecodeStep(model, cache, tokens_out[0], torch.full((batch,), prompt_len, device=device), graph, k)
     for _ in range(min(warmup_steps, new_tokens - 1)):
         step()
     step.reset(tokens_out[0], prompt_len)
@@ -64,10 +68,10 @@ def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | N
     for i in range(1, new_tokens):
         step()
         tokens_out[i] = step.next_tokens
-        top2_out[i], ids_out[i] = step.top2, step.top2_ids
+        top_out[i], ids_out[i] = step.top, step.top_ids
     _synchronize(device)
     seconds = time.perf_counter() - start
-    return Decoded(tokens_out.t().cpu(), top2_out.transpose(0, 1).cpu(), ids_out.transpose(0, 1).cpu(), seconds,
+    return Decoded(tokens_out.t().cpu(), top_out.transpose(0, 1).cpu(), ids_out.transpose(0, 1).cpu(), seconds,
                    graph)
 
 
@@ -75,21 +79,21 @@ def divergences(reference: Decoded, other: Decoded, tolerance: float = NEAR_TIE_
     """Each sequence whose tokens differ, at its first differing token, classified as verify classifies a token
     from the reference run's logits there (both runs had the same context up to it): margin = the reference's
     top-1 logit minus its logit for the other run's token; a near tie when the margin is within `tolerance`, else
-    a real difference. The logit of a token below the reference's top 2 is not kept: its margin is unknown (at
-    least top-1 minus top-2) and it counts as real."""
+    a real difference. The logit of a token below the reference's TOP_K is not kept: its margin is unknown (at
+    least top-1 minus the last kept) and it counts as real."""
     found = []
     for b in range(reference.tokens.shape[0]):
         differ = (reference.tokens[b] != other.tokens[b]).nonzero()
         if len(differ):
             at = int(differ[0])
-            top1, top2 = (float(v) for v in reference.top2[b, at])
+            top1, top2 = (float(v) for v in reference.top[b, at, :2])
             emitted = int(other.tokens[b, at])
-            ranks = [j for j, token in enumerate(reference.top2_ids[b, at].tolist()) if token == emitted]
-            margin = top1 - float(reference.top2[b, at, ranks[0]]) if ranks else None
+            ranks = [j for j, token in enumerate(reference.top_ids[b, at].tolist()) if token == emitted]
+            margin = top1 - float(reference.top[b, at, ranks[0]]) if ranks else None
             found.append(dict(sequence=b, token=at, emitted=emitted, top1=top1, top2=top2, margin=margin,
                               gap_ulps=(top1 - top2) / bf16_ulp(top1),
                               near_tie=margin is not None and margin <= tolerance,
-                              other_top2=[float(v) for v in other.top2[b, at]]))
+                              other_top2=[float(v) for v in other.top[b, at, :2]]))
     return found
 
 
@@ -108,13 +112,14 @@ class DecodeStep:
     """One greedy token for every sequence: the forward at `positions`, argmax, then the next token and
     position written back into `tokens` and `positions`. Captured in a CUDA graph when `graph`."""
 
-    def __init__(self, model, cache, tokens: torch.Tensor, positions: torch.Tensor, graph: bool):
+    def __init__(self, model, cache, tokens: torch.Tensor, positions: torch.Tensor, graph: bool, k: int = TOP_K):
         self.model, self.cache = model, cache
         self.tokens = tokens.clone()
         self.positions = positions.clone()
         self.next_tokens = torch.empty_like(self.tokens)
-        self.top2 = torch.empty(len(tokens), 2, dtype=torch.float32, device=tokens.device)
-        self.top2_ids = torch.empty(len(tokens), 2, dtype=torch.long, device=tokens.device)
+        self.k = k
+        self.top = torch.empty(len(tokens), self.k, dtype=torch.float32, device=tokens.device)
+        self.top_ids = torch.empty(len(tokens), self.k, dtype=torch.long, device=tokens.device)
         self.graph = self._capture() if graph else None
 
     def __call__(self) -> None:
@@ -130,9 +135,9 @@ class DecodeStep:
     def _step(self) -> None:
         logits = self.model(self.tokens[:, None], self.positions[:, None], self.cache)[:, 0]
         self.next_tokens.copy_(logits.argmax(-1))
-        top = logits.topk(2, dim=-1)
-        self.top2.copy_(top.values)
-        self.top2_ids.copy_(top.indices)
+        top = logits.topk(self.k, dim=-1)
+        self.top.copy_(top.values)
+        self.top_ids.copy_(top.indices)
         self.tokens.copy_(self.next_tokens)
         self.positions.add_(1)
 
