@@ -45,23 +45,6 @@ PY=${PYTHON:-python3}
 ROWS="$OUT/rows.tsv"
 : > "$ROWS"
 
-# /generate with the golden prompt ids: prints "<tokens matching the golden>/<golden tokens> <output ids as json>"
-generate_golden() {
-    "$PY" - "$1" "$GOLDEN" <<'PY'
-import json, sys, time, urllib.request
-port, golden = sys.argv[1], json.load(open(sys.argv[2]))
-prompt, want = golden["prompt_ids"], golden["sequence_ids"][len(golden["prompt_ids"]):]
-body = json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": len(want), "temperature": 0}}).encode()
-start = time.perf_counter()
-req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
-out = json.load(urllib.request.urlopen(req, timeout=300))
-seconds = time.perf_counter() - start
-got = out["output_ids"]
-same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-print(f"{same}/{len(want)} {len(got) / seconds:.1f} {json.dumps(got)}")
-PY
-}
-
 run_group() {
     local label=$1 mode=$2 ids=$3 arm id status golden tps ar_out=""
     IFS=, read -r -a arm_ids <<< "$ids"
@@ -75,7 +58,7 @@ run_group() {
         echo "== $run: serve $id" >&2
         SPECPILOT_IMPORT_AUDIT="$log" "${SPECPILOT[@]}" serve --engine "$id" --port "$PORT" > "$OUT/$run.serve.txt" 2>&1 \
             || { echo -e "$label\t$arm\t$id\tserve failed: $(tail -n 3 "$OUT/$run.serve.txt" | tr '\n\t' '  ')" >> "$ROWS"; continue; }
-        read -r golden tps output < <(generate_golden "$PORT") || { golden="generate failed"; tps="-"; output="[]"; }
+        read -r golden tps output < <("$PY" "$HERE/golden_generate.py" "$PORT" "$GOLDEN") || { golden="generate failed"; tps="-"; output="[]"; }
         echo "$output" > "$OUT/$run.generate.json"
         if [[ "$mode" == "same" ]]; then
             if [[ "$arm" == "ar" ]]; then ar_out=$output; golden="ar output"; 

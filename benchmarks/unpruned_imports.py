@@ -28,12 +28,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import httpx
-
+from golden_generate import golden_generate
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.checkpoints import model_dirs
 from specpilot_build.run.audit import AUDIT_ENV, audit_env, compare_imports, module_name, static_importers
-from specpilot_build.run.serve import HOST, _terminate, _wait_healthy, launch_command
+from specpilot_build.run.serve import _terminate, _wait_healthy, launch_command
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
 from specpilot_build.store.names import plain_relpath
 
@@ -74,16 +73,11 @@ def serve_unpruned(engine: Engine, args) -> tuple[Path, str]:
                                 stdin=subprocess.DEVNULL, cwd=tree, start_new_session=True)
     try:
         _wait_healthy(proc, args.port, engine.id, args.timeout, server_log)
-        golden = json.loads(args.golden.read_text())
-        prompt, want = golden["prompt_ids"], golden["sequence_ids"][len(golden["prompt_ids"]):]
-        reply = httpx.post(f"http://{HOST}:{args.port}/generate", timeout=300, json={
-            "input_ids": prompt, "sampling_params": {"max_new_tokens": len(want), "temperature": 0}}).json()
-        got = reply["output_ids"]
-        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        same, total, _, _ = golden_generate(args.port, args.golden)
     finally:
         _terminate(proc.pid)
         shutil.rmtree(tree.parent)
-    return log, f"{same}/{len(want)}"
+    return log, f"{same}/{total}"
 
 
 def main() -> int:

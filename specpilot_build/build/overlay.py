@@ -1,6 +1,7 @@
 """Overlays: overlays/<name>/ = overlay.toml (what it is for, the runtime and version range it applies to),
 files/ copied on top of the engine tree at the same relative path (or, with `files_from = "<overlay>"`, another
-overlay's files/: two cuts of one overlay ship one copy), and patches/*.patch unified diffs applied strictly: every context and removed line must match exactly at the line the hunk names (no fuzz, no offset).
+overlay's files/: two cuts of one overlay ship one copy), and patches/*.patch unified diffs applied strictly:
+every context and removed line must match exactly at the line the hunk names (no fuzz, no offset).
 
 Paths are confined to the tree: absolute paths, `..` and paths through links are refused before anything is
 written. The manifest records each overlay's digest and, per touched file, its digest before and after."""
@@ -15,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import OVERLAYS_DIR
 from specpilot_build.store.manifest import (
+    OVERLAY_DESCRIPTOR as DESCRIPTOR,
     digest_bytes,
     overlay_digest,
     overlay_files_dir,
@@ -23,8 +25,6 @@ from specpilot_build.store.manifest import (
     source_files,
 )
 from specpilot_build.store.names import plain_name, plain_relpath
-
-DESCRIPTOR = "overlay.toml"
 
 
 def overlay_inputs(names: list[str], cfg: dict) -> list[dict]:

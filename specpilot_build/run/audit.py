@@ -153,8 +153,9 @@ def module_name(path: str) -> str:
 def static_importers(root: Path, files: list[str], modules: set[str]) -> dict[str, list[str]]:
     """For each of `modules`, the `.py` files among `files` (paths under `root`) with an import statement naming it,
     at any depth (a lazy import inside a function counts): `import a.b`, `from a import b` and relative imports,
-    which name `a` and `a.b`, and a string that spells the whole name (`importlib.import_module("a.b")`). A module named by no kept file is reached only by enumeration (pkgutil, computed
-    names) or through other pruned modules."""
+    which name `a` and `a.b`, and a string that spells the whole name (`importlib.import_module("a.b")`). A
+    module named by no kept file is reached only by enumeration (pkgutil, computed names) or through other pruned
+    modules."""
     import ast
 
     found: dict[str, list[str]] = {module: [] for module in modules}
