@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.testing
 
-from .families import FAMILIES, SHAPES, draw, normal_with_escapes
+from .families import FAMILIES, SHAPES, draw, normal_with_escapes, parse_families
 from .format import W12Tensor, decode, encode
 from .gemm import FUSED_MAX_M, TUNED, Config, bucket_of, fused_gemm, linear, pick_config
 
@@ -585,10 +585,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, tiny shapes, 2 layers, wall-clock times: checks the plumbing, measures nothing")
     args = ap.parse_args(argv)
-    args.families = [f for f in args.family.split(",") if f]
-    unknown = [f for f in args.families if f not in FAMILIES]
-    if unknown:
-        ap.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    try:
+        args.families = parse_families(args.family)
+    except ValueError as err:
+        ap.error(str(err))
     for key, default in (("ms", MS), ("extra_ms", EXTRA_MS), ("stack_ms", STACK_MS),
                          ("cliff_ms", CLIFF_MS), ("eager_ms", EAGER_MS)):
         value = getattr(args, key)
@@ -648,6 +648,9 @@ def main(argv=None) -> dict | None:
             if args.pick and family == "normal":
                 best = pick(weights)
                 TUNED.update(best)
+                for w in weights.values():  # plans prepared by the correctness check hold the old configs
+                    for packed in w["w12"]:
+                        packed.plans.clear()
                 result["tuned"] = {",".join(map(str, k)): vars(v) for k, v in best.items()}
                 save()
             if args.table and late():
