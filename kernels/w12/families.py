@@ -32,6 +32,15 @@ import torch
 # The seed's 27B linears (hidden 5120, intermediate 17408): name -> (N, K) of y[M, N] = x[M, K] @ W[N, K].T
 SHAPES = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (34816, 5120), "down": (5120, 17408)}
 FAMILIES = ("normal", "student-t3", "student-t4", "student-t5", "outliers", "stories260k")
+
+
+def parse_families(spec: str) -> list[str]:
+    """A comma-separated list of family names; ValueError naming the unknown ones."""
+    families = [f for f in spec.split(",") if f]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    return families
 OUTLIER_COLUMNS = 8
 OUTLIER_SCALE = (10.0, 30.0)
 # stories260K's model.safetensors as pinned in lockfiles/checkpoints.toml (and ../shared/models/stories260K/SOURCES.md)

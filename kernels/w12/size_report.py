@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .families import FAMILIES, SHAPES, draw, normal_with_escapes, stories_matrices
+from .families import FAMILIES, SHAPES, draw, normal_with_escapes, parse_families, stories_matrices
 from .format import decode, encode
 
 ESCAPE_RATES = (1e-4, 1e-3)
@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help="stories260K model.safetensors (default: families.stories_path())")
     ap.add_argument("--all-tensors", action="store_true", help="list every stories260K tensor")
     args = ap.parse_args(argv)
-    families = [f for f in args.family.split(",") if f]
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown:
-        ap.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    try:
+        families = parse_families(args.family)
+    except ValueError as err:
+        ap.error(str(err))
     results = []
     for family in families:
         results += family_rows(family, args.rows)

@@ -165,12 +165,11 @@ def install_environment(lock: EnvLock, rules: list[dict], config: dict, target_d
                 if rel is None:
                     dropped.append({"path": info.filename, "size": info.file_size, "rule": "not installed (data)"})
                     continue
-                why = next((w for w, g in file_rules if fnmatch.fnmatchcase(rel, g)), None)
-                if why is not None:
-                    for w, g in file_rules:
-                        if fnmatch.fnmatchcase(rel, g):
-                            matched[g] += 1
-                    dropped.append({"path": rel, "size": info.file_size, "rule": why})
+                hits = [(w, g) for w, g in file_rules if fnmatch.fnmatchcase(rel, g)]
+                if hits:
+                    for _, g in hits:
+                        matched[g] += 1
+                    dropped.append({"path": rel, "size": info.file_size, "rule": hits[0][0]})
                     continue
                 data = zf.read(info)
                 out = target_dir / rel

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specpilot_build.errors import ConfigError, SpecPilotError
 from specpilot_build.locations import data_dir
-from specpilot_build.store.manifest import canonical_json, digest_bytes
+from specpilot_build.store.manifest import canonical_json, digest_bytes, digest_file
 
 STAND_IN_PREAMBLE = r"""
 import argparse, importlib, importlib.abc, importlib.machinery, json, sys, types
@@ -182,7 +182,7 @@ def flag_env(packages: list[str]) -> Path:
 
 
 def _listing(root: Path) -> dict:
-    return {p.relative_to(root).as_posix(): digest_bytes(p.read_bytes())
+    return {p.relative_to(root).as_posix(): digest_file(p)
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != ENV_RECORD}
 
 

@@ -435,8 +435,8 @@ def _env_install(args) -> int:
     lock = load_env_lock(inputs.runtime.name, inputs.environment["host"])
     record = install_environment(lock, native_rules(inputs.config), inputs.config, args.target)
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    print(f"{len(record['wheels'])} wheels ({mib(sum(w.size for w in lock.wheels if w.name in {x['name'] for x in record['wheels']}))}"
-          f" fetched), {len(record['dropped_distributions'])} distributions left out; {len(record['kept'])} files "
+    print(f"{len(record['wheels'])} wheels ({mib(inputs.environment['wheel_bytes'])} fetched), "
+          f"{len(record['dropped_distributions'])} distributions left out; {len(record['kept'])} files "
           f"kept ({mib(record['kept_bytes'])}), {len(record['dropped'])} dropped ({mib(record['dropped_bytes'])}) "
           f"into {args.target}")
     return 0
