@@ -12,7 +12,6 @@ A kept distribution built for another CUDA major than the host's (`…-cu12` on 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import os
 import re
 import zipfile
@@ -22,7 +21,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from specpilot_build.build.prune import rule_applies
-from specpilot_build.build.runtime_base import cached_wheel
+from specpilot_build.build.runtime_base import cached_wheel, wheel_sha256
 from specpilot_build.errors import ConfigError, PinError, SpecPilotError
 from specpilot_build.hub.environment import EnvLock, LockedWheel
 from specpilot_build.store.manifest import digest_bytes
@@ -112,17 +111,11 @@ def _download(wheel: LockedWheel, into: Path) -> Path:
 
 def _check(path: Path, wheel: LockedWheel, hint: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        sha256, size = wheel_sha256(path)
     except OSError:
         raise PinError(f"{path}: not a regular file; {hint}") from None
-    digest = hashlib.sha256()
-    size = 0
-    with os.fdopen(fd, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-            size += len(chunk)
-    if digest.hexdigest() != wheel.sha256 or size != wheel.size:
-        raise PinError(f"wheel {wheel.filename}: sha256 {digest.hexdigest()[:16]}… ({size} bytes) does not match "
+    if sha256 != wheel.sha256 or size != wheel.size:
+        raise PinError(f"wheel {wheel.filename}: sha256 {sha256[:16]}… ({size} bytes) does not match "
                        f"the lock's {wheel.sha256[:16]}… ({wheel.size} bytes); {hint}")
 
 

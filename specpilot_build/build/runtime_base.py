@@ -82,14 +82,22 @@ def _pip_download(pin: WheelPin, into: Path) -> Path:
     return got
 
 
-def _check_sha256(path: Path, pin: WheelPin, hint: str) -> None:
+def wheel_sha256(path: Path) -> tuple[str, int]:
+    """(sha256 hex, size) of a fetched or cached wheel, read without following a link (OSError if `path` is one)."""
     digest = hashlib.sha256()
+    size = 0
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as fh:
         while chunk := fh.read(1 << 20):
             digest.update(chunk)
-    if digest.hexdigest() != pin.sha256:
-        raise SpecPilotError(f"wheel {path.name}: sha256 {digest.hexdigest()[:16]}… does not match the pin "
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def _check_sha256(path: Path, pin: WheelPin, hint: str) -> None:
+    sha256, _ = wheel_sha256(path)
+    if sha256 != pin.sha256:
+        raise SpecPilotError(f"wheel {path.name}: sha256 {sha256[:16]}… does not match the pin "
                              f"{pin.sha256[:16]}… in lockfiles/runtimes.toml; {hint}")
 
 
