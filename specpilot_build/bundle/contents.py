@@ -118,18 +118,26 @@ def model_members(engine: Engine) -> list[Member]:
             raise SpecPilotError(f"engine {engine.id[:12]}: {record['repo']} ({role}) is pinned without its files "
                                  f"(no sizes/sha256 in checkpoints.toml), so the host could not verify them; "
                                  f"run `make lock SETTING={config['setting']}` and rebuild")
-        snapshot = snapshot_dir(cache, record["repo"], record["revision"])
-        for f in files:
-            name = "data/huggingface/hub/" + (snapshot / f["path"]).relative_to(cache).as_posix()
-            members.append(Member(name, (snapshot / f["path"]).resolve(), False, sha256=f["sha256"]))
+        members += _snapshot_members(cache, record["repo"], record["revision"],
+                                     [(f["path"], f["sha256"]) for f in files])
         source_format = section.get("source_format") or "hf"
         if source_format in LLAMA2C_FORMATS:
-            converted = dirs[role]
-            expected = _converted_pins(record, padded=source_format == "llama2c-padded")
-            for path in sorted(converted.iterdir()):
-                name = "data/" + path.relative_to(data).as_posix()
-                members.append(Member(name, path, False, sha256=expected.get(path.name)))
+            members += _directory_members(dirs[role], data,
+                                          _converted_pins(record, padded=source_format == "llama2c-padded"))
     return members
+
+
+def _snapshot_members(cache: Path, repo: str, revision: str, files: list[tuple[str, str]]) -> list[Member]:
+    """Pinned files (path, sha256) of a hub snapshot, at their place in the Hugging Face cache layout."""
+    snapshot = snapshot_dir(cache, repo, revision)
+    return [Member("data/huggingface/hub/" + (snapshot / path).relative_to(cache).as_posix(),
+                   (snapshot / path).resolve(), False, sha256=sha256) for path, sha256 in files]
+
+
+def _directory_members(directory: Path, data: Path, expected: dict[str, str]) -> list[Member]:
+    """Every file of a converted or generated directory under the data directory, with its pinned sha256."""
+    return [Member("data/" + path.relative_to(data).as_posix(), path, False, sha256=expected.get(path.name))
+            for path in sorted(directory.iterdir())]
 
 
 def _synthetic_members(record: dict, directory: Path, cache: Path, data: Path) -> list[Member]:
@@ -142,15 +150,9 @@ def _synthetic_members(record: dict, directory: Path, cache: Path, data: Path) -
                       sha256=f["sha256"]) for f in record["converted"]]
     repo = TOKENIZER_SOURCE["repo"]
     pin = load_lock().checkpoints[repo]
-    snapshot = snapshot_dir(cache, repo, pin.revision)
-    for f in pin.files:
-        if f.path in TOKENIZER_SOURCE["files"]:
-            name = "data/huggingface/hub/" + (snapshot / f.path).relative_to(cache).as_posix()
-            members.append(Member(name, (snapshot / f.path).resolve(), False, sha256=f.sha256))
-    converted = synthetic_tokenizer_dir()
-    expected = {f.path: f.sha256 for f in pin.converted}
-    for path in sorted(converted.iterdir()):
-        members.append(Member("data/" + path.relative_to(data).as_posix(), path, False, sha256=expected.get(path.name)))
+    members += _snapshot_members(cache, repo, pin.revision,
+                                 [(f.path, f.sha256) for f in pin.files if f.path in TOKENIZER_SOURCE["files"]])
+    members += _directory_members(synthetic_tokenizer_dir(), data, {f.path: f.sha256 for f in pin.converted})
     return members
 
 
