@@ -35,7 +35,7 @@ import triton.testing
 
 from .families import FAMILIES, SHAPES, draw, normal_with_escapes, parse_families
 from .format import W12Tensor, decode, encode
-from .gemm import FUSED_MAX_M, TUNED, Config, bucket_of, fused_gemm, linear, pick_config
+from .gemm import FUSED_MAX_M, TUNED, Config, bucket_of, config_for, fused_gemm, linear, tuned_key, tuned_name
 
 DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}   # --dry-run
 MS = (1, 2, 4, 8, 16, 32, 64)           # the normal family
@@ -208,7 +208,7 @@ def pick(weights: dict) -> dict:
                     continue
                 timed.append((math.prod(times), times, cfg))
                 print(f"pick {name:8s} M<={bucket:2d} " + " ".join(f"{t:7.1f}" for t in times) + f" us  {cfg}")
-            best[(n, k, bucket)] = min(timed, key=lambda r: r[0])[2]
+            best[(n, k, bucket, False)] = min(timed, key=lambda r: r[0])[2]
     return best
 
 
@@ -243,7 +243,7 @@ def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]
                 roofline_w12_us=(w12_bytes + act) / COPY_TBPS / 1e6,
                 roofline_bf16_us=(2 * n * k + act) / COPY_TBPS / 1e6,
                 max_abs_diff=diff.item(),
-                config=vars(pick_config(n, k, bucket_of(m))) if m <= FUSED_MAX_M else None)
+                config=vars(config_for(packs[0], bucket_of(m))) if m <= FUSED_MAX_M else None)
             rows.append(row)
             print(f"{family:12s} {name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us (repeat {t_ref2:.1f})  W12 {t_w12:7.1f} us "
                   f"[{row['path']}] ({row['w12_tbps']:.2f} TB/s)  x{row['speedup']:.3f}  "
@@ -550,10 +550,12 @@ def eager_table(rows: list[dict]) -> list[str]:
 
 
 def save_tuned(result: dict) -> None:
-    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "swap", "block_m", "esc_after")
+    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "swap", "block_m", "esc_after", "esc_step",
+            "xt")
     entries = {key: {f: cfg[f] for f in keep} for key, cfg in result["tuned"].items()}
     path = Path(__file__).with_name("tuned_h200.json")
-    comment = "Picked on an H200 by `python -m w12.bench --pick` (see BENCH.md); key: N,K,M bucket (8, 16, 32)"
+    comment = ("Picked on an H200 by `python -m w12.bench --pick` (see BENCH.md); key: N,K,M bucket (8, 16, 32), "
+               "with ,heavy: for weights with many escapes (gemm.heavy)")
     path.write_text(json.dumps({"_comment": comment, **entries}, indent=1) + "\n")
     print(f"wrote {path}")
 
@@ -619,7 +621,7 @@ def main(argv=None) -> dict | None:
     print(head, flush=True)
     if args.configs:
         for key, cfg in json.load(open(args.configs)).items():
-            TUNED[tuple(int(v) for v in key.split(","))] = Config(**cfg)
+            TUNED[tuned_key(key)] = Config(**cfg)
 
     result = {"device": head, "shapes": shapes, "families": {}}
     save = lambda: json.dump(result, open(args.out, "w"), indent=1, default=str)  # noqa: E731
@@ -651,7 +653,7 @@ def main(argv=None) -> dict | None:
                 for w in weights.values():  # plans prepared by the correctness check hold the old configs
                     for packed in w["w12"]:
                         packed.plans.clear()
-                result["tuned"] = {",".join(map(str, k)): vars(v) for k, v in best.items()}
+                result["tuned"] = {tuned_name(k): vars(v) for k, v in best.items()}
                 save()
             if args.table and late():
                 res["table_skipped"] = f"deadline {args.deadline_s:.0f} s passed"

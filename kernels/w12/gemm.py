@@ -42,17 +42,41 @@ class Config:
     split_k: int = 1          # programs per row block, each over a K range; the last one sums
     block_m: int = 0          # rows of x per dot: 0 = the M bucket, at least 16 (8 needs swap: MMA n = 8)
     esc_after: bool = False   # load this block's escape entries after the main loop (fewer live registers)
+    esc_step: int = 0         # > 0: add this many escape entries per main-loop step, spread over the loop (and
+                              # over the split-K ranges) instead of all after it
+    xt: bool = False          # gather the escapes' activations from a transposed copy of x (x.T [K, M bucket],
+                              # made per call): one contiguous run per escape instead of M scattered values
+    esc_block: int = 0        # escape entries per correction dot after the loop (0: from the weight's escape count)
+    esc_early: bool = False   # gather the first chunk's activations before the main loop too (not with esc_after)
 
 
-def _load_tuned() -> dict[tuple[int, int, int], Config]:
-    """Configs picked on the H200 (tuned_h200.json), keyed by (N, K, M bucket: 8, 16, 32 or 64)."""
+HEAVY_ESCAPES = 2e-4   # escapes per weight from which a weight takes the "heavy" configs (Student-t, outlier columns)
+
+
+def heavy(packed: W12Tensor) -> bool:
+    return packed.escapes >= HEAVY_ESCAPES * packed.rows * packed.cols
+
+
+def tuned_key(name: str) -> tuple[int, int, int, bool]:
+    """"N,K,bucket" (weights with few escapes) or "N,K,bucket,heavy" -> (N, K, bucket, heavy)."""
+    parts = name.split(",")
+    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "heavy"):
+        raise ValueError(f"a tuned config key is N,K,bucket or N,K,bucket,heavy, got {name!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2]), len(parts) == 4
+
+
+def tuned_name(key: tuple) -> str:
+    return ",".join(map(str, key[:3])) + (",heavy" if len(key) > 3 and key[3] else "")
+
+
+def _load_tuned() -> dict[tuple[int, int, int, bool], Config]:
+    """Configs picked on the H200 (tuned_h200.json), keyed by (N, K, M bucket: 8, 16, 32 or 64, heavy)."""
     path = Path(__file__).with_name("tuned_h200.json")
     entries = json.loads(path.read_text()) if path.exists() else {}
-    return {tuple(int(v) for v in key.split(",")): Config(**cfg)
-            for key, cfg in entries.items() if not key.startswith("_")}
+    return {tuned_key(key): Config(**cfg) for key, cfg in entries.items() if not key.startswith("_")}
 
 
-TUNED: dict[tuple[int, int, int], Config] = _load_tuned()
+TUNED: dict[tuple[int, int, int, bool], Config] = _load_tuned()
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,8 +99,18 @@ def bucket_of(m: int) -> int:
     raise ValueError(f"the fused W12 kernel takes at most {FUSED_MAX_M} rows, got {m}")
 
 
-def pick_config(n: int, k: int, bucket: int) -> Config:
-    return TUNED.get((n, k, bucket)) or (TUNED.get((n, k, 16)) if bucket == 8 else None) or default_config(n, k, bucket)
+def pick_config(n: int, k: int, bucket: int, many_escapes: bool = False) -> Config:
+    """The tuned config for the shape and bucket (the heavy one for a weight with many escapes, where tuned),
+    else bucket 16's for bucket 8, else default_config."""
+    for b in (bucket, 16) if bucket == 8 else (bucket,):
+        cfg = (many_escapes and TUNED.get((n, k, b, True))) or TUNED.get((n, k, b, False))
+        if cfg:
+            return cfg
+    return default_config(n, k, bucket)
+
+
+def config_for(packed: W12Tensor, bucket: int) -> Config:
+    return pick_config(packed.rows, packed.cols, bucket, heavy(packed))
 
 
 def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
@@ -131,12 +165,23 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"W12 GEMM takes bf16 activations, got {x.dtype}")
     x = x.contiguous()
-    config = config or pick_config(packed.rows, k, bucket_of(m))
+    config = config or config_for(packed, bucket_of(m))
     y = torch.empty((m, packed.rows), dtype=torch.bfloat16, device=x.device)
     grid, args, meta = _launch_args(packed, bucket_of(m), config)
     args.update(x_ptr=x, y_ptr=y, M=m, stride_xm=x.stride(0), stride_ym=y.stride(0))
+    if config.xt:
+        args["g_ptr"] = transposed(x, bucket_of(m))
+    else:
+        args.update(g_ptr=x, stride_gm=x.stride(0))
     _w12_gemm_kernel[grid](**args, **meta)
     return y
+
+
+def transposed(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """x.T as [K, bucket] (columns M .. bucket - 1 left unset: the kernel masks them)."""
+    xt = torch.empty((x.shape[1], bucket), dtype=x.dtype, device=x.device)
+    xt[:, : x.shape[0]].copy_(x.t())
+    return xt
 
 
 def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, dict, dict]:
@@ -145,16 +190,19 @@ def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, di
     block_m = cfg.block_m if cfg.block_m >= bucket else max(16, bucket)
     half = packed.cols_padded // 2
     per_block = packed.escapes * cfg.block_n / max(1, n)
-    esc_block = min(128, max(16, triton.next_power_of_2(int(1.5 * per_block) + 1)))
+    esc_block = cfg.esc_block or min(128, max(16, triton.next_power_of_2(int(1.5 * per_block) + 1)))
     row_blocks = triton.cdiv(n, cfg.block_n)
     partials, counters = _split_workspace(packed.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0,
                                           row_blocks)
     args = dict(x_ptr=None, low_ptr=packed.low, nib_ptr=packed.codes, base_ptr=packed.base,
                 esc_ptr_ptr=packed.esc_ptr, esc_col_ptr=packed.esc_col, esc_bits_ptr=packed.esc_bits, y_ptr=None,
-                part_ptr=partials, count_ptr=counters, M=0, N=n, K=k, HALF=half, stride_xm=k, stride_ym=n)
+                part_ptr=partials, count_ptr=counters, g_ptr=None, M=0, N=n, K=k, HALF=half, stride_xm=k, stride_ym=n,
+                stride_gm=1 if cfg.xt else k, stride_gk=bucket if cfg.xt else 1)
     meta = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
                 SPLIT=cfg.split_k > 1, SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
-                ESC_AFTER=cfg.esc_after, MAX_M=FUSED_MAX_M, PTX=not _interpreting(), DOT_F32=_interpreting(),
+                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, ESC_EARLY=cfg.esc_early, MAX_M=FUSED_MAX_M,
+                PTX=not _interpreting(),
+                DOT_F32=_interpreting(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (row_blocks, cfg.split_k), args, meta
 
@@ -166,11 +214,12 @@ class Plan:
 
     def __init__(self, packed: W12Tensor, bucket: int, config: Config | None = None):
         n, k = packed.rows, packed.cols
-        cfg = config or pick_config(n, k, bucket)
+        cfg = config or config_for(packed, bucket)
         grid, args, meta = _launch_args(packed, bucket, cfg)
         probe_x = torch.empty((bucket, k), dtype=torch.bfloat16, device=packed.device)
         probe_y = torch.empty((bucket, n), dtype=torch.bfloat16, device=packed.device)
-        args.update(x_ptr=probe_x, y_ptr=probe_y, M=bucket)
+        args.update(x_ptr=probe_x, y_ptr=probe_y, M=bucket,
+                    g_ptr=torch.empty((k, bucket), dtype=torch.bfloat16, device=packed.device) if cfg.xt else probe_x)
         kernel = _w12_gemm_kernel.warmup(**args, **meta, grid=grid)
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
         self.config, self.bucket, self.rows, self.device = cfg, bucket, n, packed.device
@@ -184,6 +233,7 @@ class Plan:
                   for name, t in args.items()] + [meta[name] for name in _CONSTEXPRS]
         names = list(args) + list(_CONSTEXPRS)
         self._x, self._y, self._m = names.index("x_ptr"), names.index("y_ptr"), names.index("M")
+        self._g, self._xt = names.index("g_ptr"), cfg.xt
         self._args = values
         self._stream_of = torch._C._cuda_getCurrentRawStream
         self._index = packed.device.index if packed.device.index is not None else torch.cuda.current_device()
@@ -197,6 +247,7 @@ class Plan:
         y = torch.empty((m, self.rows), dtype=torch.bfloat16, device=self.device)
         args = self._args
         args[self._x], args[self._y], args[self._m] = x.data_ptr(), y.data_ptr(), m
+        args[self._g] = transposed(x, self.bucket).data_ptr() if self._xt else args[self._x]
         self._launch(self._grid[0], self._grid[1], 1, self._stream_of(self._index), *self._head, *args)
         return y
 
@@ -208,8 +259,8 @@ def _launch_hooked() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "ESC_BLOCK", "SPLIT", "SWAP", "EVEN_K", "ESC_AFTER", "MAX_M",
-               "PTX", "DOT_F32")
+_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "ESC_BLOCK", "SPLIT", "SWAP", "EVEN_K", "ESC_AFTER", "ESC_STEP",
+               "ESC_EARLY", "MAX_M", "PTX", "DOT_F32")
 
 
 _WORKSPACES: dict = {}
@@ -307,15 +358,20 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _add_escapes(acc, x_ptr, xrows, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
-                 neg_planes, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+def _gather(g_ptr, xrows, xmask, stride_gm, stride_gk, col, emask):
+    """x[:, col_e] as [BM, E], read from x (stride_gk 1) or from x.T (stride_gm 1)."""
+    return tl.load(g_ptr + xrows[:, None] * stride_gm + col[None, :] * stride_gk,
+                   mask=xmask[:, None] & emask[None, :], other=0.0)
+
+
+@triton.jit
+def _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP: tl.constexpr,
+                 DOT_F32: tl.constexpr):
     """acc += x[:, col_e] * (w_e - w_planes) in column row_e, as two bf16 dots of [BM, E] x [E, BN]."""
     mine = (offs_e[:, None] >= row_lo[None, :]) & (offs_e[:, None] < row_hi[None, :]) & emask[:, None]
     w_e = wbits.to(tl.bfloat16, bitcast=True)
     true_w = tl.where(mine, w_e[:, None], 0.0).to(tl.bfloat16)                  # [E, BN]
     undo = tl.where(mine, neg_planes[None, :], 0.0).to(tl.bfloat16)            # [E, BN]
-    xg = tl.load(x_ptr + xrows[:, None] * stride_xm + col[None, :],
-                 mask=xmask[:, None] & emask[None, :], other=0.0)              # [BM, E]
     if SWAP:
         acc = _dot(tl.trans(true_w), tl.trans(xg), acc, DOT_F32)
         acc = _dot(tl.trans(undo), tl.trans(xg), acc, DOT_F32)
@@ -325,13 +381,26 @@ def _add_escapes(acc, x_ptr, xrows, xmask, stride_xm, col, wbits, emask, offs_e,
     return acc
 
 
+@triton.jit
+def _escape_chunk(acc, e0, esc_end, g_ptr, xrows, xmask, stride_gm, stride_gk, esc_col_ptr, esc_bits_ptr, row_lo,
+                  row_hi, neg_planes, CHUNK: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """_add_escapes for the entries e0 .. e0 + CHUNK - 1 (those below esc_end)."""
+    offs_e = e0 + tl.arange(0, CHUNK)
+    emask = offs_e < esc_end
+    col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
+    wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
+    xg = _gather(g_ptr, xrows, xmask, stride_gm, stride_gk, col, emask)
+    return _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP, DOT_F32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w12_gemm_kernel(
-    x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, HALF, stride_xm, stride_ym,
+    x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr, g_ptr,
+    M, N, K, HALF, stride_xm, stride_ym, stride_gm, stride_gk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-    ESC_AFTER: tl.constexpr, MAX_M: tl.constexpr, PTX: tl.constexpr,
+    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, ESC_EARLY: tl.constexpr, MAX_M: tl.constexpr,
+    PTX: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -350,14 +419,17 @@ def _w12_gemm_kernel(
     first_row = pid * BLOCK_N
     esc_start = tl.load(esc_ptr_ptr + first_row)
     esc_end = tl.load(esc_ptr_ptr + tl.minimum(first_row + BLOCK_N, N))
-    esc_end = tl.where(pid_k == 0, esc_end, esc_start)      # split K: the first range adds them
+    if ESC_STEP == 0:
+        esc_end = tl.where(pid_k == 0, esc_end, esc_start)  # split K: the first range adds them
     row_lo = tl.load(esc_ptr_ptr + rows)
     row_hi = tl.where(offs_n < N, tl.load(esc_ptr_ptr + rows + 1), row_lo)
     offs_e = esc_start + tl.arange(0, ESC_BLOCK)
     emask = offs_e < esc_end
-    if not ESC_AFTER:
+    if not ESC_AFTER and ESC_STEP == 0:
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
+        if ESC_EARLY:       # their activations too: only the dots are left for after the loop
+            xg = _gather(g_ptr, offs_m, xmask, stride_gm, stride_gk, col, emask)
 
     low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
     nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
@@ -394,19 +466,28 @@ def _w12_gemm_kernel(
         else:
             acc = _dot(x_lo, tl.trans(w_lo), acc, DOT_F32)
             acc = _dot(x_hi, tl.trans(w_hi), acc, DOT_F32)
+        if ESC_STEP > 0:
+            # chunk c of the block's escapes belongs to range c % splits; this range adds one per step
+            e0 = esc_start + (((k0 - k_first) // BLOCK_K) * splits + pid_k) * ESC_STEP
+            if e0 < esc_end:
+                acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
+                                    esc_bits_ptr, row_lo, row_hi, neg_planes, ESC_STEP, SWAP, DOT_F32)
 
-    if ESC_AFTER:
-        col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
-        wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
-    acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo, row_hi,
-                       neg_planes, SWAP, DOT_F32)
-    for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):   # rarely taken: many escapes
-        offs_e = e0 + tl.arange(0, ESC_BLOCK)
-        emask = offs_e < esc_end
-        col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
-        wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
-        acc = _add_escapes(acc, x_ptr, offs_m, xmask, stride_xm, col, wbits, emask, offs_e, row_lo,
-                           row_hi, neg_planes, SWAP, DOT_F32)
+    if ESC_STEP > 0:        # the chunks left over when the block has more escapes than steps
+        done = tl.maximum(0, tl.cdiv(k_last - k_first, BLOCK_K)) * splits
+        for e0 in range(esc_start + (done + pid_k) * ESC_STEP, esc_end, splits * ESC_STEP):
+            acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
+                                esc_bits_ptr, row_lo, row_hi, neg_planes, ESC_STEP, SWAP, DOT_F32)
+    else:
+        if ESC_AFTER:
+            col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
+            wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
+        if ESC_AFTER or not ESC_EARLY:
+            xg = _gather(g_ptr, offs_m, xmask, stride_gm, stride_gk, col, emask)
+        acc = _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP, DOT_F32)
+        for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):   # rarely taken: many escapes
+            acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
+                                esc_bits_ptr, row_lo, row_hi, neg_planes, ESC_BLOCK, SWAP, DOT_F32)
 
     if SWAP:
         acc = tl.trans(acc)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import w12
-from w12.gemm import Config, decode_on_device, default_config, fused_gemm
+from w12.gemm import Config, decode_on_device, default_config, fused_gemm, prepare
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,11 +41,27 @@ GEMM_CONFIGS = [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(
                 Config(32, 128, 2, 3, swap=True, block_m=8, split_k=3), Config(32, 256, 2, 2, swap=True, block_m=8),
                 Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2), Config(16, 128, 1, 3, swap=True, block_m=8),
                 # M = 32 picks: escape entries loaded after the main loop
-                Config(64, 128, 4, 3, esc_after=True), Config(64, 128, 4, 2, split_k=2, esc_after=True)]
+                Config(64, 128, 4, 3, esc_after=True), Config(64, 128, 4, 2, split_k=2, esc_after=True),
+                # escape entries added a chunk per main-loop step, spread over the split-K ranges
+                Config(32, 128, 2, 3, swap=True, block_m=8, split_k=3, esc_step=16),
+                Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2, esc_step=32),
+                Config(64, 128, 4, 3, esc_step=16),
+                # escapes' activations gathered from a transposed copy of x
+                Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2, xt=True),
+                Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2, esc_step=16, xt=True),
+                Config(64, 128, 4, 3, esc_step=16, xt=True), Config(64, 128, 4, 3, esc_after=True, xt=True),
+                # the first chunk's activations gathered before the main loop; chunks of a chosen size
+                Config(32, 128, 2, 3, swap=True, block_m=8, esc_early=True, esc_block=32),
+                Config(32, 128, 2, 3, swap=True, block_m=16, split_k=3, esc_early=True, xt=True)]
+
+
+# the largest M each config serves: its block_m, else 64; Config(64, 256, 8, 3) needs more shared memory than an
+# H200 has at M > 32
+MAX_M = {Config(64, 256, 8, 3): 32}
 
 
 @pytest.mark.parametrize("cfg, m", [(cfg, m) for cfg in GEMM_CONFIGS for m in (1, 3, 8, 16, 32, 48, 64)
-                                    if not cfg.block_m or m <= cfg.block_m], ids=str)  # block_m 8 serves M <= 8
+                                    if m <= (cfg.block_m or MAX_M.get(cfg, 64))], ids=str)
 def test_fused_gemm_matches_exact_weights(cfg, m):
     n, k = 1000, 4096 + 64
     w = llm_like(n, k, m)
@@ -79,6 +95,22 @@ def test_prepared_launch_equals_the_bound_launch_for_every_m():
         assert torch.equal(w12.linear(x, packed2), fused_gemm(x.contiguous(), packed2)), m
         assert_close_to_exact(x, w, y)
     assert sorted(packed.plans) == [8, 16, 32, 64]
+
+
+@pytest.mark.parametrize("cfg, bucket", [
+    (Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2, esc_step=16, xt=True), 16),
+    (Config(64, 128, 4, 3, esc_step=16, xt=True), 32), (Config(64, 128, 4, 3, esc_after=True, xt=True), 64)], ids=str)
+def test_prepared_launch_with_escapes_gathered_from_transposed_x(cfg, bucket):
+    """A Plan whose config gathers the escapes' activations from x.T (made per call, bucket columns wide) gives
+    the bound launch's exact bits at every M of its bucket."""
+    w = llm_like(1000, 4160, 13)
+    packed = w12.encode(w)
+    prepare(packed, bucket, cfg)
+    for m in range(bucket // 2 + 1, bucket + 1):
+        x = torch.randn(m + 1, 4160, device="cuda").to(torch.bfloat16)[1:]
+        y = w12.linear(x, packed)
+        assert torch.equal(y, fused_gemm(x.contiguous(), packed, cfg)), m
+        assert_close_to_exact(x, w, y)
 
 
 @pytest.mark.parametrize("cfg", [Config(32, 128, 4, 3, split_k=3), Config(32, 128, 2, 3, swap=True, block_m=8,
