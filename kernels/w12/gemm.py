@@ -46,8 +46,6 @@ class Config:
                               # over the split-K ranges) instead of all after it
     xt: bool = False          # gather the escapes' activations from a transposed copy of x (x.T [K, M bucket],
                               # made per call): one contiguous run per escape instead of M scattered values
-    esc_block: int = 0        # escape entries per correction dot after the loop (0: from the weight's escape count)
-    esc_early: bool = False   # gather the first chunk's activations before the main loop too (not with esc_after)
 
 
 HEAVY_ESCAPES = 2e-4   # escapes per weight from which a weight takes the "heavy" configs (Student-t, outlier columns)
@@ -190,7 +188,7 @@ def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, di
     block_m = cfg.block_m if cfg.block_m >= bucket else max(16, bucket)
     half = packed.cols_padded // 2
     per_block = packed.escapes * cfg.block_n / max(1, n)
-    esc_block = cfg.esc_block or min(128, max(16, triton.next_power_of_2(int(1.5 * per_block) + 1)))
+    esc_block = min(128, max(16, triton.next_power_of_2(int(1.5 * per_block) + 1)))
     row_blocks = triton.cdiv(n, cfg.block_n)
     partials, counters = _split_workspace(packed.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0,
                                           row_blocks)
@@ -200,8 +198,7 @@ def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, di
                 stride_gm=1 if cfg.xt else k, stride_gk=bucket if cfg.xt else 1)
     meta = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
                 SPLIT=cfg.split_k > 1, SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
-                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, ESC_EARLY=cfg.esc_early, MAX_M=FUSED_MAX_M,
-                PTX=not _interpreting(),
+                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, MAX_M=FUSED_MAX_M, PTX=not _interpreting(),
                 DOT_F32=_interpreting(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (row_blocks, cfg.split_k), args, meta
@@ -260,7 +257,7 @@ def _launch_hooked() -> bool:
 
 
 _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "ESC_BLOCK", "SPLIT", "SWAP", "EVEN_K", "ESC_AFTER", "ESC_STEP",
-               "ESC_EARLY", "MAX_M", "PTX", "DOT_F32")
+               "MAX_M", "PTX", "DOT_F32")
 
 
 _WORKSPACES: dict = {}
@@ -399,8 +396,7 @@ def _w12_gemm_kernel(
     M, N, K, HALF, stride_xm, stride_ym, stride_gm, stride_gk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, ESC_EARLY: tl.constexpr, MAX_M: tl.constexpr,
-    PTX: tl.constexpr,
+    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, MAX_M: tl.constexpr, PTX: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -428,8 +424,6 @@ def _w12_gemm_kernel(
     if not ESC_AFTER and ESC_STEP == 0:
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
-        if ESC_EARLY:       # their activations too: only the dots are left for after the loop
-            xg = _gather(g_ptr, offs_m, xmask, stride_gm, stride_gk, col, emask)
 
     low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
     nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
@@ -482,8 +476,7 @@ def _w12_gemm_kernel(
         if ESC_AFTER:
             col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
             wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
-        if ESC_AFTER or not ESC_EARLY:
-            xg = _gather(g_ptr, offs_m, xmask, stride_gm, stride_gk, col, emask)
+        xg = _gather(g_ptr, offs_m, xmask, stride_gm, stride_gk, col, emask)
         acc = _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP, DOT_F32)
         for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):   # rarely taken: many escapes
             acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,

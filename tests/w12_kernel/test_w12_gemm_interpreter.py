@@ -35,7 +35,7 @@ def weights(n, k, seed):
 # odd K (a padding column), M = 1..32, split K with uneven ranges, both dot orientations, x.T as an n8 / n16
 # operand, escape entries loaded before or after the main loop, or added a chunk per step over the loop and the
 # split-K ranges (with more chunks than steps: the rest after the loop), their activations gathered from x or
-# x.T, early or late, in chunks of a chosen size.
+# x.T.
 SHAPES = [
     (1, 48, 100, 16, 32, False, 1, 0, False, dict()),
     (2, 32, 256, 32, 32, True, 3, 0, True, dict()),
@@ -55,9 +55,6 @@ SHAPES = [
     (17, 24, 96, 16, 16, True, 2, 0, False, dict(esc_step=16, xt=True)),
     (32, 16, 66, 16, 32, False, 1, 0, True, dict(xt=True)),
     (5, 33, 1031, 32, 128, True, 1, 8, False, dict(esc_step=32, xt=True)),
-    (5, 33, 1031, 32, 128, True, 1, 8, False, dict(esc_early=True, esc_block=16)),   # first chunk gathered early
-    (17, 24, 96, 16, 16, True, 2, 0, False, dict(esc_early=True, xt=True)),
-    (32, 16, 66, 16, 32, False, 1, 0, False, dict(esc_early=True, esc_block=32)),
 ]
 
 

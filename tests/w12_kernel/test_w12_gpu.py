@@ -49,10 +49,7 @@ GEMM_CONFIGS = [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(
                 # escapes' activations gathered from a transposed copy of x
                 Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2, xt=True),
                 Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2, esc_step=16, xt=True),
-                Config(64, 128, 4, 3, esc_step=16, xt=True), Config(64, 128, 4, 3, esc_after=True, xt=True),
-                # the first chunk's activations gathered before the main loop; chunks of a chosen size
-                Config(32, 128, 2, 3, swap=True, block_m=8, esc_early=True, esc_block=32),
-                Config(32, 128, 2, 3, swap=True, block_m=16, split_k=3, esc_early=True, xt=True)]
+                Config(64, 128, 4, 3, esc_step=16, xt=True), Config(64, 128, 4, 3, esc_after=True, xt=True)]
 
 
 # the largest M each config serves: its block_m, else 64; Config(64, 256, 8, 3) needs more shared memory than an
