@@ -1,0 +1,60 @@
+"""Which fused-kernel config a W12 weight gets (kernels/w12/gemm.py, tuned_h200.json), on CPU: the tuned entries
+parse, a weight's escape count chooses between the light and the heavy entry, and the bucket fallbacks hold."""
+import json
+from pathlib import Path
+
+import pytest
+import w12
+from w12 import gemm
+from w12.families import SHAPES, draw, normal_with_escapes
+
+TUNED_FILE = Path(gemm.__file__).with_name("tuned_h200.json")
+
+
+def test_tuned_keys_parse_and_name_round_trip():
+    assert gemm.tuned_key("10240,5120,8") == (10240, 5120, 8, False)
+    assert gemm.tuned_key("10240,5120,32,heavy") == (10240, 5120, 32, True)
+    for key in ((10240, 5120, 8, False), (5120, 8192, 64, True)):
+        assert gemm.tuned_key(gemm.tuned_name(key)) == key
+    for bad in ("10240,5120", "10240,5120,8,light", "10240,5120,8,heavy,1", "a,b,c"):
+        with pytest.raises(ValueError):
+            gemm.tuned_key(bad)
+
+
+def test_every_tuned_entry_loads_and_every_heavy_one_has_a_light_one():
+    entries = {k: v for k, v in json.loads(TUNED_FILE.read_text()).items() if not k.startswith("_")}
+    keys = {gemm.tuned_key(k) for k in entries}
+    assert keys == set(gemm.TUNED)
+    assert all((n, k, b, False) in keys for n, k, b, heavy in keys if heavy)
+    # the four benchmark shapes are tuned for every bucket, so no weight of theirs runs an untuned default
+    assert {(n, k, b) for n, k, b, _ in keys} >= {(n, k, b) for n, k in SHAPES.values() for b in gemm.BUCKETS}
+
+
+def test_a_weight_with_many_escapes_takes_the_heavy_entry():
+    light = w12.encode(normal_with_escapes(64, 1024, 1e-5, seed=1))
+    heavy = w12.encode(normal_with_escapes(64, 1024, 2e-3, seed=1))
+    assert light.escapes < gemm.HEAVY_ESCAPES * 64 * 1024 <= heavy.escapes
+    assert not gemm.heavy(light) and gemm.heavy(heavy)
+    n, k = SHAPES["qkv"]
+    light_cfg, heavy_cfg = gemm.pick_config(n, k, 32, False), gemm.pick_config(n, k, 32, True)
+    assert light_cfg == gemm.TUNED[(n, k, 32, False)] and heavy_cfg == gemm.TUNED[(n, k, 32, True)]
+    assert heavy_cfg != light_cfg and heavy_cfg.xt
+
+
+def test_bucket_fallbacks():
+    n, k = SHAPES["qkv"]
+    # no heavy entry for this bucket: the light one
+    assert (n, k, 8, True) not in gemm.TUNED
+    assert gemm.pick_config(n, k, 8, True) == gemm.TUNED[(n, k, 8, False)]
+    # an untuned shape: default_config, whatever the escapes
+    assert gemm.pick_config(384, 2000, 16, True) == gemm.default_config(384, 2000, 16)
+
+
+def test_families_fall_on_the_side_of_the_threshold_the_picks_assume():
+    """The picks were measured on normal (light) and on Student-t and outlier columns (heavy)."""
+    def escape_rate(family):
+        packed = w12.encode(draw(family, 256, 5120, seed=0))
+        return packed.escapes / (packed.rows * packed.cols)
+    assert escape_rate("normal") < gemm.HEAVY_ESCAPES
+    for family in ("student-t3", "student-t4", "student-t5", "outliers"):
+        assert escape_rate(family) >= gemm.HEAVY_ESCAPES, family
