@@ -8,6 +8,10 @@ tl.dot, as the B operand (x as A, m16) or, with `swap`, as the A operand with x.
 w_planes = 2^(2*base-127) there; the program then adds x[:, col] * (w - w_planes) for its rows'
 escapes as two more small bf16 dots (exact products), so in exact arithmetic the sum is the GEMM
 with the original weights; accumulation is fp32. Larger M decodes W to bf16 once and calls cuBLAS.
+Where the escapes are added is part of the config: after the main loop in the first K range, or a chunk
+per main-loop step over every K range (`esc_step`); their activations come from x or from a transposed copy
+made per call (`xt`: one contiguous run per escape). The tuned configs differ by the weight's escape count
+(`heavy`), as the fastest choice does (BENCH.md).
 
 Per call, Python work is what varies: a `Plan` (one per weight and M bucket, made on the first call or by
 `prepare`) holds the compiled kernel, its grid and every launch argument that depends only on the weight,
