@@ -248,7 +248,8 @@ class Plan:
         y = torch.empty((m, self.rows), dtype=torch.bfloat16, device=self.device)
         args = self._args
         args[self._x], args[self._y], args[self._m] = x.data_ptr(), y.data_ptr(), m
-        args[self._g] = transposed(x, self.bucket).data_ptr() if self._xt else args[self._x]
+        xt = transposed(x, self.bucket) if self._xt else None    # held until the launch is enqueued
+        args[self._g] = args[self._x] if xt is None else xt.data_ptr()
         self._launch(self._grid[0], self._grid[1], 1, self._stream_of(self._index), *self._head, *args)
         return y
 
