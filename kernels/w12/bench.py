@@ -22,6 +22,7 @@ reference path: decode, then F.linear): it checks the script, it measures nothin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -35,7 +36,8 @@ import triton.testing
 
 from .families import FAMILIES, SHAPES, draw, normal_with_escapes, parse_families
 from .format import W12Tensor, decode, encode
-from .gemm import FUSED_MAX_M, TUNED, Config, bucket_of, config_for, fused_gemm, linear, tuned_key, tuned_name
+from .gemm import (FUSED_MAX_M, TUNED, Config, bucket_of, config_for, fused_gemm, linear, pick_config, tuned_key,
+                   tuned_name)
 
 DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}   # --dry-run
 MS = (1, 2, 4, 8, 16, 32, 64)           # the normal family
@@ -170,7 +172,14 @@ def _swap(bucket, *tiles):
     return [Config(bn, bk, w, s, swap=True, block_m=bucket, split_k=sp) for bn, bk, w, s, sp in tiles]
 
 
-def finalists(n: int, bucket: int) -> list[Config]:
+def finalists(n: int, k: int, bucket: int) -> list[Config]:
+    """The tiles to time, each with the escape handling the shape's tuned light entry has now (esc_step, xt:
+    chosen per escape class by the escape arms of 2026-12-01, BENCH.md), so a re-pick keeps it."""
+    now = pick_config(n, k, bucket)
+    return [dataclasses.replace(cfg, esc_step=now.esc_step, xt=now.xt) for cfg in _tiles(n, bucket)]
+
+
+def _tiles(n: int, bucket: int) -> list[Config]:
     narrow = n <= 5120
     if bucket == 8:
         return _swap(8, *([(32, 128, 2, 3, 3), (32, 128, 2, 4, 3), (16, 128, 1, 3, 1), (16, 128, 1, 3, 2)] if narrow
@@ -198,7 +207,7 @@ def pick(weights: dict) -> dict:
         for bucket, ms in PICK_BUCKETS:
             xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for m in ms]
             timed = []
-            for cfg in finalists(n, bucket):
+            for cfg in finalists(n, k, bucket):
                 try:
                     check_correctness(name, weights[name]["bf16"][0], packs[0], cfg,
                                       ms=tuple(sorted({1, bucket // 2 + 1, bucket})))
@@ -549,15 +558,19 @@ def eager_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def save_tuned(result: dict) -> None:
-    keep = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "swap", "block_m", "esc_after", "esc_step",
-            "xt")
-    entries = {key: {f: cfg[f] for f in keep} for key, cfg in result["tuned"].items()}
-    path = Path(__file__).with_name("tuned_h200.json")
-    comment = ("Picked on an H200 by `python -m w12.bench --pick` (see BENCH.md); key: N,K,M bucket (8, 16, 32), "
-               "with ,heavy: for weights with many escapes (gemm.heavy)")
+def save_tuned(result: dict, path: Path = Path(__file__).with_name("tuned_h200.json")) -> None:
+    """Write the configs --pick chose into tuned_h200.json, replacing those keys only: the entries --pick does not
+    time (bucket 64, the heavy ones) stay."""
+    keep = [f.name for f in dataclasses.fields(Config)]
+    old = json.loads(path.read_text()) if path.exists() else {}
+    entries = {key: cfg for key, cfg in old.items() if not key.startswith("_")}
+    picked = {key: {f: cfg[f] for f in keep if f in cfg} for key, cfg in result["tuned"].items()}
+    for key in picked:
+        tuned_key(key)          # a malformed key is an error here, not at the next import
+    entries.update(picked)
+    comment = old.get("_comment", "Picked on an H200 (see BENCH.md); key: N,K,M bucket, or N,K,bucket,heavy")
     path.write_text(json.dumps({"_comment": comment, **entries}, indent=1) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {path}: {len(picked)} entries picked, {len(entries) - len(picked)} kept")
 
 
 # --- main ---------------------------------------------------------------------------------------------------

@@ -58,3 +58,30 @@ def test_families_fall_on_the_side_of_the_threshold_the_picks_assume():
     assert escape_rate("normal") < gemm.HEAVY_ESCAPES
     for family in ("student-t3", "student-t4", "student-t5", "outliers"):
         assert escape_rate(family) >= gemm.HEAVY_ESCAPES, family
+
+
+def test_pick_times_tiles_with_the_escape_handling_the_shape_has_now():
+    from w12 import bench
+    n, k = SHAPES["o"]
+    now = gemm.TUNED[(n, k, 8, False)]
+    assert now.esc_step          # o at M <= 8 spreads its escapes over the loop (BENCH.md)
+    tiles = bench.finalists(n, k, 8)
+    assert len({(c.block_n, c.num_stages, c.split_k) for c in tiles}) == len(tiles) > 1
+    assert all(c.esc_step == now.esc_step and c.xt == now.xt for c in tiles)
+
+
+def test_save_tuned_replaces_the_picked_keys_and_keeps_the_rest(tmp_path):
+    from w12 import bench
+    path = tmp_path / "tuned.json"
+    light = dict(vars(gemm.Config()), block_n=64)
+    old = {"_comment": "kept", "1,2,8": light, "1,2,8,heavy": dict(light, xt=True), "1,2,64": light}
+    path.write_text(json.dumps(old))
+    picked = dict(vars(gemm.Config()), block_n=16, esc_step=32)
+    bench.save_tuned({"tuned": {"1,2,8": picked}}, path)
+    new = json.loads(path.read_text())
+    assert new["_comment"] == "kept" and new["1,2,8"] == picked
+    assert new["1,2,8,heavy"] == old["1,2,8,heavy"] and new["1,2,64"] == old["1,2,64"]
+    # a malformed key is refused before anything is written
+    with pytest.raises(ValueError, match="N,K,bucket"):
+        bench.save_tuned({"tuned": {"1,2,8,light": picked}}, path)
+    assert json.loads(path.read_text()) == new
