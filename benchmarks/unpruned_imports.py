@@ -18,7 +18,6 @@ run did not take. Prints the audit table, that count (must be 0) with each offen
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 from golden_generate import golden_generate
+from specpilot_build.build.runtime_base import wheel_sha256
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.hub.checkpoints import model_dirs
 from specpilot_build.run.audit import AUDIT_ENV, audit_env, compare_imports, module_name, static_importers
@@ -113,7 +113,7 @@ def main() -> int:
         print(f"  {module}: imported by {', '.join(paths)}")
     (args.out / f"unpruned-{engine.id[:12]}.json").write_text(json.dumps(
         {"engine": engine.id, "wheel": args.wheel.name,
-         "wheel_sha256": hashlib.sha256(args.wheel.read_bytes()).hexdigest(), "golden": golden, **audit.__dict__,
+         "wheel_sha256": wheel_sha256(args.wheel)[0], "golden": golden, **audit.__dict__,
          "pruned_named_by_kept": named}, indent=1) + "\n")
     return 1 if named else 0
 

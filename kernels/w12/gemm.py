@@ -170,11 +170,8 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
     config = config or config_for(packed, bucket_of(m))
     y = torch.empty((m, packed.rows), dtype=torch.bfloat16, device=x.device)
     grid, args, meta = _launch_args(packed, bucket_of(m), config)
-    args.update(x_ptr=x, y_ptr=y, M=m, stride_xm=x.stride(0), stride_ym=y.stride(0))
-    if config.xt:
-        args["g_ptr"] = transposed(x, bucket_of(m))
-    else:
-        args.update(g_ptr=x, stride_gm=x.stride(0))
+    args.update(x_ptr=x, y_ptr=y, M=m, stride_xm=x.stride(0), stride_ym=y.stride(0),
+                g_ptr=transposed(x, bucket_of(m)) if config.xt else x)   # x is contiguous: _launch_args' strides hold
     _w12_gemm_kernel[grid](**args, **meta)
     return y
 
