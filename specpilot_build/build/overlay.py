@@ -26,6 +26,8 @@ from specpilot_build.store.manifest import (
 )
 from specpilot_build.store.names import plain_name, plain_relpath
 
+DESCRIPTOR_KEYS = ("description", "runtime", "versions", "files_from")
+
 
 def overlay_inputs(names: list[str], cfg: dict) -> list[dict]:
     """Each overlay's name and content digest (an input of the engine id); its descriptor is validated."""
@@ -92,10 +94,9 @@ def read_descriptor(directory: Path) -> dict:
     for key in ("description", "runtime", "versions"):
         if not isinstance(data.get(key), str) or not data[key].strip():
             raise SpecPilotError(f"{path}: key '{key}' (a non-empty string) is required")
-    unknown = sorted(set(data) - {"description", "runtime", "versions", "files_from"})
+    unknown = sorted(set(data) - set(DESCRIPTOR_KEYS))
     if unknown:
-        raise SpecPilotError(f"{path}: unknown key(s) {', '.join(unknown)} (known: description, runtime, versions, "
-                             f"files_from)")
+        raise SpecPilotError(f"{path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(DESCRIPTOR_KEYS)})")
     return data
 
 
