@@ -36,8 +36,8 @@ import triton.testing
 
 from .families import FAMILIES, SHAPES, draw, normal_with_escapes, parse_families
 from .format import W12Tensor, decode, encode
-from .gemm import (FUSED_MAX_M, TUNED, Config, bucket_of, config_for, fused_gemm, linear, pick_config, tuned_key,
-                   tuned_name)
+from .gemm import (BUCKETS, FUSED_MAX_M, TUNED, Config, bucket_of, config_for, fused_gemm, keep_dense, linear,
+                   pick_config, tuned_key, tuned_name)
 
 DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}   # --dry-run
 MS = (1, 2, 4, 8, 16, 32, 64)           # the normal family
@@ -49,6 +49,17 @@ EAGER_MS = (1, 8, 16, 32, 64)
 COPY_TBPS = 4.27          # measured device-to-device copy bandwidth (read + write), H200
 BUFFERS = 3               # weight copies rotated per measurement
 LABELS = {"stories260k": "stories260k (real rows, tiled to the shape)"}
+
+
+HEAVY_CLASS = ("student-t4", "outliers")   # the families whose geomean decides the heavy class's fallback (as
+                                           # its tuned configs were picked on them); the light class: normal
+
+
+def with_dense(packed: W12Tensor, weight: torch.Tensor) -> W12Tensor:
+    """The same planes as a new W12Tensor (its own plans) carrying the bf16 copy where its shape falls back."""
+    twin = dataclasses.replace(packed, plans={}, dense=None, dense_buckets=())
+    keep_dense(twin, weight)
+    return twin
 
 
 def w12_path(m: int, device) -> str:
@@ -230,6 +241,7 @@ def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]
         bf16s, packs = weights[name]["bf16"], weights[name]["w12"]
         device = bf16s[0].device
         w12_bytes = packs[0].nbytes()
+        twins = [with_dense(p, w) for p, w in zip(packs, bf16s)] if device.type == "cuda" else []
         for m in ms:
             x = torch.randn(m, k, device=device).to(torch.bfloat16)
             t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
@@ -240,6 +252,11 @@ def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]
             try:
                 t_w12 = graph_time_us(lambda p: linear(x, p), packs)
                 diff = (linear(x, packs[0]).float() - torch.nn.functional.linear(x, bf16s[0]).float()).abs().max()
+                if twins and m <= FUSED_MAX_M and bucket_of(m) in twins[0].dense_buckets:
+                    t_fb = graph_time_us(lambda p: linear(x, p), twins)
+                    row.update(picked="cuBLAS on the bf16 copy", picked_us=t_fb, picked_speedup=t_ref / t_fb)
+                else:
+                    row.update(picked=w12_path(m, device), picked_us=t_w12, picked_speedup=t_ref / t_w12)
             except Exception as err:    # a refusal (e.g. an M the kernel does not take) is a result, not a crash
                 row.update(w12_us=float("nan"), speedup=float("nan"), error=f"{type(err).__name__}: {str(err)[:200]}")
                 rows.append(row)
@@ -256,7 +273,8 @@ def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]
             rows.append(row)
             print(f"{family:12s} {name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us (repeat {t_ref2:.1f})  W12 {t_w12:7.1f} us "
                   f"[{row['path']}] ({row['w12_tbps']:.2f} TB/s)  x{row['speedup']:.3f}  "
-                  f"roofline {row['roofline_w12_us']:.1f} us  max|diff| {row['max_abs_diff']:.3g}", flush=True)
+                  f"roofline {row['roofline_w12_us']:.1f} us  max|diff| {row['max_abs_diff']:.3g}  "
+                  f"picked {row['picked']} x{row['picked_speedup']:.3f}", flush=True)
     return rows
 
 
@@ -313,29 +331,39 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
                 for x, w in zip(xs, bl):
                     outs[w.shape] = torch.nn.functional.linear(x, w)
 
-        def step_w12():
-            for wl in w12_layers:
+        def step_w12(layers=w12_layers):
+            for wl in layers:
                 for x, p in zip(xs, wl):
                     outs[p.shape] = linear(x, p)
 
-        row = dict(family=family, M=m, layers=layers, path=w12_path(m, device), bf16_bytes=bf16_total, w12_bytes=w12_total)
+        # the fallback arm: twins of the W12 weights holding the bf16 layers as their copies (shared, no new memory)
+        twins = ([[with_dense(p, w) for p, w in zip(wl, bl)] for wl, bl in zip(w12_layers, bf16_layers)]
+                 if torch.device(device).type == "cuda" and m <= FUSED_MAX_M else [])
+        falls = sorted({name for wl in twins[:1] for name, p in zip(shapes, wl) if bucket_of(m) in p.dense_buckets})
+        arms = [("bf16", step_bf16), ("w12", step_w12)]
+        if falls:
+            arms.append(("w12_fallback", lambda: step_w12(twins)))
+        row = dict(family=family, M=m, layers=layers, path=w12_path(m, device), bf16_bytes=bf16_total, w12_bytes=w12_total,
+                   fallback_shapes=falls)
         try:
-            times = {label: replay_us(step, device) for label, step in
-                     (("bf16", step_bf16), ("w12", step_w12), ("bf16_again", step_bf16))}
+            times = {label: replay_us(step, device) for label, step in arms + [("bf16_again", step_bf16)]}
         except Exception as err:
             row.update(error=f"{type(err).__name__}: {str(err)[:200]}", speedup=float("nan"))
             rows.append(row)
             print(f"stack {family} M={m:2d} FAILED {row['error']}")
             continue
         row.update(bf16_us=times["bf16"][0], bf16_again_us=times["bf16_again"][0], w12_us=times["w12"][0],
-                   spread=times)
+                   picked_us=times.get("w12_fallback", times["w12"])[0], spread=times)
         row["speedup"] = row["bf16_us"] / row["w12_us"]
+        row["picked_speedup"] = row["bf16_us"] / row["picked_us"]
         row["bf16_tbps"] = bf16_total / row["bf16_us"] / 1e6
         row["w12_tbps"] = w12_total / row["w12_us"] / 1e6
         rows.append(row)
         print(f"stack {family} M={m:2d} bf16 {row['bf16_us'] / 1e3:.2f} ms ({row['bf16_tbps']:.2f} TB/s, again "
               f"{row['bf16_again_us'] / 1e3:.2f})  W12 {row['w12_us'] / 1e3:.2f} ms ({row['w12_tbps']:.2f} TB/s)"
-              f"  x{row['speedup']:.3f}", flush=True)
+              f"  x{row['speedup']:.3f}  with the fallback ({', '.join(falls) or 'none'}) x{row['picked_speedup']:.3f}",
+              flush=True)
+        del twins
     return rows
 
 
@@ -449,9 +477,15 @@ def family_summary(family: str, rows: list[dict], stack_rows: list[dict]) -> str
     worst = min((r["speedup"] for r in rows if r["M"] <= 64 and r["speedup"] == r["speedup"]), default=float("nan"))
     refused = sum(1 for r in rows if "error" in r)
     stacks = ", ".join(f"M={r['M']} x{r['speedup']:.3f}" for r in stack_rows)
-    return (f"{family}: GEMM geomean M<=16 {gm(small):.3f} (target {t16:.2f}), M=32 {gm(m32):.3f} (target {t32:.2f}), "
+    line = (f"{family}: GEMM geomean M<=16 {gm(small):.3f} (target {t16:.2f}), M=32 {gm(m32):.3f} (target {t32:.2f}), "
             f"lowest at M<=64 {worst:.3f} (target 1.0){f', {refused} refused' if refused else ''}; "
             f"stack {stacks or '-'} (target 1.25 at M=1,8,16, 1.15 at M=32)")
+    picked = [r["picked_speedup"] for r in rows if r["M"] <= 64 and r.get("picked_speedup", float("nan")) == r.get("picked_speedup")]
+    if picked:
+        stacks = ", ".join(f"M={r['M']} x{r['picked_speedup']:.3f}" for r in stack_rows if "picked_speedup" in r)
+        line += (f"; with the bf16 fallback: GEMM geomean M=32 {gm(r['picked_speedup'] for r in rows if r['M'] == 32):.3f}, "
+                 f"lowest at M<=64 {min(picked):.3f}, stack {stacks or '-'}")
+    return line
 
 
 def render(result: dict, compact: bool = False) -> str:
@@ -478,18 +512,24 @@ def render(result: dict, compact: bool = False) -> str:
 
 def gemm_table(rows: list[dict]) -> list[str]:
     out = ["| shape (N x K) | M | path | cuBLAS us | cuBLAS TB/s | W12 us | W12 TB/s | speedup | W12 roofline us "
-           "| W12 % of roofline | bf16 MB | W12 MB | escapes | max abs diff |",
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| W12 % of roofline | bf16 MB | W12 MB | escapes | max abs diff | with the bf16 fallback |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         head = f"| {r['shape']} ({r['N']} x {r['K']}) | {r['M']} | {r.get('path', 'fused')} | {r['cublas_us']:.1f} "
         if "error" in r:
-            out.append(head + f"| - | refused: {r['error']} | - | - | - | - | - | - | - | - |")
+            out.append(head + f"| - | refused: {r['error']} | - | - | - | - | - | - | - | - | - |")
             continue
         out.append(head + f"| {r['cublas_tbps']:.2f} | {r['w12_us']:.1f} | {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** "
                    f"| {r['roofline_w12_us']:.1f} | {100 * r['roofline_w12_us'] / r['w12_us']:.0f}% "
                    f"| {r['bf16_bytes'] / 1e6:.1f} | {r['w12_bytes'] / 1e6:.1f} "
-                   f"| {percent(r.get('escape_rate'))} | {r['max_abs_diff']:.3g} |")
+                   f"| {percent(r.get('escape_rate'))} | {r['max_abs_diff']:.3g} | {fallback_cell(r)} |")
     return out
+
+
+def fallback_cell(r: dict) -> str:
+    if "picked_speedup" not in r or r.get("picked") != "cuBLAS on the bf16 copy":
+        return "-"
+    return f"cuBLAS **{r['picked_speedup']:.3f}** ({r['picked_us']:.1f} us)"
 
 
 def percent(fraction) -> str:
@@ -520,17 +560,21 @@ def side_by_side(fams: dict) -> list[str]:
 
 
 def stack_table(fams: dict) -> list[str]:
-    out = ["| decode stack, 64 layers | M | bf16 ms | bf16 TB/s | W12 ms | W12 TB/s | speedup | W12 roofline ms |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| decode stack, 64 layers | M | bf16 ms | bf16 TB/s | W12 ms | W12 TB/s | speedup | W12 roofline ms "
+           "| with the bf16 fallback: ms, speedup (shapes on cuBLAS) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for family, res in fams.items():
         for r in res.get("stack", []):
             head = (f"| {LABELS.get(family, family)}: bf16 {r['bf16_bytes'] / 1e9:.2f} GB / W12 {r['w12_bytes'] / 1e9:.2f} GB "
                     f"| {r['M']} ")
             if "error" in r:
-                out.append(head + f"| - | - | failed: {r['error']} | - | - | - |")
+                out.append(head + f"| - | - | failed: {r['error']} | - | - | - | - |")
                 continue
+            fallback = ("-" if not r.get("fallback_shapes") else
+                        f"{r['picked_us'] / 1e3:.2f}, **{r['picked_speedup']:.3f}** ({', '.join(r['fallback_shapes'])})")
             out.append(head + f"| {r['bf16_us'] / 1e3:.2f} | {r['bf16_tbps']:.2f} | {r['w12_us'] / 1e3:.2f} "
-                       f"| {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** | {r['w12_bytes'] / COPY_TBPS / 1e9:.2f} |")
+                       f"| {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** | {r['w12_bytes'] / COPY_TBPS / 1e9:.2f} "
+                       f"| {fallback} |")
     return out
 
 
@@ -573,6 +617,35 @@ def save_tuned(result: dict, path: Path = Path(__file__).with_name("tuned_h200.j
     print(f"wrote {path}: {len(picked)} entries picked, {len(entries) - len(picked)} kept")
 
 
+def save_fallback(result: dict, path: Path = Path(__file__).with_name("fallback_h200.json")) -> dict:
+    """Write the fused kernel's speed over cuBLAS at each M bucket's largest M, per shape and escape class, into
+    fallback_h200.json (gemm.fallback_buckets falls back where it is below 1.0): the light class from the normal
+    family, the heavy class from the geomean of HEAVY_CLASS. Replaces the keys this run measured, keeps the rest."""
+    fams = result["families"]
+    classes = {False: ["normal"], True: [f for f in HEAVY_CLASS if f in fams]}
+    measured = {}
+    for heavy_class, names in classes.items():
+        cells: dict = {}
+        for family in names:
+            for r in fams.get(family, {}).get("table", []):
+                if r["M"] in BUCKETS and r.get("speedup") == r.get("speedup"):
+                    cells.setdefault((r["N"], r["K"], r["M"]), []).append(r["speedup"])
+        for (n, k, bucket), values in cells.items():
+            if len(values) == len(names):      # every family of the class measured this cell
+                measured[tuned_name((n, k, bucket, heavy_class))] = {
+                    "speedup": round(gm(values), 4), "M": bucket, "families": names}
+    old = json.loads(path.read_text()) if path.exists() else {}
+    entries = {key: entry for key, entry in old.items() if not key.startswith("_")}
+    entries.update(measured)
+    comment = (f"W12 fused kernel over cuBLAS at each M bucket's largest M, per shape (N,K,bucket) and escape class "
+               f"(,heavy); gemm.fallback_buckets falls back where below 1.0. Written by `w12.bench --save-fallback` "
+               f"from the run of {result.get('device', '?')}.")
+    path.write_text(json.dumps({"_comment": comment, **entries}, indent=1) + "\n")
+    print(f"wrote {path}: {len(measured)} entries measured, {len(entries) - len(measured)} kept; below 1.0: "
+          + ", ".join(key for key, e in entries.items() if e["speedup"] < 1.0))
+    return entries
+
+
 # --- main ---------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -597,6 +670,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="w12_bench.json")
     ap.add_argument("--render", help="print the markdown tables of an earlier --out JSON and exit")
     ap.add_argument("--save-tuned", help="write the picked configs of an earlier --out JSON to tuned_h200.json")
+    ap.add_argument("--save-fallback", help="write the measured speedups of an earlier --out JSON (--table, families "
+                                            "normal, student-t4, outliers) to fallback_h200.json")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, tiny shapes, 2 layers, wall-clock times: checks the plumbing, measures nothing")
     args = ap.parse_args(argv)
@@ -620,6 +695,9 @@ def main(argv=None) -> dict | None:
         return None
     if args.save_tuned:
         save_tuned(json.load(open(args.save_tuned)))
+        return None
+    if args.save_fallback:
+        save_fallback(json.load(open(args.save_fallback)))
         return None
 
     device, shapes = ("cpu", DRY_SHAPES) if args.dry_run else ("cuda", SHAPES)

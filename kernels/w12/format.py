@@ -33,6 +33,10 @@ class W12Tensor:
     esc_col: torch.Tensor    # int32 [escapes]: column, ascending within a row
     esc_bits: torch.Tensor   # int16 [escapes]: the weight's exact bf16 bit pattern
     plans: dict = field(default_factory=dict, repr=False, compare=False)   # GEMM launches by M bucket (gemm.Plan)
+    # The same matrix in bf16, kept only where the GEMM falls back to cuBLAS for some M buckets
+    # (gemm.keep_dense); those buckets run F.linear on it.
+    dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    dense_buckets: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def cols_padded(self) -> int:
@@ -56,7 +60,8 @@ class W12Tensor:
 
     def to(self, device) -> "W12Tensor":
         moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
-        return W12Tensor(self.shape, self.rows, self.cols, **moved)
+        dense = None if self.dense is None else self.dense.to(device)
+        return W12Tensor(self.shape, self.rows, self.cols, **moved, dense=dense, dense_buckets=self.dense_buckets)
 
 
 _TENSOR_FIELDS = ("low", "codes", "base", "esc_ptr", "esc_col", "esc_bits")

@@ -13,6 +13,10 @@ per main-loop step over every K range (`esc_step`); their activations come from 
 made per call (`xt`: one contiguous run per escape). The tuned configs differ by the weight's escape count
 (`heavy`), as the fastest choice does (BENCH.md).
 
+Where even the tuned kernel is slower than cuBLAS (M buckets 32 and 64 on most shapes: BENCH.md), a weight may
+keep its bf16 matrix too (`keep_dense`: memory for speed, the caller's choice); those buckets then run F.linear on
+it. Which buckets fall back is measured per shape and escape class (fallback_h200.json).
+
 Per call, Python work is what varies: a `Plan` (one per weight and M bucket, made on the first call or by
 `prepare`) holds the compiled kernel, its grid and every launch argument that depends only on the weight,
 and launches through Triton's C launcher directly (no argument binding or specialisation per call).
@@ -81,6 +85,47 @@ def _load_tuned() -> dict[tuple[int, int, int, bool], Config]:
 TUNED: dict[tuple[int, int, int, bool], Config] = _load_tuned()
 
 
+def _load_speedups() -> dict[tuple[int, int, int, bool], float]:
+    """(N, K, M bucket, heavy) -> the fused kernel's speed over cuBLAS at the bucket's largest M, measured on the
+    H200 (fallback_h200.json, written by `w12.bench --save-fallback`)."""
+    path = Path(__file__).with_name("fallback_h200.json")
+    entries = json.loads(path.read_text()) if path.exists() else {}
+    return {tuned_key(key): float(entry["speedup"]) for key, entry in entries.items() if not key.startswith("_")}
+
+
+SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_speedups()
+DEFAULT_FALLBACK = (32, 64)   # unmeasured: W12 was below cuBLAS at M = 32 on 22 of 24 shape x family cases
+                              # and at M = 64 on all 24 (BENCH.md)
+
+
+def fallback_buckets(n: int, k: int, many_escapes: bool = False) -> tuple[int, ...]:
+    """The M buckets in which cuBLAS on a bf16 copy beats the fused kernel for this shape and escape class: those
+    measured below 1.0 (the heavy class takes the light measurement where it has none), else DEFAULT_FALLBACK."""
+    def slower(bucket: int) -> bool:
+        for key in ((n, k, bucket, True), (n, k, bucket, False)) if many_escapes else ((n, k, bucket, False),):
+            if key in SPEEDUPS:
+                return SPEEDUPS[key] < 1.0
+        return bucket in DEFAULT_FALLBACK
+    return tuple(b for b in BUCKETS if slower(b))
+
+
+def keep_dense(packed: W12Tensor, weight: torch.Tensor) -> bool:
+    """Keep `weight` (the bf16 matrix `packed` encodes) beside it when some M bucket of this shape falls back to
+    cuBLAS; returns whether it was kept. The copy must decode-equal the planes (checked here, bit for bit):
+    the fallback computes with exactly the weights the kernel would."""
+    buckets = fallback_buckets(packed.rows, packed.cols, heavy(packed))
+    if not buckets:
+        return False
+    if weight.dtype != torch.bfloat16 or tuple(weight.shape) != tuple(packed.shape) or weight.device != packed.device:
+        raise ValueError(f"a dense copy must be the bf16 {tuple(packed.shape)} matrix on {packed.device}, got "
+                         f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    decoded = decode_on_device(packed) if weight.is_cuda else decode(packed)
+    if not torch.equal(decoded.view(torch.int16), weight.view(torch.int16)):
+        raise ValueError("the dense copy differs from the W12 matrix it is meant to stand in for")
+    packed.dense, packed.dense_buckets = weight.reshape(packed.rows, packed.cols), buckets
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def default_config(n: int, k: int, bucket: int) -> Config:
     """For shapes not in TUNED (bucket: M <= 8, 16, 32 or 64): the tiles the H200 runs favoured on the four
@@ -124,16 +169,20 @@ def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
     x2 = x.reshape(-1, packed.cols)
     m = x2.shape[0]
     if m <= FUSED_MAX_M and x2.is_cuda and config is None and x2.dtype == torch.bfloat16:
-        plan = packed.plans.get(bucket_of(m)) or prepare(packed, bucket_of(m))
-        y = plan(x2.contiguous(), m)
-        if bias is not None:
-            y = y + bias
+        bucket = bucket_of(m)
+        if bucket in packed.dense_buckets:
+            y = torch.nn.functional.linear(x2, packed.dense, bias)
+        else:
+            plan = packed.plans.get(bucket) or prepare(packed, bucket)
+            y = plan(x2.contiguous(), m)
+            if bias is not None:
+                y = y + bias
     elif m <= FUSED_MAX_M and (x2.is_cuda or _interpreting()):
         y = fused_gemm(x2, packed, config)
         if bias is not None:
             y = y + bias
     else:
-        weight = decode_on_device(packed) if x2.is_cuda else decode(packed)
+        weight = packed.dense if packed.dense is not None else decode_on_device(packed) if x2.is_cuda else decode(packed)
         y = torch.nn.functional.linear(x2, weight, bias)
     return y.reshape(*lead, packed.rows)
 

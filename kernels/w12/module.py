@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .format import W12Tensor, decode, encode
-from .gemm import linear
+from .gemm import keep_dense, linear
 
 
 class W12Linear(torch.nn.Module):
@@ -17,11 +17,15 @@ class W12Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, layer: torch.nn.Linear) -> "W12Linear":
-        """Encode a Linear's weight (cast to bf16, i.e. lossless for a bf16 layer)."""
+    def from_linear(cls, layer: torch.nn.Linear, dense_fallback: bool = False) -> "W12Linear":
+        """Encode a Linear's weight (cast to bf16, i.e. lossless for a bf16 layer). With `dense_fallback`, the bf16
+        weight stays too where its shape's GEMM falls back to cuBLAS at some M (gemm.keep_dense)."""
         weight = layer.weight.detach().to(torch.bfloat16)
         bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16)
-        return cls(encode(weight), bias)
+        packed = encode(weight)
+        if dense_fallback:
+            keep_dense(packed, weight)
+        return cls(packed, bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -40,16 +44,18 @@ class W12Linear(torch.nn.Module):
         return linear(x.to(torch.bfloat16), self.packed, self.bias)
 
     def extra_repr(self) -> str:
+        fallback = f", bf16 copy for M buckets {self.packed.dense_buckets}" if self.packed.dense is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits_per_weight={self.packed.bits_per_weight():.3f}, escapes={self.packed.escapes}")
+                f"bits_per_weight={self.packed.bits_per_weight():.3f}, escapes={self.packed.escapes}{fallback}")
 
 
-def apply_w12(model: torch.nn.Module) -> int:
+def apply_w12(model: torch.nn.Module, dense_fallback: bool = False) -> int:
     """Replace every nn.Linear of a bf16 model by a W12Linear in place; returns how many were replaced.
 
     Lossless: each replaced layer computes with exactly its original weights (its `.weight` still
-    reads them back bit for bit). On CUDA with <= 32 rows the fused kernel runs; otherwise the
-    weight is decoded and F.linear runs.
+    reads them back bit for bit). On CUDA with <= 64 rows the fused kernel runs (or, with `dense_fallback`, cuBLAS
+    on the kept bf16 weight in the M buckets where that is faster); otherwise the weight is decoded and F.linear
+    runs.
     """
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     for name, layer in targets:
@@ -58,5 +64,5 @@ def apply_w12(model: torch.nn.Module) -> int:
                             "(load the model in bfloat16)")
     for name, layer in targets:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, W12Linear.from_linear(layer))
+        setattr(model.get_submodule(parent) if parent else model, child, W12Linear.from_linear(layer, dense_fallback))
     return len(targets)

@@ -124,3 +124,20 @@ def test_graph_replay_matches_eager(cfg):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_fallback_buckets_run_cublas_on_the_copy_and_the_rest_the_kernel(monkeypatch):
+    n, k = 256, 1024
+    monkeypatch.setattr(w12.gemm, "SPEEDUPS", {(n, k, b, h): (0.5 if b == 32 else 1.2) for b in w12.gemm.BUCKETS
+                                                for h in (False, True)})
+    w = llm_like(n, k, 7)
+    packed = w12.encode(w)
+    assert w12.keep_dense(packed, w) and packed.dense_buckets == (32,)
+    for m in (1, 16, 17, 32, 33, 64):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        y = w12.linear(x, packed)
+        if m in (17, 32):
+            assert torch.equal(y, torch.nn.functional.linear(x, w)), m
+        else:
+            assert_close_to_exact(x, w, y)
+    assert sorted(packed.plans) == [8, 16, 64]          # no kernel prepared for the bucket that falls back
