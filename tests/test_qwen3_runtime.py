@@ -90,6 +90,25 @@ def test_w12_weights_give_the_bf16_tokens():
     assert torch.equal(w12.top, bf16.top) and torch.equal(w12.top_ids, bf16.top_ids)
 
 
+@torch.inference_mode()
+def test_w12_dense_fallback_keeps_the_exact_bf16_weights_beside_the_encoding():
+    from w12.module import W12Linear
+
+    model = from_transformers(tiny_qwen3(torch.bfloat16, seed=6))
+    weights = {name: layer.weight.clone() for name, layer in model.projections()}
+    weights["lm_head"] = model.lm_head.weight.clone()
+    tokens = prompts(2, 8, seed=7)
+    bf16 = greedy_decode(model, tokens, new_tokens=10)
+    model.to_w12(lm_head=True, dense_fallback=True)
+    converted = dict(model.projections(), lm_head=model.lm_head)
+    assert converted.keys() == weights.keys()
+    for name, layer in converted.items():   # tiny shapes are unmeasured: each falls back at some M, so keeps its copy
+        assert isinstance(layer, W12Linear) and layer.packed.dense is not None, name
+        assert torch.equal(layer.packed.dense.view(torch.int16), weights[name].view(torch.int16)), name
+    kept = greedy_decode(model, tokens, new_tokens=10)
+    assert torch.equal(kept.top, bf16.top) and kept.tokens.tolist() == bf16.tokens.tolist()
+
+
 def test_divergences_are_found_at_the_first_differing_token_and_classified_as_verify_does():
     """margin = the reference's top-1 logit minus its logit for the other run's token, near tie within verify's
     bf16 tolerance; found among the kept top logits even when more than two tie; a token below them has no known

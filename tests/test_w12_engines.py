@@ -6,13 +6,14 @@ from __future__ import annotations
 import ast
 import json
 import os
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from reference_runtime_helpers import STORY_PROMPTS, engine_config, free_port
+from reference_runtime_helpers import STORY_PROMPTS, engine_config, free_port, write_engine
 from sglang_builds import sglang_settings
 from specpilot_build.build.builder import build_engine
 from specpilot_build.build.launch_check import check_launch_args
@@ -21,6 +22,7 @@ from specpilot_build.run.serve import serve, stop
 from specpilot_build.store.engines import Engine
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
 from specpilot_runtime.model import LeanLlama, load_hf_model
+from specpilot_runtime.runtime import load_runtime
 from w12_overlay_helpers import EXPECTED, run_method
 
 KERNEL = KERNELS_DIR / "w12"
@@ -88,6 +90,57 @@ def test_w12_needs_a_bf16_model():
         parse_engine_config(config)
     config["model"]["dtype"] = "bfloat16"
     assert parse_engine_config(config).quantization == "w12"
+
+
+def test_w12_dense_fallback_is_a_bool_option_of_w12_engines_only():
+    config = engine_config("final", dtype="bfloat16", runtime_options={"w12_dense_fallback": 1})
+    config["model"]["quantization"] = "w12"
+    with pytest.raises(RuntimeConfigError, match="runtime_options.w12_dense_fallback is 1; expected bool"):
+        parse_engine_config(config)
+    config["runtime_options"]["w12_dense_fallback"] = True
+    assert parse_engine_config(config).runtime_options == {"w12_dense_fallback": True}
+    config["model"]["quantization"] = None
+    with pytest.raises(RuntimeConfigError, match="runtime_options.w12_dense_fallback needs model.quantization w12"):
+        parse_engine_config(config)
+    config["runtime_options"]["w12_dense_fallback"] = False
+    assert parse_engine_config(config).runtime_options == {"w12_dense_fallback": False}
+
+
+def test_a_w12_engine_with_the_dense_fallback_keeps_the_bf16_weights_and_decodes_the_same_tokens(
+        monkeypatch, tmp_path, stories_dir, golden):
+    import w12
+
+    decoded = []
+    real_decode = w12.decode
+    monkeypatch.setattr(w12, "decode", lambda packed: decoded.append(packed) or real_decode(packed))
+    prompts = [golden["prompt_ids"]] + [_encode(stories_dir, p) for p in STORY_PROMPTS[1:3]]
+    engines, outputs, decodes = {}, {}, {}
+    for name, quantization, options in (("bf16", None, {}), ("w12", "w12", {}),
+                                        ("w12+dense", "w12", {"w12_dense_fallback": True})):
+        config = engine_config("final", dtype="bfloat16", runtime_options=options)
+        config["model"]["quantization"] = quantization
+        runtime = load_runtime(str(write_engine(tmp_path / name, config)), name, str(stories_dir), None, None)
+        decoded.clear()
+        outputs[name] = [runtime.engine.generate(p, 60, timeout=60)["output_ids"] for p in prompts]
+        engines[name], decodes[name] = runtime.engine.model, len(decoded)
+    plain, packed, dense = engines["bf16"], engines["w12"], engines["w12+dense"]
+    pairs = [(dense.lm_head, plain.lm_head)] + [
+        pair for ours, theirs in zip(dense.layers, plain.layers, strict=True) for pair in zip(ours, theirs)]
+    for kept, weight in pairs:  # stories260K's shapes are unmeasured: every one falls back at some M, so keeps its copy
+        assert kept.dense is not None and kept.dense_buckets
+        assert torch.equal(kept.dense.view(torch.int16), weight.t().view(torch.int16))
+    assert all(w.dense is None for w in [packed.lm_head, *(w for ws in packed.layers for w in ws)])
+    assert decodes["w12"] > 0 and decodes["w12+dense"] == 0   # on CPU the kept copy is used, never a decode
+    assert all(len(out) > 0 for out in outputs["bf16"])
+    assert outputs["w12+dense"] == outputs["w12"] == outputs["bf16"]
+
+
+def test_the_dense_fallback_on_a_host_without_w12s_gemm_is_refused_at_start_up(monkeypatch, tmp_path, stories_dir):
+    config = engine_config("final", dtype="bfloat16", runtime_options={"w12_dense_fallback": True})
+    config["model"]["quantization"] = "w12"
+    monkeypatch.setitem(sys.modules, "w12.gemm", None)   # what a host without Triton gets from `import w12.gemm`
+    with pytest.raises(RuntimeConfigError, match="runtime_options.w12_dense_fallback needs w12.gemm"):
+        load_runtime(str(write_engine(tmp_path / "eng", config)), "x", str(stories_dir), None, None)
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ RUNTIME_OPTIONS = {
     "shared_ngram_cache": bool,     # one n-gram index over all earlier prompts and outputs
     "ngram_cache_capacity": int,    # tokens the shared index keeps before it starts afresh
     "num_threads": int,             # torch CPU threads (the default is 1 for tiny models)
+    "w12_dense_fallback": bool,     # W12 weights keep their bf16 copy where cuBLAS beats the fused GEMM (memory
+                                    # for speed: +2 bytes per such weight)
 }
 
 
@@ -108,6 +110,9 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
     dtype = choice(get("model", "dtype", default="float32"), DTYPES, "model.dtype")
     if quantization == "w12" and dtype != "bfloat16":
         raise RuntimeConfigError(f"{where}: model.quantization w12 stores bf16 weights; model.dtype is {dtype!r}")
+    if options.get("w12_dense_fallback") and quantization != "w12":
+        raise RuntimeConfigError(f"{where}: runtime_options.w12_dense_fallback needs model.quantization w12 "
+                                 f"(it is {quantization!r})")
     return EngineConfig(
         setting=str(get("setting")),
         arm=arm,

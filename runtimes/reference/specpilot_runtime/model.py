@@ -10,7 +10,8 @@ module tree dominates the arithmetic, so this is what makes plain greedy decodin
   into the q rows (both linear, so the maths is unchanged up to float rounding);
 - K is cached pre-transposed ([kv_heads, head_dim, position]) so attention is two batched matmuls.
 With `w12=True` (model.quantization w12, bf16 only) the projections are held in W12 form instead (kernels/w12,
-lossless 12-bit, [out, in] as encoded) and `self.mm` runs W12's GEMM (see _w12_projection).
+lossless 12-bit, [out, in] as encoded) and `self.mm` runs W12's GEMM (see _w12_projection); `dense_fallback`
+(runtime_options.w12_dense_fallback) keeps each one's bf16 matrix beside it where cuBLAS beats that GEMM.
 Logits match transformers' within float tolerance (tested); greedy tokens match llama2.c's (tested).
 
 The cache holds `num_slots` sequences. A forward scores a batch of B sequences, each with T new tokens
@@ -78,14 +79,14 @@ class LeanLlama:
     """Greedy-decoding forward of a Llama checkpoint over a slotted KV cache."""
 
     def __init__(self, hf_model, num_slots: int, max_tokens_per_step: int, device: torch.device | str,
-                 w12: bool = False):
+                 w12: bool = False, dense_fallback: bool = False):
         self.shape = s = llama_shape(hf_model.config)
         self.device = torch.device(device)
         self.dtype = next(hf_model.parameters()).dtype
         self.mm = torch.mm
         self._take_weights(hf_model)
         if w12:
-            self._encode_w12()
+            self._encode_w12(dense_fallback)
         # Whole key blocks (batch invariance), with room past the context for padded query rows of a verify step.
         self.cache_length = -(-(s.context_length + max_tokens_per_step + 1) // KEY_BLOCK) * KEY_BLOCK
         self.k_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, self.cache_length,
@@ -139,13 +140,21 @@ class LeanLlama:
             ))
             self.norms.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()))
 
-    def _encode_w12(self) -> None:
-        """Replace every projection by its W12 encoding (of the [out, in] weight); the bf16 copies are freed."""
+    def _encode_w12(self, dense_fallback: bool = False) -> None:
+        """Replace every projection by its W12 encoding (of the [out, in] weight). The bf16 copies are freed, unless
+        `dense_fallback` keeps one as the encoding's `dense` where its shape runs faster on cuBLAS (w12.keep_dense)."""
         import w12  # kernels/w12, on PYTHONPATH from <engine>/kernels
 
         if self.dtype != torch.bfloat16:
             raise TypeError(f"W12 stores bf16 weights; this model runs in {self.dtype}")
-        encode = lambda w: w12.encode(w.t().contiguous())  # noqa: E731  (stored [in, out] for torch.mm)
+
+        def encode(w: torch.Tensor):
+            weight = w.t().contiguous()  # stored [in, out] for torch.mm
+            packed = w12.encode(weight)
+            if dense_fallback:
+                w12.keep_dense(packed, weight)
+            return packed
+
         self.lm_head = encode(self.lm_head)
         self.layers = [tuple(encode(w) for w in weights) for weights in self.layers]
         self.mm = _w12_projection(w12)
@@ -300,15 +309,18 @@ def _attend(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def _w12_projection(w12):
-    """x @ W.T for W in W12 form. On CUDA: W12's GEMM (fused decode-in-GEMM for <= 32 rows). On CPU: decode,
-    then the very torch.mm the bf16 path runs on the [in, out] weight, so results equal it bit for bit."""
+    """x @ W.T for W in W12 form. On CUDA: W12's GEMM (fused decode-in-GEMM for <= 64 rows, cuBLAS on the kept
+    bf16 copy in the M buckets it falls back in, decode + cuBLAS above 64 rows). On CPU: the kept bf16 copy, or
+    else the decoded weight, then the very torch.mm the bf16 path runs on the [in, out] weight, so results equal
+    it bit for bit."""
     decode = w12.decode
     linear = w12.linear if torch.cuda.is_available() else None  # w12.linear needs Triton
 
     def mm(x: torch.Tensor, packed) -> torch.Tensor:
         if x.is_cuda:
             return linear(x, packed)
-        return torch.mm(x, decode(packed).t().contiguous())
+        weight = packed.dense if packed.dense is not None else decode(packed)
+        return torch.mm(x, weight.t().contiguous())
 
     return mm
 

@@ -191,18 +191,19 @@ class Qwen3(nn.Module):
             for name in ("qkv", "o", "gate_up", "down"):
                 yield f"layers.{i}.{name}", getattr(layer, name)
 
-    def to_w12(self, lm_head: bool = False, progress=None) -> None:
+    def to_w12(self, lm_head: bool = False, progress=None, dense_fallback: bool = False) -> None:
         """Every layer's projections (and the lm_head, if asked) in W12 form, layer by layer in place: each
         bf16 weight is freed once its encoding exists, so the peak is the bf16 model plus one layer's
-        encodings, not both models."""
+        encodings, not both models. With `dense_fallback`, a weight whose shape runs faster on cuBLAS at some
+        M is kept beside its encoding instead (w12.keep_dense: +2 bytes per such weight)."""
         from w12.module import W12Linear, apply_w12  # kernels/w12 (on PYTHONPATH from <engine>/kernels)
 
         for i, layer in enumerate(self.layers):
-            apply_w12(layer)
+            apply_w12(layer, dense_fallback=dense_fallback)
             if progress:
                 progress(i)
         if lm_head:
-            self.lm_head = W12Linear.from_linear(self.lm_head)
+            self.lm_head = W12Linear.from_linear(self.lm_head, dense_fallback=dense_fallback)
 
 
 def _rope_tables(s: Qwen3Shape) -> tuple[torch.Tensor, torch.Tensor]:

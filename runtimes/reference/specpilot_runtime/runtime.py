@@ -92,13 +92,14 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
         raise RuntimeConfigError(f"--device {device}: no CUDA device is visible to torch {torch.__version__}")
     num_threads = _set_threads(config, model, device)
     hf_model = _load_checked(model, config.dtype, device, "--model")
+    dense_fallback = bool(config.runtime_options.get("w12_dense_fallback"))
     if config.quantization == "w12":
-        _check_w12()
+        _check_w12(dense_fallback)
     tokenizer = _load_tokenizer(model)
     k = config.drafter.num_draft_tokens
     slots = config.max_running_requests
     target = LeanLlama(hf_model, num_slots=slots, max_tokens_per_step=k + 1, device=device,
-                       w12=config.quantization == "w12")
+                       w12=config.quantization == "w12", dense_fallback=dense_fallback)
     draft = None
     if config.drafter.algorithm == "draft_model":
         if not draft_model:
@@ -152,13 +153,20 @@ def _load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _check_w12() -> None:
-    """W12 weights need the `w12` package (kernels/w12, shipped as <engine>/kernels/w12 on PYTHONPATH)."""
+def _check_w12(dense_fallback: bool) -> None:
+    """W12 weights need the `w12` package (kernels/w12, shipped as <engine>/kernels/w12 on PYTHONPATH); keeping
+    their bf16 copies needs its GEMM module too (w12.keep_dense), which imports Triton."""
     try:
         import w12  # noqa: PLC0415, F401
     except ImportError:
         raise RuntimeConfigError("model.quantization is w12 but no `w12` package is on sys.path "
                                  "(the engine's kernels/ directory must be on PYTHONPATH)") from None
+    if dense_fallback:
+        try:
+            import w12.gemm  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeConfigError(f"runtime_options.w12_dense_fallback needs w12.gemm, which failed to import "
+                                     f"({exc}); install Triton (pip install 'specpilot[kernels]')") from None
 
 
 def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
