@@ -186,7 +186,7 @@ def test_w12_is_in_the_final_arm_of_the_bf16_c1_sglang_settings_only(builds):
 @pytest.mark.parametrize("setting", sorted(W12_SGLANG_SETTINGS))
 def test_a_w12_sglang_engine_ships_the_kernel_the_overlay_and_its_arguments(builds, setting):
     engine = builds.engines[setting, "final"]
-    for name in ("__init__.py", "format.py", "gemm.py", "tuned_h200.json"):
+    for name in ("__init__.py", "format.py", "gemm.py", "tuned_h200.json", "fallback_h200.json"):
         assert (engine.path / "kernels" / "w12" / name).read_bytes() == (KERNEL / name).read_bytes()
     # the W12 method's cut for the engine's SGLang: 0.5.17 keeps its quantization choices in server_args.py
     runtime = engine.manifest["config"]["runtime"]["name"]
