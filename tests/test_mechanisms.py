@@ -70,9 +70,12 @@ def test_presets_list_mechanisms_from_the_group_and_are_named_by_their_file(sett
     assert set(composed.choices) == {"setting", "hardware", "model", "drafter", "batching", "runtime", "arm"}
 
 
+ADD_ONS = {"w12-dense-fallback"}     # mechanisms no preset lists, added from the command line (tested below)
+
+
 def test_every_mechanism_file_is_used_and_every_group_file_opens_with_a_comment():
     used = {file for s in list_settings() for _, file in listed(s)}
-    assert used == {p.stem for p in (conf_dir() / "mechanism").glob("*.yaml")}
+    assert used | ADD_ONS == {p.stem for p in (conf_dir() / "mechanism").glob("*.yaml")} and not used & ADD_ONS
     for path in sorted(conf_dir().rglob("*.yaml")):
         first = path.read_text().splitlines()[0]
         assert first.startswith("# ") and len(first) > 10, f"{path} opens without a comment saying what it is"
@@ -95,6 +98,23 @@ def test_the_embedded_default_composes_as_before():
                               "num_draft_tokens": 10, "ngram_max_n": 8, "ngram_min_n": 1, "block_size": None,
                               "num_steps": None, "eagle_topk": None}
     assert cfg["runtime_options"] == {"shared_ngram_cache": True} and cfg["kernels"] == []
+
+
+def test_the_w12_dense_fallback_is_a_mechanism_added_from_the_command_line_to_reference_engines_only():
+    add = ["+mechanism@final.mechanisms.w12-dense-fallback=w12-dense-fallback"]
+    cfg = effective_config(compose_setting("cpu_c1_stories260k-bf16_ngram", "final", add).config)
+    assert cfg["runtime_options"] == {"shared_ngram_cache": True, "w12_dense_fallback": True}
+    assert cfg["model"]["quantization"] == "w12" and cfg["kernels"] == ["w12"]
+    plain = effective_config(compose_setting("cpu_c1_stories260k-bf16_ngram", "final").config)
+    assert "w12_dense_fallback" not in plain["runtime_options"]
+    refused(SGLANG, "final", add, "runtime_options", "w12-dense-fallback.yaml", "sglang")
+
+
+def test_a_typo_in_the_w12_dense_fallback_mechanism_is_refused_where_it_is_added(conf):
+    edit(conf / "mechanism" / "w12-dense-fallback.yaml", "w12_dense_fallback: true", "w12_dense_fallbak: true")
+    refused("cpu_c1_stories260k-bf16_ngram", "final", ["+mechanism@final.mechanisms.w12-dense-fallback=w12-dense-fallback"],
+            "mechanism/w12-dense-fallback.yaml", "'runtime_options.w12_dense_fallbak'",
+            "runtime_options.w12_dense_fallback")
 
 
 def test_later_mechanisms_win_and_a_mechanism_can_be_swapped_or_dropped_from_the_command_line():
