@@ -27,6 +27,10 @@ summed in fp32 as the bf16 GEMM sums, in another kernel's order; eager steps) an
 from plain bf16 the same way: what a different summation order alone does to this model's tokens, beside what
 W12's kernel does.
 
+`--dense-fallback` keeps each layer's bf16 matrix beside its W12 form where the W12 GEMM falls back to cuBLAS
+for some M bucket (w12.keep_dense; memory: bf16 + W12) and decodes every batch a third time with the fallback
+on (the W12 run itself keeps it off): what W12 gives when it is never slower than cuBLAS per GEMM.
+
 Before timing, each format checks that the graph-replayed steps give the eager steps' tokens and logits bit
 for bit (8 tokens at the largest batch; printed, and in --out).
 
@@ -101,20 +105,27 @@ def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torc
         with fp32_products(model):
             control = {b: decode(model, "control (fp32 GEMM)", p, args, False) for b, p in prompts.items()}
     say("encoding to W12 in place, layer by layer")
-    model.to_w12(lm_head=args.lm_head == "w12", progress=lambda i: (i + 1) % 16 == 0 and say(
-        f"  W12: {i + 1}/{shape.num_layers} layers encoded{_memory(device)}"))
+    model.to_w12(lm_head=args.lm_head == "w12", dense_fallback=args.dense_fallback,
+                 progress=lambda i: (i + 1) % 16 == 0 and say(f"  W12: {i + 1}/{shape.num_layers} layers encoded"
+                                                              f"{_memory(device)}"))
     _release_memory(device)
     w12_bytes, escapes, encoded = _w12_size(model)
     say(f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB (bf16 {bf16_bytes / 1e9:.2f} GB), "
         f"escapes {escapes}{_memory(device)}")
-    if graph:
-        checks["w12"] = graph_check(model, largest)
-    w12 = {b: decode(model, "W12", p, args, graph) for b, p in prompts.items()}
+    fallback = {}
+    with fallback_off(model):
+        if graph:
+            checks["w12"] = graph_check(model, largest)
+        w12 = {b: decode(model, "W12", p, args, graph) for b, p in prompts.items()}
+    if args.dense_fallback:
+        if graph:
+            checks["w12_fallback"] = graph_check(model, largest)
+        fallback = {b: decode(model, "W12 + bf16 fallback", p, args, graph) for b, p in prompts.items()}
     del model
     _release_memory(device)
     return {"family": family, "bf16_weight_bytes": bf16_bytes, "w12_weight_bytes": w12_bytes,
             "w12_escapes": escapes, "w12_matrices": encoded, "graph_equals_eager": checks,
-            "rows": [compare(family, b, bf16[b], w12[b], control.get(b)) for b in prompts]}
+            "rows": [compare(family, b, bf16[b], w12[b], control.get(b), fallback.get(b)) for b in prompts]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -137,6 +148,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (one launch at a time)")
     p.add_argument("--control", action="store_true",
                    help="also decode bf16 as an fp32 GEMM of the same weights (another summation order)")
+    p.add_argument("--dense-fallback", action="store_true",
+                   help="keep bf16 copies where W12 falls back to cuBLAS; decode a third time with the fallback on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the rows and the run's settings to this JSON file")
@@ -188,6 +201,20 @@ def decode(model: Qwen3, label: str, prompts: torch.Tensor, args, graph: bool) -
 
 
 @contextmanager
+def fallback_off(model: Qwen3):
+    """The W12 kernel for every M while inside (bf16 copies, where kept, stay in memory unused)."""
+    packed = [layer.packed for _, layer in model.projections() if hasattr(layer, "packed")]
+    kept = [p.dense_buckets for p in packed]
+    for p in packed:
+        p.dense_buckets = ()
+    try:
+        yield
+    finally:
+        for p, buckets in zip(packed, kept):
+            p.dense_buckets = buckets
+
+
+@contextmanager
 def fp32_products(model: Qwen3):
     """Every layer projection as an fp32 GEMM of its bf16 values (TF32 off): the control's other summation order."""
     linears = [linear for _, linear in model.projections()]
@@ -203,11 +230,13 @@ def fp32_products(model: Qwen3):
             del linear.forward
 
 
-def compare(family: str, batch: int, bf16: Decoded, w12: Decoded, control: Decoded | None = None) -> dict:
+def compare(family: str, batch: int, bf16: Decoded, w12: Decoded, control: Decoded | None = None,
+            fallback: Decoded | None = None) -> dict:
     """Speed and token identity of one batch; each divergence classified from the bf16 logits there."""
     diverged = divergences(bf16, w12)
     steps = bf16.tokens.shape[1] - 1
     reordered = divergences(bf16, control) if control is not None else None
+    fell_back = divergences(bf16, fallback) if fallback is not None else None
     return dict(
         family=family, batch=batch,
         bf16_tok_s=bf16.tokens_per_second, w12_tok_s=w12.tokens_per_second,
@@ -219,16 +248,25 @@ def compare(family: str, batch: int, bf16: Decoded, w12: Decoded, control: Decod
         control=None if reordered is None else dict(
             identical=batch - len(reordered), diverged=len(reordered),
             near_ties=sum(d["near_tie"] for d in reordered), divergences=reordered),
+        fallback=None if fell_back is None else dict(
+            tok_s=fallback.tokens_per_second, speedup=fallback.tokens_per_second / bf16.tokens_per_second,
+            ms_step=1e3 * fallback.seconds / steps, identical=batch - len(fell_back), diverged=len(fell_back),
+            near_ties=sum(d["near_tie"] for d in fell_back), divergences=fell_back, cuda_graphs=fallback.graphed),
     )
 
 
 def table(rows: list[dict]) -> str:
+    with_fallback = any(r.get("fallback") for r in rows)
     lines = [("| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
-              "| identical | diverged | near ties | control: identical | control: near ties |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| identical | diverged | near ties | control: identical | control: near ties |"
+              + (" W12 + fallback tok/s | speedup | identical | near ties |" if with_fallback else "")),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if with_fallback else "")]
     for r in rows:
-        c = r["control"]
+        c, f = r["control"], r.get("fallback")
         shown = (f"{c['identical']}/{r['batch']} | {c['near_ties']}/{c['diverged']}" if c else "– | –")
+        if with_fallback:
+            shown += (f" | {f['tok_s']:.1f} | {f['speedup']:.3f} | {f['identical']}/{r['batch']} "
+                      f"| {f['near_ties']}/{f['diverged']}" if f else " | – | – | – | –")
         lines.append(f"| {r['family']} | {r['batch']} | {r['bf16_tok_s']:.1f} | {r['w12_tok_s']:.1f} "
                      f"| {r['speedup']:.3f} | {r['bf16_ms_step']:.2f} | {r['w12_ms_step']:.2f} "
                      f"| {r['identical']}/{r['batch']} | {r['diverged']} | {r['near_ties']}/{r['diverged']} "
