@@ -3,7 +3,7 @@
 
 Linear layers load their bf16 weights as usual; process_weights_after_loading encodes each weight to W12
 (kernels/w12, shipped in the engine tree as <engine>/kernels/w12 and put on PYTHONPATH by the launch spec)
-and frees the bf16 copy; apply runs W12's GEMM (fused decode-in-GEMM for <= 32 rows, decode + cuBLAS above).
+and frees the bf16 copy; apply runs W12's GEMM (fused decode-in-GEMM for <= 64 rows, decode + cuBLAS above).
 Embeddings, the LM head, attention and MoE layers stay unquantized."""
 from __future__ import annotations
 
