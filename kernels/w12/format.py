@@ -37,6 +37,7 @@ class W12Tensor:
     # (gemm.keep_dense); those buckets run F.linear on it.
     dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
     dense_buckets: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    heavy_blocks: bool | None = field(default=None, repr=False, compare=False)   # gemm.heavy's answer, once known
 
     @property
     def cols_padded(self) -> int:

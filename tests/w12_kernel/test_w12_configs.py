@@ -60,6 +60,19 @@ def test_families_fall_on_the_side_of_the_threshold_the_picks_assume():
         assert escape_rate(family) >= gemm.HEAVY_ESCAPES, family
 
 
+def test_escapes_clustered_in_some_row_blocks_make_a_weight_heavy():
+    """stories260K's real rows: few escapes on average, but in runs per row, so a tenth of the row blocks carry
+    many; the class follows the blocks (a program waits for its own block's escapes), not the mean."""
+    for family, is_heavy in (("normal", False), ("student-t5", True), ("stories260k", True)):
+        packed = w12.encode(draw(family, 1024, 5120, seed=0))
+        assert gemm.heavy(packed) is is_heavy, family
+    stories = w12.encode(draw("stories260k", 1024, 5120, seed=0))
+    assert stories.escapes < gemm.HEAVY_ESCAPES * stories.rows * stories.cols
+    # the same escape count spread evenly over the rows is light
+    even = w12.encode(normal_with_escapes(1024, 5120, stories.escapes / (1024 * 5120), seed=2))
+    assert abs(even.escapes - stories.escapes) < 0.2 * stories.escapes and not gemm.heavy(even)
+
+
 def test_pick_times_tiles_with_the_escape_handling_the_shape_has_now():
     from w12 import bench
     n, k = SHAPES["o"]
