@@ -7,7 +7,7 @@ tl.dot, as the B operand (x as A, m16) or, with `swap`, as the A operand with x.
 (fewer instructions per weight; the H200 picks it for M <= 16). An escaped weight reads as
 w_planes = 2^(2*base-127) there; the program then adds x[:, col] * (w - w_planes) for its rows'
 escapes as two more small bf16 dots (exact products), so in exact arithmetic the sum is the GEMM
-with the original weights; accumulation is fp32. Larger M decodes W to bf16 once and calls cuBLAS.
+with the original weights; accumulation is fp32. Larger M decodes W to bf16 once and calls cuBLAS (on the kept bf16 copy, if any).
 Where the escapes are added is part of the config: after the main loop in the first K range, or a chunk
 per main-loop step over every K range (`esc_step`); their activations come from x or from a transposed copy
 made per call (`xt`: one contiguous run per escape). The tuned configs differ by the weight's escape count

@@ -54,8 +54,8 @@ def apply_w12(model: torch.nn.Module, dense_fallback: bool = False) -> int:
 
     Lossless: each replaced layer computes with exactly its original weights (its `.weight` still
     reads them back bit for bit). On CUDA with <= 64 rows the fused kernel runs (or, with `dense_fallback`, cuBLAS
-    on the kept bf16 weight in the M buckets where that is faster); otherwise the weight is decoded and F.linear
-    runs.
+    on the kept bf16 weight in the M buckets where that is faster); otherwise F.linear runs on the decoded weight
+    (or on the kept copy).
     """
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     for name, layer in targets:
