@@ -321,6 +321,9 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
     bf16_total = sum(w.numel() * 2 for bl in bf16_layers for w in bl)
     w12_total = sum(p.nbytes() for wl in w12_layers for p in wl)
     print(f"stack {family}: {layers} layers, bf16 {bf16_total / 1e9:.2f} GB, W12 {w12_total / 1e9:.2f} GB", flush=True)
+    # the fallback arm: twins of the W12 weights holding the bf16 layers as their copies (shared, no new memory)
+    twins = ([[with_dense(p, w) for p, w in zip(wl, bl)] for wl, bl in zip(w12_layers, bf16_layers)]
+             if torch.device(device).type == "cuda" else [])
     rows = []
     for m in ms:
         xs = [torch.randn(m, k, device=device).to(torch.bfloat16) for (_, k) in shapes.values()]
@@ -336,10 +339,8 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
                 for x, p in zip(xs, wl):
                     outs[p.shape] = linear(x, p)
 
-        # the fallback arm: twins of the W12 weights holding the bf16 layers as their copies (shared, no new memory)
-        twins = ([[with_dense(p, w) for p, w in zip(wl, bl)] for wl, bl in zip(w12_layers, bf16_layers)]
-                 if torch.device(device).type == "cuda" and m <= FUSED_MAX_M else [])
-        falls = sorted({name for wl in twins[:1] for name, p in zip(shapes, wl) if bucket_of(m) in p.dense_buckets})
+        falls = sorted({name for wl in twins[:1] for name, p in zip(shapes, wl)
+                        if m <= FUSED_MAX_M and bucket_of(m) in p.dense_buckets})
         arms = [("bf16", step_bf16), ("w12", step_w12)]
         if falls:
             arms.append(("w12_fallback", lambda: step_w12(twins)))
@@ -363,7 +364,7 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
               f"{row['bf16_again_us'] / 1e3:.2f})  W12 {row['w12_us'] / 1e3:.2f} ms ({row['w12_tbps']:.2f} TB/s)"
               f"  x{row['speedup']:.3f}  with the fallback ({', '.join(falls) or 'none'}) x{row['picked_speedup']:.3f}",
               flush=True)
-        del twins
+    del twins
     return rows
 
 

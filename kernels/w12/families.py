@@ -32,6 +32,12 @@ import torch
 # The seed's 27B linears (hidden 5120, intermediate 17408): name -> (N, K) of y[M, N] = x[M, K] @ W[N, K].T
 SHAPES = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (34816, 5120), "down": (5120, 17408)}
 FAMILIES = ("normal", "student-t3", "student-t4", "student-t5", "outliers", "stories260k")
+OUTLIER_COLUMNS = 8
+OUTLIER_SCALE = (10.0, 30.0)
+# stories260K's model.safetensors as pinned in lockfiles/checkpoints.toml (and ../shared/models/stories260K/SOURCES.md)
+STORIES_SHA256 = "407a7c581bdd66972383ce9ad24857713fb98786d06ea564a2fe9b34ebe77dfd"
+STORIES_RELPATH = Path("models") / "stories260K" / "model.safetensors"
+ESCAPE_SHIFT = 2.0 ** -20       # a planted escape: 20 binades below its value, outside any window holding the row
 
 
 def parse_families(spec: str) -> list[str]:
@@ -41,12 +47,6 @@ def parse_families(spec: str) -> list[str]:
     if unknown:
         raise ValueError(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
     return families
-OUTLIER_COLUMNS = 8
-OUTLIER_SCALE = (10.0, 30.0)
-# stories260K's model.safetensors as pinned in lockfiles/checkpoints.toml (and ../shared/models/stories260K/SOURCES.md)
-STORIES_SHA256 = "407a7c581bdd66972383ce9ad24857713fb98786d06ea564a2fe9b34ebe77dfd"
-STORIES_RELPATH = Path("models") / "stories260K" / "model.safetensors"
-ESCAPE_SHIFT = 2.0 ** -20       # a planted escape: 20 binades below its value, outside any window holding the row
 
 
 def draw(family: str, rows: int, cols: int, seed: int, device="cpu") -> torch.Tensor:

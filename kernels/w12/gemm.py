@@ -7,7 +7,8 @@ tl.dot, as the B operand (x as A, m16) or, with `swap`, as the A operand with x.
 (fewer instructions per weight; the H200 picks it for M <= 16). An escaped weight reads as
 w_planes = 2^(2*base-127) there; the program then adds x[:, col] * (w - w_planes) for its rows'
 escapes as two more small bf16 dots (exact products), so in exact arithmetic the sum is the GEMM
-with the original weights; accumulation is fp32. Larger M decodes W to bf16 once and calls cuBLAS (on the kept bf16 copy, if any).
+with the original weights; accumulation is fp32. Larger M decodes W to bf16 once and calls cuBLAS (on the kept
+bf16 copy, if any).
 Where the escapes are added is part of the config: after the main loop in the first K range, or a chunk
 per main-loop step over every K range (`esc_step`); their activations come from x or from a transposed copy
 made per call (`xt`: one contiguous run per escape). The tuned configs differ by the weight's escape count
@@ -88,25 +89,19 @@ def tuned_name(key: tuple) -> str:
     return ",".join(map(str, key[:3])) + (",heavy" if len(key) > 3 and key[3] else "")
 
 
-def _load_tuned() -> dict[tuple[int, int, int, bool], Config]:
-    """Configs picked on the H200 (tuned_h200.json), keyed by (N, K, M bucket: 8, 16, 32 or 64, heavy)."""
-    path = Path(__file__).with_name("tuned_h200.json")
+def _load_table(name: str, value) -> dict[tuple[int, int, int, bool], object]:
+    """A JSON table beside this module keyed "N,K,bucket[,heavy]" ("_" keys are comments), each entry mapped by
+    `value`; empty when the file is absent."""
+    path = Path(__file__).with_name(name)
     entries = json.loads(path.read_text()) if path.exists() else {}
-    return {tuned_key(key): Config(**cfg) for key, cfg in entries.items() if not key.startswith("_")}
+    return {tuned_key(key): value(entry) for key, entry in entries.items() if not key.startswith("_")}
 
 
-TUNED: dict[tuple[int, int, int, bool], Config] = _load_tuned()
-
-
-def _load_speedups() -> dict[tuple[int, int, int, bool], float]:
-    """(N, K, M bucket, heavy) -> the fused kernel's speed over cuBLAS at the bucket's largest M, measured on the
-    H200 (fallback_h200.json, written by `w12.bench --save-fallback`)."""
-    path = Path(__file__).with_name("fallback_h200.json")
-    entries = json.loads(path.read_text()) if path.exists() else {}
-    return {tuned_key(key): float(entry["speedup"]) for key, entry in entries.items() if not key.startswith("_")}
-
-
-SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_speedups()
+# Configs picked on the H200, keyed by (N, K, M bucket: 8, 16, 32 or 64, heavy)
+TUNED: dict[tuple[int, int, int, bool], Config] = _load_table("tuned_h200.json", lambda cfg: Config(**cfg))
+# The fused kernel's speed over cuBLAS at each bucket's largest M, measured on the H200 (written by
+# `w12.bench --save-fallback`)
+SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_table("fallback_h200.json", lambda e: float(e["speedup"]))
 DEFAULT_FALLBACK = (32, 64)   # unmeasured: W12 was below cuBLAS at M = 32 on 22 of 24 shape x family cases
                               # and at M = 64 on all 24 (BENCH.md)
 
