@@ -260,7 +260,8 @@ def table(rows: list[dict]) -> str:
     lines = [("| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
               "| identical | diverged | near ties | control: identical | control: near ties |"
               + (" W12 + fallback tok/s | speedup | identical | near ties |" if with_fallback else "")),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if with_fallback else "")]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             + ("---:|---:|---:|---:|" if with_fallback else "")]
     for r in rows:
         c, f = r["control"], r.get("fallback")
         shown = (f"{c['identical']}/{r['batch']} | {c['near_ties']}/{c['diverged']}" if c else "– | –")

@@ -112,7 +112,8 @@ def test_the_w12_dense_fallback_is_a_mechanism_added_from_the_command_line_to_re
 
 def test_a_typo_in_the_w12_dense_fallback_mechanism_is_refused_where_it_is_added(conf):
     edit(conf / "mechanism" / "w12-dense-fallback.yaml", "w12_dense_fallback: true", "w12_dense_fallbak: true")
-    refused("cpu_c1_stories260k-bf16_ngram", "final", ["+mechanism@final.mechanisms.w12-dense-fallback=w12-dense-fallback"],
+    refused("cpu_c1_stories260k-bf16_ngram", "final",
+            ["+mechanism@final.mechanisms.w12-dense-fallback=w12-dense-fallback"],
             "mechanism/w12-dense-fallback.yaml", "'runtime_options.w12_dense_fallbak'",
             "runtime_options.w12_dense_fallback")
 

@@ -344,8 +344,8 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
         arms = [("bf16", step_bf16), ("w12", step_w12)]
         if falls:
             arms.append(("w12_fallback", lambda: step_w12(twins)))
-        row = dict(family=family, M=m, layers=layers, path=w12_path(m, device), bf16_bytes=bf16_total, w12_bytes=w12_total,
-                   fallback_shapes=falls)
+        row = dict(family=family, M=m, layers=layers, path=w12_path(m, device), bf16_bytes=bf16_total,
+                   w12_bytes=w12_total, fallback_shapes=falls)
         try:
             times = {label: replay_us(step, device) for label, step in arms + [("bf16_again", step_bf16)]}
         except Exception as err:
@@ -481,11 +481,12 @@ def family_summary(family: str, rows: list[dict], stack_rows: list[dict]) -> str
     line = (f"{family}: GEMM geomean M<=16 {gm(small):.3f} (target {t16:.2f}), M=32 {gm(m32):.3f} (target {t32:.2f}), "
             f"lowest at M<=64 {worst:.3f} (target 1.0){f', {refused} refused' if refused else ''}; "
             f"stack {stacks or '-'} (target 1.25 at M=1,8,16, 1.15 at M=32)")
-    picked = [r["picked_speedup"] for r in rows if r["M"] <= 64 and r.get("picked_speedup", float("nan")) == r.get("picked_speedup")]
+    picked = [r["picked_speedup"] for r in rows if r["M"] <= 64 and not math.isnan(r.get("picked_speedup", math.nan))]
     if picked:
         stacks = ", ".join(f"M={r['M']} x{r['picked_speedup']:.3f}" for r in stack_rows if "picked_speedup" in r)
-        line += (f"; with the bf16 fallback: GEMM geomean M=32 {gm(r['picked_speedup'] for r in rows if r['M'] == 32):.3f}, "
-                 f"lowest at M<=64 {min(picked):.3f}, stack {stacks or '-'}")
+        m32 = gm(r["picked_speedup"] for r in rows if r["M"] == 32)
+        line += (f"; with the bf16 fallback: GEMM geomean M=32 {m32:.3f}, lowest at M<=64 {min(picked):.3f}, "
+                 f"stack {stacks or '-'}")
     return line
 
 

@@ -190,7 +190,8 @@ def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
         if bias is not None:
             y = y + bias
     else:
-        weight = packed.dense if packed.dense is not None else decode_on_device(packed) if x2.is_cuda else decode(packed)
+        weight = (packed.dense if packed.dense is not None else
+                  decode_on_device(packed) if x2.is_cuda else decode(packed))
         y = torch.nn.functional.linear(x2, weight, bias)
     return y.reshape(*lead, packed.rows)
 
