@@ -64,13 +64,14 @@ def test_a_dense_copy_that_is_not_the_encoded_matrix_is_refused(speedups):
     assert packed.dense is None
 
 
-def test_the_copy_moves_with_the_weight_and_serves_the_reference_path(speedups):
+def test_the_copy_moves_with_the_weight_and_serves_the_reference_path(speedups, monkeypatch):
     weight = normal_with_escapes(48, 256, 1e-3, seed=5)
     packed = w12.encode(weight)
     assert gemm.keep_dense(packed, weight)          # an unmeasured shape: the default buckets
     moved = packed.to("cpu")
     assert moved.dense_buckets == gemm.DEFAULT_FALLBACK and torch.equal(moved.dense, weight)
-    x = torch.randn(70, 256).to(torch.bfloat16)     # M > 64: the reference path, on the copy
+    x = torch.randn(70, 256).to(torch.bfloat16)     # M > 64: the reference path, on the copy, not a decode
+    monkeypatch.setattr(gemm, "decode", lambda packed: pytest.fail("decoded although a copy is kept"))
     assert torch.equal(w12.linear(x, packed), torch.nn.functional.linear(x, weight))
 
 
