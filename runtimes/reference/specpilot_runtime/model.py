@@ -21,17 +21,17 @@ a query only reads keys at or before its own position, and those were all writte
 Batch invariance (what SGLang calls deterministic inference): a position's logits do not depend on how many
 tokens are scored with it, so the prefill that scores a whole sequence at once (the oracle that verify forces
 tokens through) gives, bit for bit, the logits that prefill and verify steps gave chunk by chunk, whatever the
-drafter proposed and whatever else was in the batch. On CPU (MKL) a product of a single row runs another
-kernel (GEMV) than one of two or more rows, whose rows come out the same whatever their number; that alone
-made a position's float32 logits differ by up to 1.4e-5 (benchmarks/tolerance.md). So no product here has a
-single row: a one-token step scores its token twice (a copy of the query at the same position, which writes
-nothing; two sequences in a batch pad their step to two tokens instead), and a one-row logit projection
-projects a copy beside it. The attention's probs @ values product also reduced in another order over more
-keys (a short prefill against a whole sequence, or past 256 keys), so attention spans whole blocks of
-KEY_BLOCK keys, the keys past a query masked to exact zeros, and that product runs block by block with the
-partial results added in a fixed order (`_attend`); softmax gives the same result over more masked keys
-(measured). tests/test_batch_invariance.py checks all of it on stories260K: verify chunks of 1..k tokens,
-rejected drafts, short prompts, sequences past 256 tokens, and a second sequence in the batch.
+drafter proposed and whatever else was in the batch. On CPU, MKL runs a product of few rows through other kernels
+than a larger one: on an Intel CPU a single row (GEMV) differed, which alone made a position's float32 logits
+differ by up to 1.4e-5 (benchmarks/tolerance.md); on an AMD EPYC with AVX2 (2026-12-01) products of 1-3, 5-7
+and 9-11 rows differed and every product of 12 rows or more gave each row the same result. So on CPU every
+product here has at least MIN_ROWS rows, padded with zero rows that are dropped again (`rows_padded`). The
+attention's probs @ values product also reduced in another order over more keys (a short prefill against a
+whole sequence, or past 256 keys), so attention spans whole blocks of KEY_BLOCK keys, the keys past a query
+masked to exact zeros, and that product runs block by block with the partial results added in a fixed order
+(`_attend`); softmax gives the same result over more masked keys (measured). tests/test_batch_invariance.py
+checks all of it on stories260K: verify chunks of 1..k tokens, rejected drafts, short prompts, sequences past
+256 tokens, and a second sequence in the batch.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 KEY_BLOCK = 512  # attention runs in whole blocks of this many keys (batch invariance, see the docstring)
+MIN_ROWS = 16    # on CPU every product has at least this many rows (batch invariance, see the docstring)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,7 +84,7 @@ class LeanLlama:
         self.shape = s = llama_shape(hf_model.config)
         self.device = torch.device(device)
         self.dtype = next(hf_model.parameters()).dtype
-        self.mm = torch.mm
+        self.mm = rows_padded(torch.mm)
         self._take_weights(hf_model)
         if w12:
             self._encode_w12(dense_fallback)
@@ -196,16 +197,11 @@ class LeanLlama:
         if batch == 1:
             x = self._layers_one(tokens[0], slots[0], starts[0])[None]
         else:
-            if steps == 1:  # batch invariance: two rows per sequence (the second is masked from the first)
-                tokens = tokens.repeat(1, 2)
-            x = self._layers_batch(tokens, slots, starts)[:, :steps]
+            x = self._layers_batch(tokens, slots, starts)
         if logit_rows is not None:
             x = x[:, logit_rows]
         flat = self._normalise(x.reshape(-1, x.shape[-1]), self.final_norm)
-        rows = flat.shape[0]
-        if rows == 1:  # batch invariance: no one-row product
-            flat = flat.repeat(2, 1)
-        return self.mm(flat, self.lm_head)[:rows].view(*x.shape[:-1], -1).float()
+        return self.mm(flat, self.lm_head).view(*x.shape[:-1], -1).float()
 
     def _key_length(self, end: int) -> int:
         """Keys an attention step spans: `end` rounded up to whole blocks of KEY_BLOCK, the rest masked."""
@@ -226,29 +222,26 @@ class LeanLlama:
             mask = torch.ones(steps, keys, dtype=torch.bool, device=self.device).tril(start)
             mask = torch.zeros(steps * group, keys, dtype=self.dtype, device=self.device).masked_fill_(
                 ~mask.repeat_interleave(group, dim=0), float("-inf"))
-        # Batch invariance: one token is scored as two identical rows (same position, same keys), so that
-        # every product has at least two rows; only the first writes the cache, only the first is returned.
-        rows = 2 if steps == 1 else steps
         caches = self.slot_views[slot]
-        x = F.embedding(tokens.expand(rows) if steps == 1 else tokens, self.embed)
+        x = F.embedding(tokens, self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
-            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(rows, 2 * nh + 3 * nkv, hd)
+            qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(steps, 2 * nh + 3 * nkv, hd)
             qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv:] * sin
             kc, vc = caches[i]
-            kc[:, :, start:end] = qk[:steps, nh:].permute(1, 2, 0)
-            vc[:, start:end] = qkv[:steps, nh + nkv: nh + 2 * nkv].transpose(0, 1)
-            q = qk[:, :nh].reshape(rows, nkv, group, hd).transpose(0, 1).reshape(nkv, rows * group, hd)
-            scores = torch.bmm(q, kc[:, :, :keys])
+            kc[:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
+            vc[:, start:end] = qkv[:, nh + nkv: nh + 2 * nkv].transpose(0, 1)
+            q = qk[:, :nh].reshape(steps, nkv, group, hd).transpose(0, 1).reshape(nkv, steps * group, hd)
+            scores = rows_padded(torch.bmm)(q, kc[:, :, :keys])
             if not self.folded:
                 scores = scores * self.q_scale
             scores += mask
             o = _attend(self._softmax(scores), vc[:, :keys])
-            o = o.view(nkv, rows, group * hd).transpose(0, 1).reshape(rows, nh * hd)
+            o = o.view(nkv, steps, group * hd).transpose(0, 1).reshape(steps, nh * hd)
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
             x = x + self.mm(F.silu(gate) * up, w_down)
-        return x[:steps]
+        return x
 
     def _layers_batch(self, tokens: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:
         s = self.shape
@@ -283,7 +276,7 @@ class LeanLlama:
                 keys_i, values_i = kc[lo:lo + batch, :, :, :key_len], vc[lo:lo + batch, :, :key_len]
             else:
                 keys_i, values_i = kc[slot_t, :, :, :key_len], vc[slot_t, :, :key_len]
-            scores = torch.matmul(q, keys_i)
+            scores = rows_padded(torch.matmul)(q, keys_i)
             if not self.folded:
                 scores = scores * self.q_scale
             scores += mask
@@ -302,10 +295,24 @@ def _attend(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     keys), so a query's output would change with the number of masked keys after it. A block of KEY_BLOCK keys
     is always the same shape, so however the BLAS splits it, it splits it the same way; masked blocks add exact
     zeros. 512 keeps stories260K (512-token context) to one block per step, the cheapest invariant choice."""
-    out = torch.matmul(probs[..., :KEY_BLOCK], values[..., :KEY_BLOCK, :])
+    matmul = rows_padded(torch.matmul)
+    out = matmul(probs[..., :KEY_BLOCK], values[..., :KEY_BLOCK, :])
     for lo in range(KEY_BLOCK, probs.shape[-1], KEY_BLOCK):
-        out = out + torch.matmul(probs[..., lo:lo + KEY_BLOCK], values[..., lo:lo + KEY_BLOCK, :])
+        out = out + matmul(probs[..., lo:lo + KEY_BLOCK], values[..., lo:lo + KEY_BLOCK, :])
     return out
+
+
+def rows_padded(product):
+    """`product(a, b)` computed, on CPU, with `a` padded by zero rows to at least MIN_ROWS rows (its dim -2), and
+    the padding's rows dropped: MKL gives a row the same result in every product of MIN_ROWS rows or more, not in
+    smaller ones (see the module docstring)."""
+    def padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        rows = a.shape[-2]
+        if rows >= MIN_ROWS or a.device.type != "cpu":
+            return product(a, b)
+        pad = a.new_zeros(*a.shape[:-2], MIN_ROWS - rows, a.shape[-1])
+        return product(torch.cat([a, pad], dim=-2), b)[..., :rows, :]
+    return padded
 
 
 def _w12_projection(w12):
@@ -320,7 +327,7 @@ def _w12_projection(w12):
         if x.is_cuda:
             return linear(x, packed)
         weight = packed.dense if packed.dense is not None else decode(packed)
-        return torch.mm(x, weight.t().contiguous())
+        return rows_padded(torch.mm)(x, weight.t().contiguous())
 
     return mm
 
