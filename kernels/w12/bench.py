@@ -417,22 +417,30 @@ def eager_us(fn, items, device, calls: int = 200, rounds: int = 5) -> float:
     return 1e6 * statistics.median(samples)
 
 
-def host_us(fn, items, device, bursts: int = 20, calls: int = 10) -> float:
-    """Host cost of one call: a CPU timer around the call alone (no sync), median over short bursts that
-    start from an idle GPU, so launches never wait for a full queue."""
-    for item in items:
-        fn(item)
+def host_us(pair, device, bursts: int = 20, calls: int = 10) -> tuple[float, float, float]:
+    """Host cost of one call for each of two callers, measured side by side: a CPU timer around each call alone
+    (no sync), the two callers alternating call by call (each burst starts with the other one than the last),
+    in short bursts that start from an idle GPU, so launches never wait for a full queue and both see the same
+    state of the host (clock, caches, what else runs). pair = ((fn, items), (fn, items)). Returns the median
+    per caller and the median of the per-pair differences (second minus first), in microseconds."""
+    for fn, items in pair:
+        for item in items:
+            fn(item)
     if torch.device(device).type == "cpu":      # --dry-run
         bursts = 2
-    samples = []
-    for _ in range(bursts):
+    samples = ([], [])
+    for burst in range(bursts):
         sync(device)
+        order = (0, 1) if burst % 2 == 0 else (1, 0)
         for i in range(calls):
-            t0 = time.perf_counter()
-            fn(items[i % len(items)])
-            samples.append(time.perf_counter() - t0)
+            for side in order:
+                fn, items = pair[side]
+                t0 = time.perf_counter()
+                fn(items[i % len(items)])
+                samples[side].append(time.perf_counter() - t0)
     sync(device)
-    return 1e6 * statistics.median(samples)
+    gaps = [b - a for a, b in zip(*samples)]
+    return tuple(1e6 * statistics.median(v) for v in (samples[0], samples[1], gaps))
 
 
 def eager(weights: dict, shapes: dict, ms=EAGER_MS) -> list[dict]:
@@ -449,13 +457,14 @@ def eager(weights: dict, shapes: dict, ms=EAGER_MS) -> list[dict]:
             try:
                 row["w12_us"] = eager_us(w12, packs, device)
                 if m == 1:
-                    row.update(cublas_host_us=host_us(ref, bf16s, device), w12_host_us=host_us(w12, packs, device))
+                    host = host_us(((ref, bf16s), (w12, packs)), device)
+                    row.update(zip(("cublas_host_us", "w12_host_us", "host_gap_us"), host))
             except Exception as err:
                 row.update(w12_us=float("nan"), error=f"{type(err).__name__}: {str(err)[:200]}")
             row["speedup"] = row["cublas_us"] / row["w12_us"]
             rows.append(row)
-            host = (f"  host F.linear {row['cublas_host_us']:.1f} us, W12 {row['w12_host_us']:.1f} us"
-                    if "w12_host_us" in row else "")
+            host = (f"  host F.linear {row['cublas_host_us']:.1f} us, W12 {row['w12_host_us']:.1f} us, "
+                    f"paired gap {row['host_gap_us']:+.1f} us" if "w12_host_us" in row else "")
             print(f"eager {name:8s} M={m:2d} F.linear {row['cublas_us']:7.1f} us/call  W12 {row['w12_us']:7.1f} "
                   f"us/call [{row['path']}]  x{row['speedup']:.3f}{host}", flush=True)
     return rows
@@ -597,8 +606,11 @@ def eager_table(rows: list[dict]) -> list[str]:
            "| host gap us (target <= 5) |",
            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        host = (f"| {r['cublas_host_us']:.1f} | {r['w12_host_us']:.1f} | {r['w12_host_us'] - r['cublas_host_us']:.1f} |"
-                if "w12_host_us" in r else "| | | |")
+        host = "| | | |"
+        if "w12_host_us" in r:
+            # runs before the paired measurement (no host_gap_us): the difference of the two medians
+            gap = r.get("host_gap_us", r["w12_host_us"] - r["cublas_host_us"])
+            host = f"| {r['cublas_host_us']:.1f} | {r['w12_host_us']:.1f} | {gap:.1f} |"
         w12 = f"refused: {r['error']}" if "error" in r else f"{r['w12_us']:.1f}"
         out.append(f"| {r['shape']} | {r['M']} | {r['path']} | {r['cublas_us']:.1f} | {w12} | **{r['speedup']:.3f}** " + host)
     return out

@@ -145,6 +145,7 @@ def test_bench_dry_run_reports_every_family_and_table(tmp_path, capsys):
     assert [(r["shape"], r["M"]) for r in result["cliff"]] == [(s, 1) for s in bench.DRY_SHAPES]
     assert all(r["escape_rate_hi"] > r["escape_rate_lo"] for r in result["cliff"])
     assert [r["shape"] for r in result["eager"]] == list(bench.DRY_SHAPES)
+    assert all(r["cublas_host_us"] > 0 and r["w12_host_us"] > 0 and "host_gap_us" in r for r in result["eager"])
     printed = capsys.readouterr().out
     assert "DRY RUN on CPU" in printed and "| geomean M <= 16 |" in printed
     assert all(f"{family}: GEMM geomean" in printed for family in DRY_FAMILIES)
@@ -156,3 +157,17 @@ def test_bench_refuses_an_unknown_family(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--dry-run", "--family", "normal,laplace"])
     assert "unknown family laplace; known: normal" in capsys.readouterr().err
+
+
+def test_host_cost_is_measured_side_by_side():
+    """The eager table's host gap: the two callers alternate call by call (each one first in every other burst)
+    and the gap is the median of the pairs' differences; a caller 2 ms slower shows a gap of at least 2 ms."""
+    import time
+
+    calls = []
+    fast = lambda item: calls.append("fast")                              # noqa: E731
+    slow = lambda item: (calls.append("slow"), time.sleep(0.002))         # noqa: E731
+    fast_us, slow_us, gap_us = bench.host_us(((fast, [0, 1]), (slow, [0, 1])), "cpu")
+    assert slow_us >= 2000 > fast_us and 2000 <= gap_us < slow_us + 1
+    timed = calls[4:]                                                     # after one warm-up call per item
+    assert len(timed) == 2 * 2 * 10 and timed[:2] == ["fast", "slow"] and timed[20:22] == ["slow", "fast"]
