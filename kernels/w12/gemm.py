@@ -55,8 +55,6 @@ class Config:
                               # over the split-K ranges) instead of all after it
     xt: bool = False          # gather the escapes' activations from a transposed copy of x (x.T [K, M bucket],
                               # made per call): one contiguous run per escape instead of M scattered values
-    esc_pre: bool = False     # the escapes' correction made by a kernel of its own before the GEMM (an fp32
-                              # [M, N] tile the first K range starts from); the GEMM then handles no escapes
 
 
 HEAVY_ESCAPES = 2e-4   # escapes per weight from which a weight takes the "heavy" configs (Student-t, outlier columns)
@@ -231,26 +229,9 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
     y = torch.empty((m, packed.rows), dtype=torch.bfloat16, device=x.device)
     grid, args, meta = _launch_args(packed, bucket_of(m), config)
     args.update(x_ptr=x, y_ptr=y, M=m, stride_xm=x.stride(0), stride_ym=y.stride(0),
-                g_ptr=transposed(x, bucket_of(m)) if config.xt else x,   # x is contiguous: _launch_args' strides hold
-                c_ptr=escape_correction(x, packed) if config.esc_pre else y)
+                g_ptr=transposed(x, bucket_of(m)) if config.xt else x)   # x is contiguous: _launch_args' strides hold
     _w12_gemm_kernel[grid](**args, **meta)
     return y
-
-
-ESC_ROWS = 16      # weight rows per program of the escape-correction kernel
-ESC_CHUNK = 64     # escape entries per step there
-
-
-def escape_correction(x: torch.Tensor, packed: W12Tensor) -> torch.Tensor:
-    """x (W - W_planes).T as fp32 [M, N]: for each escape x[:, col] * (w - w_planes), summed per row in CSR order
-    (zeros where a row has none), as the fused kernel would add them; the esc_pre GEMM starts from it."""
-    m = x.shape[0]
-    c = torch.empty((m, packed.rows), dtype=torch.float32, device=x.device)
-    _w12_escape_kernel[(triton.cdiv(packed.rows, ESC_ROWS),)](
-        x, packed.base, packed.esc_ptr, packed.esc_col, packed.esc_bits, c, m, packed.rows, x.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=ESC_ROWS, ESC_BLOCK=ESC_CHUNK, DOT_F32=_interpreting(),
-        num_warps=2)
-    return c
 
 
 def transposed(x: torch.Tensor, bucket: int) -> torch.Tensor:
@@ -272,12 +253,11 @@ def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, di
                                           row_blocks)
     args = dict(x_ptr=None, low_ptr=packed.low, nib_ptr=packed.codes, base_ptr=packed.base,
                 esc_ptr_ptr=packed.esc_ptr, esc_col_ptr=packed.esc_col, esc_bits_ptr=packed.esc_bits, y_ptr=None,
-                part_ptr=partials, count_ptr=counters, g_ptr=None, c_ptr=None, M=0, N=n, K=k, HALF=half, stride_xm=k, stride_ym=n,
+                part_ptr=partials, count_ptr=counters, g_ptr=None, M=0, N=n, K=k, HALF=half, stride_xm=k, stride_ym=n,
                 stride_gm=1 if cfg.xt else k, stride_gk=bucket if cfg.xt else 1)
     meta = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
                 SPLIT=cfg.split_k > 1, SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
-                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, ESC_PRE=cfg.esc_pre, MAX_M=FUSED_MAX_M,
-                PTX=not _interpreting(),
+                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, MAX_M=FUSED_MAX_M, PTX=not _interpreting(),
                 DOT_F32=_interpreting(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (row_blocks, cfg.split_k), args, meta
@@ -294,8 +274,7 @@ class Plan:
         grid, args, meta = _launch_args(packed, bucket, cfg)
         probe_x = torch.empty((bucket, k), dtype=torch.bfloat16, device=packed.device)
         probe_y = torch.empty((bucket, n), dtype=torch.bfloat16, device=packed.device)
-        probe_c = torch.empty((bucket, n), dtype=torch.float32, device=packed.device) if cfg.esc_pre else probe_y
-        args.update(x_ptr=probe_x, y_ptr=probe_y, M=bucket, c_ptr=probe_c,
+        args.update(x_ptr=probe_x, y_ptr=probe_y, M=bucket,
                     g_ptr=torch.empty((k, bucket), dtype=torch.bfloat16, device=packed.device) if cfg.xt else probe_x)
         kernel = _w12_gemm_kernel.warmup(**args, **meta, grid=grid)
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
@@ -311,7 +290,6 @@ class Plan:
         names = list(args) + list(_CONSTEXPRS)
         self._x, self._y, self._m = names.index("x_ptr"), names.index("y_ptr"), names.index("M")
         self._g, self._xt = names.index("g_ptr"), cfg.xt
-        self._c, self._pre = names.index("c_ptr"), cfg.esc_pre
         self._args = values
         self._stream_of = torch._C._cuda_getCurrentRawStream
         self._index = packed.device.index if packed.device.index is not None else torch.cuda.current_device()
@@ -327,8 +305,6 @@ class Plan:
         args[self._x], args[self._y], args[self._m] = x.data_ptr(), y.data_ptr(), m
         xt = transposed(x, self.bucket) if self._xt else None    # held until the launch is enqueued
         args[self._g] = args[self._x] if xt is None else xt.data_ptr()
-        c = escape_correction(x, packed) if self._pre else None     # likewise
-        args[self._c] = args[self._y] if c is None else c.data_ptr()
         self._launch(self._grid[0], self._grid[1], 1, self._stream_of(self._index), *self._head, *args)
         return y
 
@@ -341,7 +317,7 @@ def _launch_hooked() -> bool:
 
 
 _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "ESC_BLOCK", "SPLIT", "SWAP", "EVEN_K", "ESC_AFTER", "ESC_STEP",
-               "ESC_PRE", "MAX_M", "PTX", "DOT_F32")
+               "MAX_M", "PTX", "DOT_F32")
 
 
 _WORKSPACES: dict = {}
@@ -477,10 +453,10 @@ def _escape_chunk(acc, e0, esc_end, g_ptr, xrows, xmask, stride_gm, stride_gk, e
 @triton.jit(do_not_specialize=["M"])
 def _w12_gemm_kernel(
     x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr, g_ptr,
-    c_ptr, M, N, K, HALF, stride_xm, stride_ym, stride_gm, stride_gk,
+    M, N, K, HALF, stride_xm, stride_ym, stride_gm, stride_gk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, ESC_PRE: tl.constexpr, MAX_M: tl.constexpr, PTX: tl.constexpr,
+    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, MAX_M: tl.constexpr, PTX: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -505,7 +481,7 @@ def _w12_gemm_kernel(
     row_hi = tl.where(offs_n < N, tl.load(esc_ptr_ptr + rows + 1), row_lo)
     offs_e = esc_start + tl.arange(0, ESC_BLOCK)
     emask = offs_e < esc_end
-    if not ESC_AFTER and ESC_STEP == 0 and not ESC_PRE:
+    if not ESC_AFTER and ESC_STEP == 0:
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
 
@@ -513,15 +489,7 @@ def _w12_gemm_kernel(
     nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
-    if ESC_PRE:     # the escapes' correction (escape_correction): the first K range starts from it
-        m_c = tl.where(pid_k == 0, M, 0)
-        if SWAP:
-            acc = tl.load(c_ptr + offs_m[None, :] * N + offs_n[:, None],
-                          mask=(offs_m[None, :] < m_c) & (offs_n[:, None] < N), other=0.0)
-        else:
-            acc = tl.load(c_ptr + offs_m[:, None] * N + offs_n[None, :],
-                          mask=(offs_m[:, None] < m_c) & (offs_n[None, :] < N), other=0.0)
-    elif SWAP:
+    if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -552,16 +520,14 @@ def _w12_gemm_kernel(
         else:
             acc = _dot(x_lo, tl.trans(w_lo), acc, DOT_F32)
             acc = _dot(x_hi, tl.trans(w_hi), acc, DOT_F32)
-        if ESC_STEP > 0 and not ESC_PRE:
+        if ESC_STEP > 0:
             # chunk c of the block's escapes belongs to range c % splits; this range adds one per step
             e0 = esc_start + (((k0 - k_first) // BLOCK_K) * splits + pid_k) * ESC_STEP
             if e0 < esc_end:
                 acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
                                     esc_bits_ptr, row_lo, row_hi, neg_planes, ESC_STEP, SWAP, DOT_F32)
 
-    if ESC_PRE:
-        pass
-    elif ESC_STEP > 0:      # the chunks left over when the block has more escapes than steps
+    if ESC_STEP > 0:        # the chunks left over when the block has more escapes than steps
         done = tl.maximum(0, tl.cdiv(k_last - k_first, BLOCK_K)) * splits
         for e0 in range(esc_start + (done + pid_k) * ESC_STEP, esc_end, splits * ESC_STEP):
             acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
@@ -596,25 +562,3 @@ def _w12_gemm_kernel(
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
-
-
-@triton.jit(do_not_specialize=["M"])
-def _w12_escape_kernel(x_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, c_ptr, M, N, stride_xm,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ESC_BLOCK: tl.constexpr, DOT_F32: tl.constexpr):
-    """c[:, rows] = x (W - W_planes)[rows].T for one block of rows: the fused kernel's escape correction alone."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)
-    offs_m = tl.arange(0, BLOCK_M)
-    xmask = offs_m < M
-    base = tl.load(base_ptr + rows)
-    neg_planes = ((base.to(tl.int32) << 8) | 0x8000).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    esc_start = tl.load(esc_ptr_ptr + pid * BLOCK_N)
-    esc_end = tl.load(esc_ptr_ptr + tl.minimum(pid * BLOCK_N + BLOCK_N, N))
-    row_lo = tl.load(esc_ptr_ptr + rows)
-    row_hi = tl.where(offs_n < N, tl.load(esc_ptr_ptr + rows + 1), row_lo)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for e0 in range(esc_start, esc_end, ESC_BLOCK):
-        acc = _escape_chunk(acc, e0, esc_end, x_ptr, offs_m, xmask, stride_xm, 1, esc_col_ptr, esc_bits_ptr, row_lo,
-                            row_hi, neg_planes, ESC_BLOCK, False, DOT_F32)
-    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=xmask[:, None] & (offs_n < N)[None, :])
