@@ -125,7 +125,7 @@ def test_spreading_head_dims_keeps_hf_rotary_scores():
                            (hf_rope(wrong.reshape(-1, width) @ x_q, 3, 2 * d) * hf_rope(pk @ x_k, 7, 2 * d)).sum(-1) / 4)
 
 
-# --- equivalence with transformers, float32 on CPU ------------------------------------------------------------
+# --- equivalence with transformers on CPU: float64 logits, float32 greedy tokens ------------------------------
 
 def test_padded_logits_equal_the_unpadded_ones(models, golden):
     import copy
