@@ -12,7 +12,8 @@ Tiers (registered in pyproject.toml, `--strict-markers`):
 `make test-fast` runs `-m "not slow and not gpu and not sglang"`; `make test` runs everything.
 
 The pinned data mirror is ../shared beside the checkout. Without it, every test that needs it (through the
-`shared`, `stories_dir`, `llama2c_dir` or `golden` fixtures) is skipped with the reason; collection never fails.
+`shared`, `stories_dir`, `llama2c_dir`, `golden` or `w12_stories` fixtures) is skipped with the reason; collection
+never fails.
 """
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ def stories_dir(shared) -> Path:
 def llama2c_dir(stories_dir) -> Path:
     """stories260K's llama2.c originals in the mirror (stories260K.bin, tok512.bin), as karpathy/tinyllamas has them."""
     return _need(stories_dir / "llama2c")
+
+
+@pytest.fixture(scope="session")
+def w12_stories() -> Path:
+    """stories260K's checkpoint where w12.families reads it ($W12_STORIES, $SPECPILOT_MIRROR, shared/ in the
+    checkout, else ../shared: families.stories_path()), for the stories260k weight family; skips without it."""
+    from w12 import families
+
+    return _need(families.stories_path())
 
 
 @pytest.fixture(scope="session")

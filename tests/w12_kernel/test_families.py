@@ -10,7 +10,13 @@ from scipy import stats
 from w12 import bench, families
 from w12.families import FAMILIES, draw, normal_with_escapes
 
-STORIES = families.stories_path()
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    """Every weight family; stories260k's case needs the pinned checkpoint (and skips without it)."""
+    if request.param == "stories260k":
+        request.getfixturevalue("w12_stories")
+    return request.param
 
 
 def bits(w):
@@ -23,7 +29,6 @@ def row_kurtosis(w):
     return ((x ** 4).mean(1) / (x ** 2).mean(1) ** 2).median().item()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
 def test_same_seed_same_matrix_other_seed_other_matrix(family):
     a, b, c = draw(family, 64, 512, seed=3), draw(family, 64, 512, seed=3), draw(family, 64, 512, seed=4)
     assert a.dtype == torch.bfloat16 and a.shape == (64, 512)
@@ -31,7 +36,6 @@ def test_same_seed_same_matrix_other_seed_other_matrix(family):
     assert (bits(a) != bits(c)).float().mean() > 0.5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
 def test_no_zeros_and_lossless_through_w12(family):
     w = draw(family, 256, 2048, seed=0)
     assert not (w == 0).any()
@@ -85,8 +89,8 @@ def test_outlier_columns_are_10_to_30_times_the_others():
     assert not torch.equal(chosen, families.outlier_columns(cols, seed=10))
 
 
-def test_stories260k_rows_are_the_checkpoints_own_rows_repeated():
-    real = {tuple(bits(row.to(torch.bfloat16)).tolist()) for t in load_file(str(STORIES)).values() if t.dim() == 2
+def test_stories260k_rows_are_the_checkpoints_own_rows_repeated(w12_stories):
+    real = {tuple(bits(row.to(torch.bfloat16)).tolist()) for t in load_file(str(w12_stories)).values() if t.dim() == 2
             for row in t}
     assert len(families.stories_rows()) == 3512
     w = draw("stories260k", 200, 1000, seed=1)
@@ -96,9 +100,9 @@ def test_stories260k_rows_are_the_checkpoints_own_rows_repeated():
         assert torch.equal(row, row[:width].repeat(-(-1000 // width))[:1000])
 
 
-def test_stories260k_file_not_the_pinned_one_is_refused(tmp_path):
+def test_stories260k_file_not_the_pinned_one_is_refused(tmp_path, w12_stories):
     forged = tmp_path / "model.safetensors"
-    forged.write_bytes(STORIES.read_bytes()[:-4] + b"\0\0\0\0")
+    forged.write_bytes(w12_stories.read_bytes()[:-4] + b"\0\0\0\0")
     with pytest.raises(ValueError, match=f"{forged}: sha256 .* is not the pinned {families.STORIES_SHA256}"):
         families.stories_matrices(str(forged))
     with pytest.raises(FileNotFoundError, match="W12_STORIES"):
@@ -127,7 +131,7 @@ DRY_FAMILIES = ("normal", "outliers", "stories260k")
 
 
 @pytest.mark.slow       # ~8 s on 2 cores
-def test_bench_dry_run_reports_every_family_and_table(tmp_path, capsys):
+def test_bench_dry_run_reports_every_family_and_table(tmp_path, capsys, w12_stories):
     """The benchmark's plumbing on CPU (tiny shapes, reference path): each family's GEMM and stack rows side by
     side, the escape cliff and the eager table reach the JSON and the printed summary."""
     out = tmp_path / "dry.json"

@@ -60,7 +60,7 @@ def test_families_fall_on_the_side_of_the_threshold_the_picks_assume():
         assert escape_rate(family) >= gemm.HEAVY_ESCAPES, family
 
 
-def test_escapes_clustered_in_some_row_blocks_make_a_weight_heavy():
+def test_escapes_clustered_in_some_row_blocks_make_a_weight_heavy(w12_stories):
     """stories260K's real rows: few escapes on average, but in runs per row, so a tenth of the row blocks carry
     many; the class follows the blocks (a program waits for its own block's escapes), not the mean."""
     for family, is_heavy in (("normal", False), ("student-t5", True), ("stories260k", True)):
