@@ -5,6 +5,7 @@ float32) and llama2.c's golden greedy continuation — and the h200 SGLang setti
 pass SGLang's own argument check."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -128,8 +129,6 @@ def test_spreading_head_dims_keeps_hf_rotary_scores():
 # --- equivalence with transformers on CPU: float64 logits, float32 greedy tokens ------------------------------
 
 def test_padded_logits_equal_the_unpadded_ones(models, golden):
-    import copy
-
     import torch
 
     plain, padded = models
