@@ -110,8 +110,8 @@ def test_an_engine_ships_its_kernels_run_time_files_and_their_benchmarks_do_not_
 
     eid, path = build()
     shipped = {p.relative_to(path / "kernels" / "w12").as_posix() for p in (path / "kernels" / "w12").rglob("*")}
-    assert shipped == {"__init__.py", "format.py", "gemm.py", "module.py", "tuned_h200.json", "fallback_h200.json",
-                       "FORMAT.md"}
+    assert shipped == {"__init__.py", "format.py", "gemm.py", "ws.py", "csrc", "csrc/w12_ws.cu", "module.py",
+                       "tuned_h200.json", "fallback_h200.json", "layouts_h200.json", "FORMAT.md"}
     (clone / "kernels" / "w12" / "bench_h200.json").write_text("{}\n")     # a new benchmark run
     (clone / "kernels" / "w12" / "BENCH.md").write_text("# W12 results, re-run\n")
     assert build()[0] == eid

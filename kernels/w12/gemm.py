@@ -1,7 +1,9 @@
 """y = x @ W.T with W in W12 form, decoded tile by tile in registers (Triton).
 
-Small M (decode and spec-decode verification, M <= 64) runs the fused kernel: each program streams BLOCK_N full rows of the byte
-and code planes (optionally one K range of them: split K), rebuilds bf16 bit patterns four at a time
+Small M (decode and spec-decode verification, M <= 64) runs a fused kernel: the Triton one here, or for the shapes and M
+buckets where the H200 found it faster the warp-specialized CUDA kernel of ws.py (`Config.kernel`). Each Triton program
+streams BLOCK_N rows of the planes' units (FORMAT.md; optionally one K range of them: split K), reorders the loaded
+activations to the planes' K order, rebuilds bf16 bit patterns four at a time
 with byte-parallel integer ops (inline PTX; plain Triton ops under the interpreter) and feeds them to
 tl.dot, as the B operand (x as A, m16) or, with `swap`, as the A operand with x.T as an n8/n16 B operand
 (fewer instructions per weight; the H200 picks it for M <= 16). An escaped weight reads as
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from .format import W12Tensor, decode
+from .format import UNIT_HALF, W12Tensor, decode
 
 FUSED_MAX_M = 64
 BUCKETS = (8, 16, 32, 64)   # M buckets: a config (and a Plan) serves every M up to its bucket
@@ -44,7 +46,7 @@ BUCKETS = (8, 16, 32, 64)   # M buckets: a config (and a Plan) serves every M up
 @dataclass(frozen=True)
 class Config:
     block_n: int = 32
-    block_k: int = 256
+    block_k: int = 256        # half-columns per main-loop step (columns of each half of K): a multiple of 64
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False        # accumulate y.T = W @ x.T (weights as the dot's A operand, x.T as B)
@@ -55,6 +57,15 @@ class Config:
                               # over the split-K ranges) instead of all after it
     xt: bool = False          # gather the escapes' activations from a transposed copy of x (x.T [K, M bucket],
                               # made per call): one contiguous run per escape instead of M scattered values
+    kernel: str = "triton"    # or "ws": the CUDA kernel of ws.py where it runs (ws.supported), else the Triton
+                              # kernel with the fields above
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"Config.kernel is one of {', '.join(KERNELS)}, got {self.kernel!r}")
+
+
+KERNELS = ("triton", "ws")
 
 
 HEAVY_ESCAPES = 2e-4   # escapes per weight from which a weight takes the "heavy" configs (Student-t, outlier columns)
@@ -196,11 +207,23 @@ def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
     return y.reshape(*lead, packed.rows)
 
 
-def prepare(packed: W12Tensor, bucket: int, config: Config | None = None) -> "Plan":
-    """Compile (or find) the kernel for this weight and M bucket and keep its launch ready on the weight."""
-    plan = Plan(packed, bucket, config)
+def prepare(packed: W12Tensor, bucket: int, config: Config | None = None):
+    """Compile (or find) the kernel for this weight and M bucket and keep its launch ready on the weight: the CUDA
+    kernel's (ws.WsPlan) where the config names it and it runs, else the Triton kernel's (Plan)."""
+    cfg = config or config_for(packed, bucket)
+    plan = _ws_plan(packed, bucket, cfg) or Plan(packed, bucket, cfg)
     packed.plans[bucket] = plan
     return plan
+
+
+def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
+    if cfg.kernel != "ws":
+        return None
+    from . import ws
+    made = packed.plans.get(bucket)
+    if isinstance(made, ws.WsPlan):
+        return made
+    return ws.WsPlan(packed, bucket) if ws.supported(packed, bucket) else None
 
 
 def decode_on_device(packed: W12Tensor) -> torch.Tensor:
@@ -208,8 +231,10 @@ def decode_on_device(packed: W12Tensor) -> torch.Tensor:
     out = torch.empty((packed.rows, packed.cols), dtype=torch.bfloat16, device=packed.device)
     half = packed.cols_padded // 2
     grid = (triton.cdiv(packed.rows, 16), triton.cdiv(half, 256))
-    _w12_decode_kernel[grid](packed.low, packed.codes, packed.base, out, packed.rows, half, packed.cols,
-                             BLOCK_R=16, BLOCK_K=256, PTX=not _interpreting(), num_warps=4)
+    low, nib, tile_stride = _plane_args(packed)
+    _w12_decode_kernel[grid](low, nib, packed.base, out, packed.rows, half, packed.cols, tile_stride,
+                             BLOCK_R=16, BLOCK_K=256, UNITS=packed.units is not None, PTX=not _interpreting(),
+                             num_warps=4)
     if packed.escapes:
         counts = (packed.esc_ptr[1:] - packed.esc_ptr[:-1]).long()
         rows = torch.repeat_interleave(torch.arange(packed.rows, device=packed.device), counts,
@@ -226,6 +251,9 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         raise TypeError(f"W12 GEMM takes bf16 activations, got {x.dtype}")
     x = x.contiguous()
     config = config or config_for(packed, bucket_of(m))
+    ws_plan = x.is_cuda and _ws_plan(packed, bucket_of(m), config)
+    if ws_plan:
+        return ws_plan(x, m)
     y = torch.empty((m, packed.rows), dtype=torch.bfloat16, device=x.device)
     grid, args, meta = _launch_args(packed, bucket_of(m), config)
     args.update(x_ptr=x, y_ptr=y, M=m, stride_xm=x.stride(0), stride_ym=y.stride(0),
@@ -241,9 +269,20 @@ def transposed(x: torch.Tensor, bucket: int) -> torch.Tensor:
     return xt
 
 
+def _plane_args(packed: W12Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernels' low_ptr, nib_ptr and TILE_STRIDE: the two row-wise planes, or the units twice and the bytes
+    from one row tile to the next."""
+    if packed.units is None:
+        return packed.low, packed.codes, 0
+    return packed.units, packed.units, packed.units.stride(0)
+
+
 def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, dict, dict]:
     """Grid, kernel arguments (x, y and M left for the caller) and compile-time parameters."""
     n, k = packed.rows, packed.cols
+    if packed.units is not None and cfg.block_k % UNIT_HALF:
+        raise ValueError(f"block_k must be a multiple of {UNIT_HALF} half-columns (a unit's width) for the units "
+                         f"layout, got {cfg}")
     block_m = cfg.block_m if cfg.block_m >= bucket else max(16, bucket)
     half = packed.cols_padded // 2
     per_block = packed.escapes * cfg.block_n / max(1, n)
@@ -251,13 +290,16 @@ def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, di
     row_blocks = triton.cdiv(n, cfg.block_n)
     partials, counters = _split_workspace(packed.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0,
                                           row_blocks)
-    args = dict(x_ptr=None, low_ptr=packed.low, nib_ptr=packed.codes, base_ptr=packed.base,
+    low, nib, tile_stride = _plane_args(packed)
+    args = dict(x_ptr=None, low_ptr=low, nib_ptr=nib, base_ptr=packed.base,
                 esc_ptr_ptr=packed.esc_ptr, esc_col_ptr=packed.esc_col, esc_bits_ptr=packed.esc_bits, y_ptr=None,
-                part_ptr=partials, count_ptr=counters, g_ptr=None, M=0, N=n, K=k, HALF=half, stride_xm=k, stride_ym=n,
+                part_ptr=partials, count_ptr=counters, g_ptr=None, M=0, N=n, K=k, HALF=half,
+                TILE_STRIDE=tile_stride, stride_xm=k, stride_ym=n,
                 stride_gm=1 if cfg.xt else k, stride_gk=bucket if cfg.xt else 1)
     meta = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
                 SPLIT=cfg.split_k > 1, SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
-                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, MAX_M=FUSED_MAX_M, PTX=not _interpreting(),
+                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, MAX_M=FUSED_MAX_M, UNITS=packed.units is not None,
+                PTX=not _interpreting(),
                 DOT_F32=_interpreting(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (row_blocks, cfg.split_k), args, meta
@@ -317,7 +359,7 @@ def _launch_hooked() -> bool:
 
 
 _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "ESC_BLOCK", "SPLIT", "SWAP", "EVEN_K", "ESC_AFTER", "ESC_STEP",
-               "MAX_M", "PTX", "DOT_F32")
+               "MAX_M", "UNITS", "PTX", "DOT_F32")
 
 
 _WORKSPACES: dict = {}
@@ -387,20 +429,77 @@ def _decode(low, nib, base, HIGH: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _w12_decode_kernel(low_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+def _unit_rows(planes_ptr, rows, TILE_STRIDE):
+    """Pointers [R, 1, 1] to each row's bytes in its row tile's first unit (format: 128 rows of 192 bytes)."""
+    r64 = rows.to(tl.int64)
+    return planes_ptr + ((r64 // 128) * TILE_STRIDE + (r64 % 128) * 192)[:, None, None]
+
+
+@triton.jit
+def _unit_cols(k0, BLOCK_K: tl.constexpr):
+    """Offsets [1, G, 64] of half-columns k0 .. k0 + BLOCK_K (k0 a multiple of 64) in their units (format: 64
+    half-columns, 24576 bytes each)."""
+    return ((k0 // 64 + tl.arange(0, BLOCK_K // 64)) * 24576)[None, :, None] + tl.arange(0, 64)[None, None, :]
+
+
+@triton.jit
+def _unit_groups(k0, HALF, BLOCK_K: tl.constexpr):
+    """The mask [1, G, 1] of _unit_cols' groups inside the planes (HALF half-columns)."""
+    return ((k0 + tl.arange(0, BLOCK_K // 64) * 64) < HALF)[None, :, None]
+
+
+@triton.jit
+def _load_planes(at, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, mask, MASKED: tl.constexpr):
+    """The first-half low bytes, second-half low bytes and code bytes at `at` [ROWS, G, 64], as [ROWS, BLOCK_K]
+    each (stored order); with MASKED, the groups outside `mask` read 0."""
+    if MASKED:
+        low_a = tl.load(at, mask=mask, other=0)
+        low_b = tl.load(at + 64, mask=mask, other=0)
+        nib = tl.load(at + 128, mask=mask, other=0)
+    else:
+        low_a = tl.load(at)
+        low_b = tl.load(at + 64)
+        nib = tl.load(at + 128)
+    return (tl.reshape(low_a, (ROWS, BLOCK_K)), tl.reshape(low_b, (ROWS, BLOCK_K)), tl.reshape(nib, (ROWS, BLOCK_K)))
+
+
+@triton.jit
+def _stored_order(x, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [ROWS, BLOCK_K] in their natural order -> in the planes' (format.k_order): natural column
+    64g + 16k + 8jb + 2t + ja is stored at 64g + 16t + 4k + 2jb + ja."""
+    x = tl.reshape(x, (ROWS, BLOCK_K // 64, 4, 2, 4, 2))
+    return tl.reshape(tl.permute(x, (0, 1, 4, 2, 3, 5)), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _natural_order(w, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_stored_order's inverse."""
+    w = tl.reshape(w, (ROWS, BLOCK_K // 64, 4, 4, 2, 2))
+    return tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _w12_decode_kernel(low_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS, TILE_STRIDE,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UNITS: tl.constexpr, PTX: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     rmask = rows < ROWS
     mask = rmask[:, None] & (offs_k < HALF)[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    nib = tl.load(nib_ptr + r64 * HALF + offs_k[None, :], mask=mask, other=0)
-    low_a = tl.load(low_ptr + r64 * (2 * HALF) + offs_k[None, :], mask=mask, other=0)
-    low_b = tl.load(low_ptr + r64 * (2 * HALF) + HALF + offs_k[None, :], mask=mask, other=0)
     base = tl.load(base_ptr + rows, mask=rmask, other=0)
-    w_lo = _decode(low_a, nib, base, False, PTX)
-    w_hi = _decode(low_b, nib, base, True, PTX)
-    tl.store(out_ptr + r64 * COLS + offs_k[None, :], w_lo, mask=mask)
+    if UNITS:
+        at = _unit_rows(low_ptr, tl.minimum(rows, ROWS - 1), TILE_STRIDE) + _unit_cols(k0, BLOCK_K)
+        low_a, low_b, nib = _load_planes(at, BLOCK_R, BLOCK_K, _unit_groups(k0, HALF, BLOCK_K), True)
+        w_lo = _natural_order(_decode(low_a, nib, base, False, PTX), BLOCK_R, BLOCK_K)
+        w_hi = _natural_order(_decode(low_b, nib, base, True, PTX), BLOCK_R, BLOCK_K)
+    else:
+        nib = tl.load(nib_ptr + r64 * HALF + offs_k[None, :], mask=mask, other=0)
+        low_a = tl.load(low_ptr + r64 * (2 * HALF) + offs_k[None, :], mask=mask, other=0)
+        low_b = tl.load(low_ptr + r64 * (2 * HALF) + HALF + offs_k[None, :], mask=mask, other=0)
+        w_lo = _decode(low_a, nib, base, False, PTX)
+        w_hi = _decode(low_b, nib, base, True, PTX)
+    tl.store(out_ptr + r64 * COLS + offs_k[None, :], w_lo, mask=mask & (offs_k < COLS)[None, :])
     tl.store(out_ptr + r64 * COLS + HALF + offs_k[None, :], w_hi, mask=mask & ((HALF + offs_k) < COLS)[None, :])
 
 
@@ -453,10 +552,10 @@ def _escape_chunk(acc, e0, esc_end, g_ptr, xrows, xmask, stride_gm, stride_gk, e
 @triton.jit(do_not_specialize=["M"])
 def _w12_gemm_kernel(
     x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr, g_ptr,
-    M, N, K, HALF, stride_xm, stride_ym, stride_gm, stride_gk,
+    M, N, K, HALF, TILE_STRIDE, stride_xm, stride_ym, stride_gm, stride_gk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, MAX_M: tl.constexpr, PTX: tl.constexpr,
+    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, MAX_M: tl.constexpr, UNITS: tl.constexpr, PTX: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -485,8 +584,11 @@ def _w12_gemm_kernel(
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
 
-    low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
-    nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
+    if UNITS:    # low_ptr: the units (FORMAT.md)
+        unit_rows = _unit_rows(low_ptr, rows, TILE_STRIDE)
+    else:
+        low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
+        nib_rows = nib_ptr + rows.to(tl.int64)[:, None] * HALF
     x_rows = x_ptr + offs_m[:, None] * stride_xm
 
     if SWAP:
@@ -498,20 +600,33 @@ def _w12_gemm_kernel(
     k_last = tl.minimum(HALF, k_first + steps * BLOCK_K)
     for k0 in range(k_first, k_last, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
+        if UNITS:
+            at = unit_rows + _unit_cols(k0, BLOCK_K)
+            if EVEN_K:
+                low_a, low_b, nib = _load_planes(at, BLOCK_N, BLOCK_K, None, False)
+            else:
+                low_a, low_b, nib = _load_planes(at, BLOCK_N, BLOCK_K, _unit_groups(k0, HALF, BLOCK_K), True)
+        else:
+            if EVEN_K:
+                nib = tl.load(nib_rows + offs_k[None, :])
+                low_a = tl.load(low_rows + offs_k[None, :])
+                low_b = tl.load(low_rows + HALF + offs_k[None, :])
+            else:
+                wmask = (offs_k < HALF)[None, :]
+                nib = tl.load(nib_rows + offs_k[None, :], mask=wmask, other=0)
+                low_a = tl.load(low_rows + offs_k[None, :], mask=wmask, other=0)
+                low_b = tl.load(low_rows + HALF + offs_k[None, :], mask=wmask, other=0)
         if EVEN_K:
-            nib = tl.load(nib_rows + offs_k[None, :])
-            low_a = tl.load(low_rows + offs_k[None, :])
-            low_b = tl.load(low_rows + HALF + offs_k[None, :])
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None], other=0.0)
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None], other=0.0)
         else:
-            kmask = offs_k < HALF
-            nib = tl.load(nib_rows + offs_k[None, :], mask=kmask[None, :], other=0)
-            low_a = tl.load(low_rows + offs_k[None, :], mask=kmask[None, :], other=0)
-            low_b = tl.load(low_rows + HALF + offs_k[None, :], mask=kmask[None, :], other=0)
+            kmask = (offs_k < HALF) & (offs_k < K)    # (units: padding columns may reach into the first half)
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None] & kmask[None, :], other=0.0)
             hmask = (HALF + offs_k) < K
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None] & hmask[None, :], other=0.0)
+        if UNITS:
+            x_lo = _stored_order(x_lo, BLOCK_M, BLOCK_K)
+            x_hi = _stored_order(x_hi, BLOCK_M, BLOCK_K)
         w_lo = _decode(low_a, nib, base, False, PTX)
         w_hi = _decode(low_b, nib, base, True, PTX)
         if SWAP:

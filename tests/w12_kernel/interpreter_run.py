@@ -19,7 +19,8 @@ def main(path: str) -> None:
     cases = torch.load(path)
     for case in cases:
         t0 = time.time()
-        packed = encode(case["w"])
+        packed = encode(case["w"], case["layout"])
+        assert packed.layout == case["layout"]
         if "x" not in case:           # the M > 32 path's decode kernel
             case["decoded"] = decode_on_device(packed)
             continue

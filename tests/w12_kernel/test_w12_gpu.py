@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import w12
+from w12.format import LAYOUTS
 from w12.gemm import Config, decode_on_device, default_config, fused_gemm, prepare
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,11 +28,14 @@ def assert_close_to_exact(x, w, y):
     assert torch.all((y.double() - ref).abs() <= bound)
 
 
-def test_decode_kernel_is_bit_exact_on_every_pattern():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_kernel_is_bit_exact_on_every_pattern(layout):
     w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     w = w[torch.randperm(65536)].reshape(256, 256).cuda()
     w[:8] = llm_like(8, 256, 0)
-    assert torch.equal(decode_on_device(w12.encode(w)).view(torch.int16), w.view(torch.int16))
+    assert torch.equal(decode_on_device(w12.encode(w, layout)).view(torch.int16), w.view(torch.int16))
+    odd = llm_like(200, 1000, 1)       # padding rows and columns in the units layout
+    assert torch.equal(decode_on_device(w12.encode(odd, layout)).view(torch.int16), odd.view(torch.int16))
 
 
 GEMM_CONFIGS = [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(64, 256, 8, 3),
@@ -57,12 +61,15 @@ GEMM_CONFIGS = [Config(32, 128, 4, 4), Config(32, 128, 4, 3, split_k=3), Config(
 MAX_M = {Config(64, 256, 8, 3): 32}
 
 
-@pytest.mark.parametrize("cfg, m", [(cfg, m) for cfg in GEMM_CONFIGS for m in (1, 3, 8, 16, 32, 48, 64)
-                                    if m <= (cfg.block_m or MAX_M.get(cfg, 64))], ids=str)
-def test_fused_gemm_matches_exact_weights(cfg, m):
+# every config and M on the rows layout; on the units layout (which the Triton kernel reads where the ws kernel
+# does not run), every config at three M
+@pytest.mark.parametrize("cfg, m, layout", [(cfg, m, layout) for layout in LAYOUTS for cfg in GEMM_CONFIGS
+                                            for m in ((1, 3, 8, 16, 32, 48, 64) if layout == "rows" else (1, 16, 48))
+                                            if m <= (cfg.block_m or MAX_M.get(cfg, 64))], ids=str)
+def test_fused_gemm_matches_exact_weights(cfg, m, layout):
     n, k = 1000, 4096 + 64
     w = llm_like(n, k, m)
-    packed = w12.encode(w)
+    packed = w12.encode(w, layout)
     assert packed.escapes > 0
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     y = fused_gemm(x, packed, cfg)
