@@ -6,26 +6,9 @@ import torch
 import w12
 from w12.format import LAYOUTS
 from w12.gemm import Config, decode_on_device, default_config, fused_gemm, prepare
+from w12_gpu_helpers import assert_close_to_exact, llm_like
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def llm_like(n, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    sigma = 0.02 * torch.exp(0.5 * torch.randn(n, 1, device="cuda", generator=g))
-    w = torch.randn(n, k, device="cuda", generator=g) * sigma
-    flat = w.view(-1)
-    idx = torch.randint(0, n * k, (max(4, n * k // 500),), device="cuda", generator=g)
-    flat[idx[0::3]] *= 2.0 ** 20
-    flat[idx[1::3]] *= 2.0 ** -30
-    flat[idx[2::3]] = 0.0
-    return w.to(torch.bfloat16)
-
-
-def assert_close_to_exact(x, w, y):
-    ref = x.double() @ w.double().T
-    bound = 2.0 ** -7 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
-    assert torch.all((y.double() - ref).abs() <= bound)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import w12
 from w12 import ws
+from w12_gpu_helpers import assert_close_to_exact, llm_like
 
 
 def stand_in(rows: int, cols: int, density: float, seed: int, planted=()) -> SimpleNamespace:
@@ -156,24 +157,6 @@ def test_the_kernel_compiles_without_spills_serialized_wgmma_or_generic_shared_l
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                           reason="needs an sm_90a (compute capability 9.0) GPU")
-
-
-def llm_like(n, k, seed, rate=1 / 500):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    sigma = 0.02 * torch.exp(0.5 * torch.randn(n, 1, device="cuda", generator=g))
-    w = torch.randn(n, k, device="cuda", generator=g) * sigma
-    flat = w.view(-1)
-    idx = torch.randint(0, n * k, (max(4, int(n * k * rate)),), device="cuda", generator=g)
-    flat[idx[0::3]] *= 2.0 ** 20
-    flat[idx[1::3]] *= 2.0 ** -30
-    flat[idx[2::3]] = 0.0
-    return w.to(torch.bfloat16)
-
-
-def assert_close_to_exact(x, w, y):
-    ref = x.double() @ w.double().T
-    bound = 2.0 ** -7 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
-    assert torch.all((y.double() - ref).abs() <= bound)
 
 
 def bucket_of(m: int) -> int:
