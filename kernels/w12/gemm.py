@@ -1,10 +1,10 @@
 """y = x @ W.T with W in W12 form, decoded tile by tile in registers (Triton).
 
 Small M (decode and spec-decode verification, M <= 64) runs a fused kernel: the Triton one here, or for the shapes and M
-buckets where the H200 found it faster the warp-specialized CUDA kernel of ws.py (`Config.kernel`). Each Triton program
-streams BLOCK_N rows of the planes' units (FORMAT.md; optionally one K range of them: split K), reorders the loaded
-activations to the planes' K order, rebuilds bf16 bit patterns four at a time
-with byte-parallel integer ops (inline PTX; plain Triton ops under the interpreter) and feeds them to
+buckets where the H200 found it faster the warp-specialized CUDA kernel of ws.py (`Config.kernel`, on weights stored
+as units). Each Triton program streams BLOCK_N rows of the planes, in either layout (FORMAT.md; for units it reorders
+the loaded activations to the planes' K order), optionally one K range of them (split K), rebuilds bf16 bit patterns
+four at a time with byte-parallel integer ops (inline PTX; plain Triton ops under the interpreter) and feeds them to
 tl.dot, as the B operand (x as A, m16) or, with `swap`, as the A operand with x.T as an n8/n16 B operand
 (fewer instructions per weight; the H200 picks it for M <= 16). An escaped weight reads as
 w_planes = 2^(2*base-127) there; the program then adds x[:, col] * (w - w_planes) for its rows'
@@ -227,7 +227,7 @@ def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
 
 
 def decode_on_device(packed: W12Tensor) -> torch.Tensor:
-    """decode(packed) in one Triton pass over the planes plus an escape scatter (the M > 32 path)."""
+    """decode(packed) in one Triton pass over the planes plus an escape scatter (the M > 64 path)."""
     out = torch.empty((packed.rows, packed.cols), dtype=torch.bfloat16, device=packed.device)
     half = packed.cols_padded // 2
     grid = (triton.cdiv(packed.rows, 16), triton.cdiv(half, 256))
