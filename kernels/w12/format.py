@@ -9,7 +9,7 @@ exactly in a row-sorted side table.
 The planes are stored in one of two layouts (FORMAT.md, version 4): "rows" (row by row, columns in their
 natural order: the Triton kernel's) or "units" (128 rows x 64 columns of each half of K, each unit
 contiguous and, within every 64 columns, in the order the CUDA kernel's wgmma fragments take them). Which one a
-matrix gets is measured per shape (`preferred_layout`, layouts_h200.json).
+matrix gets is measured per shape, for GPUs that run the CUDA kernel (`preferred_layout`, layouts_h200.json).
 
 Works on CPU and GPU tensors alike (plain PyTorch integer ops).
 """
@@ -61,9 +61,16 @@ def _layout_table() -> dict[tuple[int, int], str]:
     return load_layouts(Path(__file__).with_name("layouts_h200.json"))
 
 
-def preferred_layout(rows: int, cols: int) -> str:
-    """The layout measured faster for a [rows, cols] matrix on the H200 (layouts_h200.json), else "rows"."""
-    return _layout_table().get((rows, cols), "rows")
+def preferred_layout(rows: int, cols: int, device=None) -> str:
+    """The layout measured faster for a [rows, cols] matrix on the H200 (layouts_h200.json), for a matrix on a GPU
+    that runs the ws kernel (compute capability 9.0); "rows" otherwise (the Triton kernel reads rows faster)."""
+    layout = _layout_table().get((rows, cols), "rows")
+    return layout if layout == "rows" or _runs_units(device) else "rows"
+
+
+def _runs_units(device) -> bool:
+    device = torch.device(device) if device is not None else None
+    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 @dataclass
@@ -135,7 +142,7 @@ _TENSOR_FIELDS = ("low", "codes", "units", "base", "esc_ptr", "esc_col", "esc_bi
 
 def encode(weight: torch.Tensor, layout: str | None = None) -> W12Tensor:
     """Encode a bf16 tensor (any shape; the last dim is the GEMM's K) losslessly, its planes in `layout` (default:
-    preferred_layout for its [rows, cols])."""
+    preferred_layout for its [rows, cols] on its device)."""
     if weight.dtype != torch.bfloat16:
         raise TypeError(f"W12 encodes bf16 tensors, got {weight.dtype}")
     shape = tuple(weight.shape)
@@ -143,7 +150,7 @@ def encode(weight: torch.Tensor, layout: str | None = None) -> W12Tensor:
     rows = weight.numel() // cols if cols else 0
     if cols == 0 or rows == 0:
         raise ValueError(f"W12 cannot encode an empty tensor of shape {shape}")
-    layout = layout or preferred_layout(rows, cols)
+    layout = layout or preferred_layout(rows, cols, weight.device)
     if layout not in LAYOUTS:
         raise ValueError(f"W12 layout is one of {', '.join(LAYOUTS)}, got {layout!r}")
     bits = weight.contiguous().view(torch.int16).reshape(rows, cols).to(torch.int32) & 0xFFFF
@@ -209,7 +216,7 @@ def cat(parts: list[W12Tensor]) -> W12Tensor:
         offsets += p.escapes
     ptrs.append(torch.tensor([offsets], dtype=torch.int32, device=parts[0].device))
     rows = sum(p.rows for p in parts)
-    layout = preferred_layout(rows, cols)
+    layout = preferred_layout(rows, cols, parts[0].device)
     rowwise = [row_planes(p, padded_cols(cols, layout)) for p in parts]
     return W12Tensor(
         shape=(rows, cols), rows=rows, cols=cols,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,14 @@ def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
     made = packed.plans.get(bucket)
     if isinstance(made, ws.WsPlan):
         return made
-    return ws.WsPlan(packed, bucket) if ws.supported(packed, bucket) else None
+    if not ws.supported(packed, bucket):
+        return None
+    try:
+        return ws.WsPlan(packed, bucket)
+    except ws.BuildError as err:      # e.g. no nvcc on this host: the Triton kernel reads the units too, slower
+        warnings.warn(f"W12: the ws kernel is not available ({str(err).splitlines()[0]}); running the Triton kernel "
+                      "instead", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def decode_on_device(packed: W12Tensor) -> torch.Tensor:

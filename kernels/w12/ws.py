@@ -25,7 +25,7 @@ import torch
 
 from .format import UNIT_HALF, UNIT_ROWS
 
-__all__ = ["WsPlan", "supported", "build", "escape_table"]
+__all__ = ["WsPlan", "supported", "build", "escape_table", "BuildError"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_ws.cu"
 TILE_ROWS = UNIT_ROWS    # rows per tile: the kernel's two consumer warpgroups of 64
@@ -46,6 +46,10 @@ class Args(ctypes.Structure):
 
 
 # --- building ---------------------------------------------------------------------------------------------------
+
+class BuildError(RuntimeError):
+    """The kernel could not be compiled here (no nvcc, or nvcc failed): gemm runs the Triton kernel instead."""
+
 
 def cache_dir() -> Path:
     """Where compiled kernels are kept: $SPECPILOT_W12_CACHE, else $XDG_CACHE_HOME/specpilot/w12, else
@@ -71,7 +75,7 @@ def find_nvcc() -> Path:
             return candidate
     looked = [f"$CUDA_HOME/bin/nvcc ({tried[0]})" if home else "$CUDA_HOME/bin/nvcc ($CUDA_HOME unset)",
               "nvcc on PATH (none)" if not on_path else f"PATH ({on_path})", str(NVCC_FALLBACK)]
-    raise RuntimeError("the W12 ws kernel is compiled at first use and needs nvcc (CUDA 12.3 or later); tried "
+    raise BuildError("the W12 ws kernel is compiled at first use and needs nvcc (CUDA 12.3 or later); tried "
                        + ", ".join(looked))
 
 
@@ -112,7 +116,7 @@ def compiled(arch: str) -> Path:
     try:
         done = subprocess.run(nvcc_command(nvcc, arch, Path(partial)), capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"nvcc failed on {SOURCE} (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            raise BuildError(f"nvcc failed on {SOURCE} (exit {done.returncode}):\n{done.stderr[-4000:]}")
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

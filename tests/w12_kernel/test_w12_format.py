@@ -132,6 +132,7 @@ def test_cat_stacks_parts_of_either_layout_as_encode_would(monkeypatch):
     parts = [(torch.randn(n, 320, generator=g) * 0.02 * 4.0 ** i).to(torch.bfloat16) for i, n in enumerate((64, 96, 200))]
     parts[1][5, 7] = float("nan")
     monkeypatch.setattr(w12format, "_layout_table", lambda: {(360, 320): "units"})
+    monkeypatch.setattr(w12format, "_runs_units", lambda device: True)
     joined = cat([encode(parts[0], "rows"), encode(parts[1], "units"), encode(parts[2], "rows")])
     direct = encode(torch.cat(parts))
     assert joined.layout == direct.layout == "units"
@@ -140,8 +141,13 @@ def test_cat_stacks_parts_of_either_layout_as_encode_would(monkeypatch):
 
 
 def test_the_layout_table_picks_the_default_and_names_bad_entries(tmp_path, monkeypatch):
-    assert w12format.preferred_layout(34816, 5120) == "units"        # layouts_h200.json: gate_up
-    assert w12format.preferred_layout(10240, 5120) == "rows"
+    assert w12format._layout_table()[34816, 5120] == "units"          # layouts_h200.json: gate_up
+    assert w12format.preferred_layout(34816, 5120, "cpu") == "rows"     # units only where the ws kernel runs
+    monkeypatch.setattr(w12format, "_runs_units", lambda device: True)
+    assert w12format.preferred_layout(34816, 5120, "cuda") == "units"
+    assert w12format.preferred_layout(10240, 5120, "cuda") == "rows"
+    monkeypatch.setattr(w12format, "_layout_table", lambda: {(128, 256): "units"})
+    assert encode(torch.zeros(128, 256, dtype=torch.bfloat16)).layout == "units"
     assert encode(torch.zeros(4, 8, dtype=torch.bfloat16)).layout == "rows"
     bad = tmp_path / "layouts.json"
     bad.write_text('{"_comment": "x", "128,256": "tiles"}')

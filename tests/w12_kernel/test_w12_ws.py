@@ -271,6 +271,22 @@ def test_linear_runs_the_ws_kernel_where_the_config_names_it_and_the_triton_kern
         assert torch.equal(fused_gemm(x, packed, cfg), y)
 
 
+def test_without_a_compiler_the_triton_kernel_runs_instead_with_a_warning(monkeypatch):
+    from w12 import gemm
+
+    class NoNvcc:
+        def __init__(self, packed, bucket):
+            raise ws.BuildError("the W12 ws kernel is compiled at first use and needs nvcc; tried nothing\nmore")
+
+    units = w12.encode((torch.randn(128, 256) * 0.02).to(torch.bfloat16), layout="units")
+    monkeypatch.setattr(ws, "supported", lambda packed, m: True)
+    monkeypatch.setattr(ws, "WsPlan", NoNvcc)
+    with pytest.warns(RuntimeWarning, match=r"ws kernel is not available \(the W12 ws kernel .* tried nothing\); "
+                                            r"running the Triton kernel instead"):
+        assert gemm._ws_plan(units, 16, gemm.Config(kernel="ws")) is None
+    assert gemm._ws_plan(units, 16, gemm.Config()) is None      # a Triton config never asks
+
+
 def test_a_config_names_a_known_kernel_and_units_take_whole_units():
     from w12.gemm import Config, _launch_args
     with pytest.raises(ValueError, match="Config.kernel is one of triton, ws"):
