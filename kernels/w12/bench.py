@@ -618,11 +618,14 @@ def eager_table(rows: list[dict]) -> list[str]:
 
 def save_tuned(result: dict, path: Path = Path(__file__).with_name("tuned_h200.json")) -> None:
     """Write the configs --pick chose into tuned_h200.json, replacing those keys only: the entries --pick does not
-    time (bucket 64, the heavy ones) stay."""
-    keep = [f.name for f in dataclasses.fields(Config)]
+    time (bucket 64, the heavy ones) stay. --pick times Triton tiles: an entry's kernel choice (ws) stays too."""
+    keep = [f.name for f in dataclasses.fields(Config) if f.name != "kernel"]
     old = json.loads(path.read_text()) if path.exists() else {}
     entries = {key: cfg for key, cfg in old.items() if not key.startswith("_")}
     picked = {key: {f: cfg[f] for f in keep if f in cfg} for key, cfg in result["tuned"].items()}
+    for key, cfg in picked.items():
+        if "kernel" in entries.get(key, {}):
+            cfg["kernel"] = entries[key]["kernel"]
     for key in picked:
         tuned_key(key)          # a malformed key is an error here, not at the next import
     entries.update(picked)

@@ -87,13 +87,15 @@ def test_save_tuned_replaces_the_picked_keys_and_keeps_the_rest(tmp_path):
     from w12 import bench
     path = tmp_path / "tuned.json"
     light = dict(vars(gemm.Config()), block_n=64)
-    old = {"_comment": "kept", "1,2,8": light, "1,2,8,heavy": dict(light, xt=True), "1,2,64": light}
+    old = {"_comment": "kept", "1,2,8": light, "1,2,8,heavy": dict(light, xt=True), "1,2,64": light,
+           "1,2,16": dict(light, kernel="ws")}
     path.write_text(json.dumps(old))
     picked = dict(vars(gemm.Config()), block_n=16, esc_step=32)
-    bench.save_tuned({"tuned": {"1,2,8": picked}}, path)
+    bench.save_tuned({"tuned": {"1,2,8": picked, "1,2,16": picked}}, path)
     new = json.loads(path.read_text())
     assert new["_comment"] == "kept" and new["1,2,8"] == picked
     assert new["1,2,8,heavy"] == old["1,2,8,heavy"] and new["1,2,64"] == old["1,2,64"]
+    assert new["1,2,16"] == dict(picked, kernel="ws")     # --pick times Triton tiles: the ws choice stays
     # a malformed key is refused before anything is written
     with pytest.raises(ValueError, match="N,K,bucket"):
         bench.save_tuned({"tuned": {"1,2,8,light": picked}}, path)
