@@ -227,11 +227,13 @@ def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
     if not ws.supported(packed, bucket):
         return None
     try:
-        return ws.WsPlan(packed, bucket)
+        plan = ws.WsPlan(packed, bucket)
     except ws.BuildError as err:      # e.g. no nvcc on this host: the Triton kernel reads the units too, slower
         warnings.warn(f"W12: the ws kernel is not available ({str(err).splitlines()[0]}); running the Triton kernel "
                       "instead", RuntimeWarning, stacklevel=3)
         return None
+    packed.plans.setdefault(bucket, plan)    # fused_gemm's calls make it once too, as prepare's do
+    return plan
 
 
 def decode_on_device(packed: W12Tensor) -> torch.Tensor:

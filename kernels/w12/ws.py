@@ -140,10 +140,21 @@ def _load(arch: str) -> ctypes.CDLL:
     return lib
 
 
+_BUILD_FAILED: dict[str, BuildError] = {}
+
+
 def build(device=None) -> ctypes.CDLL:
     """The kernel's library for a CUDA device (default: the current one): compiled at first use (cache_dir()),
-    loaded once per process."""
-    return _load(arch_of(device))
+    loaded once per process. A failed build is not retried in this process (every weight and M bucket would run
+    nvcc again): its BuildError is raised again."""
+    arch = arch_of(device)
+    if arch in _BUILD_FAILED:
+        raise _BUILD_FAILED[arch]
+    try:
+        return _load(arch)
+    except BuildError as err:
+        _BUILD_FAILED[arch] = err
+        raise
 
 
 # --- the weight's side ------------------------------------------------------------------------------------------

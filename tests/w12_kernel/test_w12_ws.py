@@ -110,6 +110,22 @@ def test_without_nvcc_the_error_names_every_place_looked(monkeypatch, tmp_path):
         ws.find_nvcc()
 
 
+def test_a_failed_build_is_not_retried_in_the_process(monkeypatch):
+    attempts = []
+
+    def fails(arch):
+        attempts.append(arch)
+        raise ws.BuildError(f"nvcc failed for {arch}")
+
+    monkeypatch.setattr(ws, "_BUILD_FAILED", {})
+    monkeypatch.setattr(ws, "arch_of", lambda device=None: "sm_90a")
+    monkeypatch.setattr(ws, "_load", fails)
+    for _ in range(3):
+        with pytest.raises(ws.BuildError, match="nvcc failed for sm_90a"):
+            ws.build()
+    assert attempts == ["sm_90a"]
+
+
 def test_supported_refuses_what_the_kernel_cannot_take():
     w = (torch.randn(256, 512) * 0.02).to(torch.bfloat16)
     units = w12.encode(w, layout="units")
