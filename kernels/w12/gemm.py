@@ -23,6 +23,9 @@ it. Which buckets fall back is measured per shape and escape class (fallback_h20
 Per call, Python work is what varies: a `Plan` (one per weight and M bucket, made on the first call or by
 `prepare`) holds the compiled kernel, its grid and every launch argument that depends only on the weight,
 and launches through Triton's C launcher directly (no argument binding or specialisation per call).
+On compute capability 9.0 and later each program signals programmatic dependent launch at its start (`TRIGGER`), so
+that a ws kernel next in the stream (launched as a dependent, ws.py) starts loading its weight during this kernel's
+last wave.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .format import UNIT_HALF, W12Tensor, decode
 
@@ -310,7 +314,7 @@ def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, di
                 SPLIT=cfg.split_k > 1, SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
                 ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, MAX_M=FUSED_MAX_M, UNITS=packed.units is not None,
                 PTX=not _interpreting(),
-                DOT_F32=_interpreting(),
+                DOT_F32=_interpreting(), TRIGGER=TRIGGER and _pdl_capable(packed.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (row_blocks, cfg.split_k), args, meta
 
@@ -369,7 +373,7 @@ def _launch_hooked() -> bool:
 
 
 _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "ESC_BLOCK", "SPLIT", "SWAP", "EVEN_K", "ESC_AFTER", "ESC_STEP",
-               "MAX_M", "UNITS", "PTX", "DOT_F32")
+               "MAX_M", "UNITS", "PTX", "DOT_F32", "TRIGGER")
 
 
 _WORKSPACES: dict = {}
@@ -392,6 +396,16 @@ def _split_workspace(device, need_parts: int, row_blocks: int):
         parts = counts = torch.zeros(1, dtype=torch.int32, device=device)
         _WORKSPACES[device] = (parts, counts)
     return parts, counts
+
+
+# Programmatic dependent launch (compute capability >= 9.0): the Triton kernel lets the kernel after it launch once all
+# its programs have started; only the ws kernel is launched as a dependent (BENCH.md item 15 says why).
+TRIGGER = True
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _interpreting() -> bool:
@@ -566,8 +580,10 @@ def _w12_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
     ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, MAX_M: tl.constexpr, UNITS: tl.constexpr, PTX: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:   # every program has started: a ws kernel next in the stream may launch (ws.py: PDL)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)

@@ -7,6 +7,12 @@ cache outside the package (an engine's files are content-addressed and re-hashed
 through ctypes on torch's current stream. `WsPlan` holds one weight's launch for one M bucket, every argument that
 depends only on the weight filled in, as gemm.Plan does for the Triton kernel.
 
+It is launched as a programmatic dependent of the kernel ahead of it in the stream (PDL, `PDL`): its CTAs start as
+that kernel's leave their SMs, and its producer loads the first stages' weight before waiting for that kernel to
+complete (griddepcontrol.wait); x is read and y, the pieces and the counters written only after the wait. A plan
+therefore synchronizes the device once when it is made, so that whatever wrote the weight is done. The Triton kernel
+lets a following ws kernel launch early (gemm.TRIGGER); it is not launched as a dependent itself (BENCH.md item 15).
+
 Imports only torch and the standard library: the GPU host may have nothing else.
 """
 from __future__ import annotations
@@ -36,13 +42,14 @@ MAX_UNITS_PER_CTA = 128     # csrc/w12_ws.cu kMaxUnits: a CTA stages its units' 
 ARCHES = {(9, 0): "sm_90a"}  # wgmma, TMA and setmaxnreg: sm_90a only
 NVCC_FALLBACK = Path("/usr/local/cuda/bin/nvcc")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
+PDL = True   # launched as a programmatic dependent of the kernel ahead in the stream (csrc/w12_ws.cu grid_wait)
 
 
 class Args(ctypes.Structure):
     """csrc/w12_ws.cu's Args, field for field (checked against w12_ws_params_size at load)."""
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("planes", "base", "esc_ptr", "esc", "x", "y", "ws", "counters")] + \
-               [(name, ctypes.c_int32) for name in ("n", "half", "cols", "m", "ldx", "ldy", "grid")]
+               [(name, ctypes.c_int32) for name in ("n", "half", "cols", "m", "ldx", "ldy", "grid", "pdl")]
 
 
 # --- building ---------------------------------------------------------------------------------------------------
@@ -272,7 +279,11 @@ class WsPlan:
         # cols is x's tensor-map width: TMA reads columns cols .. 2 * half - 1 (padding) as zeros
         self._args = Args(planes=packed.units.data_ptr(), base=base.data_ptr(), esc_ptr=esc_ptr.data_ptr(),
                           esc=esc.data_ptr(), ws=pieces.data_ptr(), counters=counters.data_ptr(), n=packed.rows,
-                          half=packed.half, cols=packed.cols, ldy=packed.rows, grid=self.grid)
+                          half=packed.half, cols=packed.cols, ldy=packed.rows, grid=self.grid, pdl=int(PDL))
+        # Launched as a programmatic dependent, the kernel reads the weight before the kernels ahead of it in the
+        # stream are done: whatever wrote the planes and the escape table must be finished now.
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(device)
         self._ref = ctypes.byref(self._args)
         self._index = index
         self._stream_of = torch._C._cuda_getCurrentRawStream

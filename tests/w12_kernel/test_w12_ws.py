@@ -310,3 +310,49 @@ def test_a_config_names_a_known_kernel_and_units_take_whole_units():
     units = w12.encode((torch.randn(128, 256) * 0.02).to(torch.bfloat16), layout="units")
     with pytest.raises(ValueError, match="block_k must be a multiple of 64"):
         _launch_args(units, 16, Config(block_k=32))
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_a_chain_of_dependent_calls_under_programmatic_dependent_launch_reads_each_input_after_it_is_written(m):
+    """Each call reads the previous one's y: ws kernels, launched as programmatic dependents of ws and Triton kernels
+    (split K among them) that let them launch early, give in one CUDA graph and eagerly the bits of the same calls
+    with the device synchronized after each (nothing left to overlap)."""
+    from w12.gemm import Config, Plan
+    assert ws.PDL and w12.gemm.TRIGGER
+    configs = [None, None, Config(32, 128, 2, 3, swap=True, block_m=16), None,
+               Config(64, 128, 4, 2, split_k=2, block_m=0)] * 2     # None: the ws kernel
+    plans, weights = [], []     # a plan holds its weight weakly
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for i, cfg in enumerate(configs):
+        # y keeps x's scale; the escapes planted are zeros and tiny weights (a weight x2^20 would overflow in the chain)
+        w = torch.randn(2048, 2048, device="cuda", generator=g) * 2048 ** -0.5
+        idx = torch.randint(0, w.numel(), (2048,), device="cuda", generator=g)
+        w.view(-1)[idx[::2]] = 0.0
+        w.view(-1)[idx[1::2]] *= 2.0 ** -30
+        w = w.to(torch.bfloat16)
+        packed = w12.encode(w, layout="units" if cfg is None else "rows")
+        assert packed.escapes > 0
+        weights.append(packed)
+        plans.append(ws.WsPlan(packed, bucket_of(m)) if cfg is None else Plan(packed, bucket_of(m), cfg))
+    x0 = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
+
+    def chain(synchronized: bool):
+        x = x0
+        for plan in plans:
+            x = plan(x, m)
+            if synchronized:
+                torch.cuda.synchronize()
+        return x
+
+    expected = chain(synchronized=True)
+    assert expected.isfinite().all() and expected.abs().max() > 0.1
+    assert torch.equal(chain(synchronized=False), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(synchronized=False)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

@@ -29,6 +29,7 @@ struct Args {
   float* ws;               // split tiles' pieces: w12_ws_slot_floats() per CTA
   int32_t* counters;       // 2 per row tile, zero between launches
   int32_t n, half, cols, m, ldx, ldy, grid;
+  int32_t pdl;             // 1: launched as a programmatic dependent of the kernel before it in the stream
 };
 
 struct Params {
@@ -125,6 +126,13 @@ __device__ __forceinline__ uint32_t lds_u8(uint32_t a) {
 __device__ __forceinline__ void sts_u32(uint32_t a, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
 }
+// Programmatic dependent launch (no-ops in a kernel launched without it): `grid_wait` returns once the kernels before
+// this one in the stream have completed and their writes are visible; before it, only the weight (written before its
+// plan was made: ws.WsPlan synchronizes) may be read, and nothing may be written. `grid_launch_dependents` lets the
+// next kernel launch now: its CTAs take an SM as one of ours leaves it (ours fill the SM) and load their weights
+// while our last CTAs finish.
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
 __device__ __forceinline__ void group_sync(int wg) {   // the 128 threads of consumer warpgroup wg
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 }
@@ -205,26 +213,46 @@ __device__ __forceinline__ float x_at(uint32_t box, int r, int c) {
 }
 
 // ptrs: the shared address of the escape pointers of the CTA's units, [(u - start) * 8 + w] (staged at the start).
+// The weight's side of unit u (planes, escape entries, the tile's bases) into stage s, whose full barrier is told to
+// expect x's two boxes too.
+template <int NT>
+__device__ __forceinline__ void load_weight(const Params& p, uint8_t* st, uint64_t* bar, uint32_t ptrs, int u,
+                                            int start) {
+  using C = Cfg<NT>;
+  const int i = u - start;
+  // the unit's escape entries from a 16-byte boundary, in whole 16-byte chunks (escape_table pads by 4 entries)
+  const int e0 = lds_u32(ptrs + 32 * i) & ~3;
+  const int staged = min(static_cast<int>(lds_u32(ptrs + 32 * i + 32)) - e0, kEscCap);
+  const uint32_t esc_bytes = staged > 0 ? 4 * ((staged + 3) & ~3) : 0;
+  const bool first = u == start || u % p.ks == 0;
+  bar_expect(bar, C::kBytes + esc_bytes + (first ? kBN : 0));
+  if (first) bulk_copy(st + C::kBaseAt, p.base + (u / p.ks) * kBN, kBN, bar);
+  bulk_copy(st + C::kPlanesAt, p.planes + static_cast<size_t>(u) * kPlanes, kPlanes, bar);
+  if (esc_bytes) bulk_copy(st + C::kEscAt, p.esc + e0, esc_bytes, bar);
+}
+
+template <int NT>
+__device__ __forceinline__ void load_x(const Params& p, uint8_t* st, uint64_t* bar, int u) {
+  const int j0 = (u % p.ks) * kBKh;
+  tma_2d(st, &p.x_map, j0, 0, bar);
+  tma_2d(st + Cfg<NT>::kXBox, &p.x_map, p.half + j0, 0, bar);
+}
+
+// The ring's first stages get their weight before the kernels ahead in the stream are done (x waits for them).
 template <int NT>
 __device__ __forceinline__ void producer(const Params& p, uint8_t* stages, uint64_t* full, uint64_t* empty,
                                          uint32_t ptrs, int start, int end) {
   using C = Cfg<NT>;
-  for (int u = start; u < end; ++u) {
+  const int ahead = min(C::kStages, end - start);
+  for (int i = 0; i < ahead; ++i) load_weight<NT>(p, stages + i * C::kStage, full + i, ptrs, start + i, start);
+  grid_wait();
+  for (int i = 0; i < ahead; ++i) load_x<NT>(p, stages + i * C::kStage, full + i, start + i);
+  for (int u = start + ahead; u < end; ++u) {
     const int i = u - start, s = i % C::kStages;
-    if (i >= C::kStages) bar_wait(empty + s, ((i / C::kStages) - 1) & 1);
+    bar_wait(empty + s, ((i / C::kStages) - 1) & 1);
     uint8_t* st = stages + s * C::kStage;
-    // the unit's escape entries from a 16-byte boundary, in whole 16-byte chunks (escape_table pads by 4 entries)
-    const int e0 = lds_u32(ptrs + 32 * i) & ~3;
-    const int staged = min(static_cast<int>(lds_u32(ptrs + 32 * i + 32)) - e0, kEscCap);
-    const uint32_t esc_bytes = staged > 0 ? 4 * ((staged + 3) & ~3) : 0;
-    const int j0 = (u % p.ks) * kBKh;
-    const bool first = u == start || j0 == 0;
-    bar_expect(full + s, C::kBytes + esc_bytes + (first ? kBN : 0));
-    if (first) bulk_copy(st + C::kBaseAt, p.base + (u / p.ks) * kBN, kBN, full + s);
-    bulk_copy(st + C::kPlanesAt, p.planes + static_cast<size_t>(u) * kPlanes, kPlanes, full + s);
-    if (esc_bytes) bulk_copy(st + C::kEscAt, p.esc + e0, esc_bytes, full + s);
-    tma_2d(st, &p.x_map, j0, 0, full + s);
-    tma_2d(st + C::kXBox, &p.x_map, p.half + j0, 0, full + s);
+    load_weight<NT>(p, st, full + s, ptrs, u, start);
+    load_x<NT>(p, st, full + s, u);
   }
 }
 
@@ -397,6 +425,7 @@ struct Consumer {
   // without the explicit waits on the two ways out (no-ops: a CTA's last unit ends a tile, and step waits there) it
   // injects a wait for all wgmmas before the exit test, on every pair's path (C7517).
   __device__ void run() {
+    grid_wait();   // before anything of ours is written (y, the pieces, the counters)
     float acc[C::kAcc], esc[C::kAcc];
 #pragma unroll
     for (int i = 0; i < C::kAcc; ++i) acc[i] = esc[i] = 0.f;
@@ -434,6 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) w12_ws_kernel(const __grid_consta
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.x_map)));
   }
   __syncthreads();
+  if (tid == 0) grid_launch_dependents();
   if (warp_idx < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (tid == 0) producer<NT>(p, stages, full, empty, smem_addr(ptrs), start, end);
@@ -496,8 +526,17 @@ int launch(const Args& a, cudaStream_t stream) {
   p.ws = a.ws;
   p.counters = a.counters;
   p.n = a.n, p.half = a.half, p.m = a.m, p.ldy = a.ldy, p.grid = a.grid, p.ks = a.half / kBKh;
-  w12_ws_kernel<NT><<<a.grid, kThreads, C::kSmem, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(a.grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = C::kSmem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = a.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, w12_ws_kernel<NT>, p);
 }
 
 }  // namespace
@@ -517,7 +556,7 @@ int w12_ws_gemm(const Args* a, void* stream) {
                             reinterpret_cast<uintptr_t>(a->esc) | reinterpret_cast<uintptr_t>(a->x);
   if (a->m < 1 || a->m > 64 || a->half < kBKh || a->half % kBKh != 0 || a->n < kBN || a->n % kBN != 0 ||
       a->cols < 1 || a->cols > 2 * a->half || a->ldx < a->cols || a->ldx % 8 != 0 || aligned % 16 != 0 ||
-      a->grid < 1 || a->grid > units || (units + a->grid - 1) / a->grid > kMaxUnits)
+      a->grid < 1 || a->grid > units || (units + a->grid - 1) / a->grid > kMaxUnits || (a->pdl & ~1))
     return 1000;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a->m <= 8) return launch<1>(*a, s);
@@ -527,9 +566,9 @@ int w12_ws_gemm(const Args* a, void* stream) {
 }
 
 const char* w12_ws_error(int code) {
-  return code == 1000   ? "shape not taken (M in 1..64, half a multiple of 64, N of 128, cols <= 2 * half, x rows "
-                          "16-byte aligned and at least cols wide, planes/base/esc/x 16-byte aligned, grid <= units, "
-                          "units per CTA <= 128)"
+  return code == 1000   ? "arguments not taken (M in 1..64, half a multiple of 64, N of 128, cols <= 2 * half, x "
+                          "rows 16-byte aligned and at least cols wide, planes/base/esc/x 16-byte aligned, grid <= "
+                          "units, units per CTA <= 128, pdl 0 or 1)"
          : code == 1001 ? "cuTensorMapEncodeTiled not found"
          : code == 1002 ? "a tensor map was refused"
          : code == 1003 ? "device index beyond the kernel's table of 64"
