@@ -42,7 +42,7 @@ import triton.language as tl
 from triton import knobs
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .format import UNIT_HALF, W12Tensor, decode
+from .format import UNIT_HALF, UNIT_ROW_BYTES, UNIT_ROWS, W12Tensor, decode
 
 FUSED_MAX_M = 64
 BUCKETS = (8, 16, 32, 64)   # M buckets: a config (and a Plan) serves every M up to its bucket
@@ -452,24 +452,32 @@ def _decode(low, nib, base, HIGH: tl.constexpr, PTX: tl.constexpr):
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
+# The units layout (format.py, FORMAT.md) as the Triton kernels see it: a unit is _U_ROWS rows of _U_ROW_BYTES bytes
+# (first-half low bytes, second-half low bytes, code bytes: _U_HALF each), _U_BYTES in all.
+_U_ROWS = tl.constexpr(UNIT_ROWS)
+_U_HALF = tl.constexpr(UNIT_HALF)
+_U_ROW_BYTES = tl.constexpr(UNIT_ROW_BYTES)
+_U_BYTES = tl.constexpr(UNIT_ROWS * UNIT_ROW_BYTES)
+
+
 @triton.jit
 def _unit_rows(planes_ptr, rows, TILE_STRIDE):
-    """Pointers [R, 1, 1] to each row's bytes in its row tile's first unit (format: 128 rows of 192 bytes)."""
+    """Pointers [R, 1, 1] to each row's bytes in its row tile's first unit."""
     r64 = rows.to(tl.int64)
-    return planes_ptr + ((r64 // 128) * TILE_STRIDE + (r64 % 128) * 192)[:, None, None]
+    return planes_ptr + ((r64 // _U_ROWS) * TILE_STRIDE + (r64 % _U_ROWS) * _U_ROW_BYTES)[:, None, None]
 
 
 @triton.jit
 def _unit_cols(k0, BLOCK_K: tl.constexpr):
-    """Offsets [1, G, 64] of half-columns k0 .. k0 + BLOCK_K (k0 a multiple of 64) in their units (format: 64
-    half-columns, 24576 bytes each)."""
-    return ((k0 // 64 + tl.arange(0, BLOCK_K // 64)) * 24576)[None, :, None] + tl.arange(0, 64)[None, None, :]
+    """Offsets [1, G, _U_HALF] of half-columns k0 .. k0 + BLOCK_K (k0 a multiple of _U_HALF) in their units."""
+    groups = k0 // _U_HALF + tl.arange(0, BLOCK_K // _U_HALF)
+    return (groups * _U_BYTES)[None, :, None] + tl.arange(0, _U_HALF)[None, None, :]
 
 
 @triton.jit
 def _unit_groups(k0, HALF, BLOCK_K: tl.constexpr):
     """The mask [1, G, 1] of _unit_cols' groups inside the planes (HALF half-columns)."""
-    return ((k0 + tl.arange(0, BLOCK_K // 64) * 64) < HALF)[None, :, None]
+    return ((k0 + tl.arange(0, BLOCK_K // _U_HALF) * _U_HALF) < HALF)[None, :, None]
 
 
 @triton.jit
@@ -478,12 +486,12 @@ def _load_planes(at, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, mask, MASKED: tl
     each (stored order); with MASKED, the groups outside `mask` read 0."""
     if MASKED:
         low_a = tl.load(at, mask=mask, other=0)
-        low_b = tl.load(at + 64, mask=mask, other=0)
-        nib = tl.load(at + 128, mask=mask, other=0)
+        low_b = tl.load(at + _U_HALF, mask=mask, other=0)
+        nib = tl.load(at + 2 * _U_HALF, mask=mask, other=0)
     else:
         low_a = tl.load(at)
-        low_b = tl.load(at + 64)
-        nib = tl.load(at + 128)
+        low_b = tl.load(at + _U_HALF)
+        nib = tl.load(at + 2 * _U_HALF)
     return (tl.reshape(low_a, (ROWS, BLOCK_K)), tl.reshape(low_b, (ROWS, BLOCK_K)), tl.reshape(nib, (ROWS, BLOCK_K)))
 
 
