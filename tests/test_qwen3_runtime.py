@@ -109,6 +109,18 @@ def test_w12_dense_fallback_keeps_the_exact_bf16_weights_beside_the_encoding():
     assert torch.equal(kept.top, bf16.top) and kept.tokens.tolist() == bf16.tokens.tolist()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@torch.inference_mode()
+def test_decode_steps_replayed_from_a_cuda_graph_give_the_eager_steps_bits():
+    """On CUDA the forward runs fused.py's Triton kernels (where Triton is installed): they capture too."""
+    model = from_transformers(tiny_qwen3(torch.bfloat16, seed=8), device="cuda")
+    tokens = prompts(2, 8, seed=9)
+    graphed = greedy_decode(model, tokens, new_tokens=10, graph=True)
+    eager = greedy_decode(model, tokens, new_tokens=10, graph=False)
+    assert graphed.graphed and not eager.graphed
+    assert graphed.tokens.tolist() == eager.tokens.tolist() and torch.equal(graphed.top, eager.top)
+
+
 def test_divergences_are_found_at_the_first_differing_token_and_classified_as_verify_does():
     """margin = the reference's top-1 logit minus its logit for the other run's token, near tie within verify's
     bf16 tolerance; found among the kept top logits even when more than two tie; a token below them has no known

@@ -8,7 +8,9 @@ tests/test_qwen3_runtime.py); norms take their statistics in float32 and apply t
 as transformers does.
 
 Projections are plain [out, in] `nn.Linear` layers, q/k/v and gate/up each fused into one (one weight read
-per step each), so W12 can replace them in place (`w12.module.apply_w12`, layer by layer: `to_w12`).
+per step each), so W12 can replace them in place (`w12.module.apply_w12`, layer by layer: `to_w12`). The norms
+and the SiLU product run as fused.py's kernels on CUDA (they let a W12 ws GEMM after them start early); the q/k
+norm, of a strided slice of qkv, takes fused.py's torch path.
 
 The cache is static: [layers, batch, kv_heads, length, head_dim], allocated once per batch. A forward writes
 its tokens' keys and values at their positions by index (no host sync) and attends over the whole cache,
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import fused
 
 # Attention with a mask: memory-efficient attention on CUDA, the math kernel elsewhere (both capturable).
 ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -89,12 +93,6 @@ class StaticCache:
         return self.k.shape[3]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin, where rotate_half(x) * sin
     == roll(x, half) * signed_sin, signed_sin being sin with its first half negated (exact: a sign)."""
@@ -122,8 +120,8 @@ class Qwen3Layer(nn.Module):
         s = self.shape
         batch, steps, _ = x.shape
         eps = s.rms_norm_eps
-        qkv = self.qkv(rms_norm(x, self.input_norm, eps)).view(batch, steps, -1, s.head_dim)
-        qk = rotate(rms_norm(qkv[:, :, :s.num_heads + s.num_kv_heads], self.qk_norm, eps), cos, sin)
+        qkv = self.qkv(fused.rms_norm(x, self.input_norm, eps)).view(batch, steps, -1, s.head_dim)
+        qk = rotate(fused.rms_norm(qkv[:, :, :s.num_heads + s.num_kv_heads], self.qk_norm, eps), cos, sin)
         q, k, v = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:], qkv[:, :, s.num_heads + s.num_kv_heads:]
         k_cache[rows, :, positions] = k  # [batch, steps, kv_heads, head_dim] at each token's position
         v_cache[rows, :, positions] = v
@@ -134,8 +132,8 @@ class Qwen3Layer(nn.Module):
         # (reshape: memory-efficient attention may return its output in another memory layout)
         o = o.reshape(batch, s.num_kv_heads, steps, s.group * s.head_dim).transpose(1, 2)
         x = x + self.o(o.reshape(batch, steps, s.num_heads * s.head_dim))
-        gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(fused.rms_norm(x, self.post_norm, eps))
+        return x + self.down(fused.silu_mul(gate_up))
 
 
 class Qwen3(nn.Module):
@@ -183,7 +181,7 @@ class Qwen3(nn.Module):
                 x = layer(x, cos, sin, positions, mask, cache.k[i], cache.v[i], cache.rows)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(rms_norm(x, self.norm, s.rms_norm_eps))
+        return self.lm_head(fused.rms_norm(x, self.norm, s.rms_norm_eps))
 
     def projections(self):
         """(name, nn.Linear) of every layer's four weights: what W12 replaces."""
