@@ -1,5 +1,5 @@
-"""The RMSNorm and the SiLU product of the Qwen3 forward as Triton kernels that signal programmatic dependent
-launch (PDL) on CUDA; the torch expressions elsewhere.
+"""The RMSNorms, the SiLU product and the q/k norm with the rotary embedding of the Qwen3 forward as Triton
+kernels that signal programmatic dependent launch (PDL) on CUDA; the torch expressions elsewhere.
 
 Why they exist: each runs just before a projection (qkv and gate_up after a norm, down after the SiLU product),
 and W12's ws GEMM kernel is launched as a programmatic dependent, so it can start and load its weight while the
@@ -7,12 +7,14 @@ kernel ahead of it finishes, but only once every program of that kernel has sign
 torch's own kernels never do, so a ws kernel after them starts only when they complete (kernels/w12/BENCH.md,
 items 15 and 16). These signal it at the start of every program, on compute capability 9.0 and later (as
 kernels/w12/gemm.py's Triton GEMM does); the signal is a no-op before a kernel not launched as a dependent. They
-also replace torch's eight kernels of a norm and two of the SiLU product by one each.
+also replace torch's eight kernels of a norm and two of the SiLU product by one each, and the q/k norm with the
+rotary embedding (twelve) by one.
 
 Numerics are the torch path's: the same float32 operations in the same order (libdevice's expf and rsqrtf and
 IEEE division, as torch's CUDA kernels use) and the same roundings to the model dtype, except the order in which
-the norm's mean of squares is summed: on the GPU a norm may differ from the torch path in the last bit of a rare
-element, while the SiLU product is torch's bit for bit (tests/test_runtime_fused.py checks both on a GPU). Both
+the norm's mean of squares is summed: on the GPU a norm (and the rotation of a q/k norm) may differ from the
+torch path in the last bit of a rare element, while the SiLU product is torch's bit for bit
+(tests/test_runtime_fused.py checks all three on a GPU). Both
 arms of a benchmark, bf16 and W12, run these kernels.
 
 The torch path (CPU, Triton not installed, TRITON_INTERPRET=1, a non-contiguous tensor or another dtype) is the
@@ -57,15 +59,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _triton_path(x: torch.Tensor) -> bool:
-    return (triton is not None and x.is_cuda and not _interpreting() and x.dtype in DTYPES and x.is_contiguous()
-            and x.numel() > 0)
+def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """rotate(rms_norm(x, weight, eps), cos, signed_sin) for the query and key heads x [B, T, heads, head_dim]
+    (a strided slice of qkv is fine), weight [heads, head_dim], cos and signed_sin [B, T, 1, head_dim]: the
+    per-head q/k norm and the rotary embedding, one kernel on CUDA instead of torch's twelve."""
+    if _triton_path(x, strided=True) and _rotation_fits(x, weight, cos, signed_sin):
+        return _norm_rotate_triton(x, weight, cos, signed_sin, eps)
+    return rotate(rms_norm(x, weight, eps), cos, signed_sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin, where rotate_half(x) * sin
+    == roll(x, half) * signed_sin, signed_sin being sin with its first half negated (exact: a sign)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _triton_path(x: torch.Tensor, strided: bool = False) -> bool:
+    laid_out = x.stride(-1) == 1 if strided else x.is_contiguous()
+    return triton is not None and x.is_cuda and not _interpreting() and x.dtype in DTYPES and laid_out \
+        and x.numel() > 0
 
 
 def _norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n = x.shape[-1]
     return (weight.dtype == x.dtype and weight.shape == (n,) and weight.is_contiguous() and weight.device == x.device
             and triton.next_power_of_2(n) <= MAX_NORM_BLOCK)
+
+
+def _rotation_fits(x, weight, cos, signed_sin) -> bool:
+    if x.dim() != 4:
+        return False
+    batch, steps, heads, dim = x.shape
+    table = (batch, steps, 1, dim)
+    return (dim >= 2 and triton.next_power_of_2(dim) == dim and weight.shape == (heads, dim) and weight.is_contiguous()
+            and all(t.shape == table and t.is_contiguous() for t in (cos, signed_sin))
+            and all(t.dtype == x.dtype and t.device == x.device for t in (weight, cos, signed_sin)))
 
 
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,6 +106,15 @@ def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     _rms_norm_kernel[(x.numel() // n,)](
         x, weight, y, n, 1.0 / n, eps, BLOCK=block, TRIGGER=_pdl_capable(x.device),
         num_warps=max(4, min(16, block // 1024)), enable_fp_fusion=False)
+    return y
+
+
+def _norm_rotate_triton(x, weight, cos, signed_sin, eps):
+    batch, steps, heads, dim = x.shape
+    y = torch.empty((batch, steps, heads, dim), dtype=x.dtype, device=x.device)
+    _norm_rotate_kernel[(batch * steps, heads)](
+        x, weight, cos, signed_sin, y, steps, x.stride(0), x.stride(1), x.stride(2), heads, 1.0 / dim, eps,
+        DIM=dim, TRIGGER=_pdl_capable(x.device), num_warps=1, enable_fp_fusion=False)
     return y
 
 
@@ -109,6 +147,30 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         normed = (x * libdevice.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row + cols, (w * normed.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_rotate_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, steps, stride_b, stride_t, stride_h, heads,
+                            inv_n, eps, DIM: tl.constexpr, TRIGGER: tl.constexpr):
+        if TRIGGER:
+            gdc_launch_dependents()
+        token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = tl.arange(0, DIM)
+        rolled = (cols + DIM // 2) % DIM    # roll by half: out[i] = in[(i - half) mod DIM] = in[(i + half) mod DIM]
+        x_row = x_ptr + (token // steps) * stride_b + (token % steps) * stride_t + head * stride_h
+        x = tl.load(x_row + cols).to(tl.float32)
+        x_rolled = tl.load(x_row + rolled).to(tl.float32)
+        scale = libdevice.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+        dtype = y_ptr.dtype.element_ty
+        # each step rounded to the model dtype where torch's bf16 ops round: the norm, the weight, each product,
+        # their sum
+        normed = (tl.load(w_ptr + head * DIM + cols).to(tl.float32) * (x * scale).to(dtype).to(tl.float32)).to(dtype)
+        normed_rolled = (tl.load(w_ptr + head * DIM + rolled).to(tl.float32)
+                         * (x_rolled * scale).to(dtype).to(tl.float32)).to(dtype)
+        cos = tl.load(cos_ptr + token * DIM + cols).to(tl.float32)
+        sin = tl.load(sin_ptr + token * DIM + cols).to(tl.float32)
+        first = (normed.to(tl.float32) * cos).to(dtype).to(tl.float32)
+        second = (normed_rolled.to(tl.float32) * sin).to(dtype).to(tl.float32)
+        tl.store(y_ptr + (token * heads + head) * DIM + cols, (first + second).to(dtype))
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, y_ptr, inter, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):

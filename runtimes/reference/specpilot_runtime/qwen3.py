@@ -8,9 +8,9 @@ tests/test_qwen3_runtime.py); norms take their statistics in float32 and apply t
 as transformers does.
 
 Projections are plain [out, in] `nn.Linear` layers, q/k/v and gate/up each fused into one (one weight read
-per step each), so W12 can replace them in place (`w12.module.apply_w12`, layer by layer: `to_w12`). The norms
-and the SiLU product run as fused.py's kernels on CUDA (they let a W12 ws GEMM after them start early); the q/k
-norm, of a strided slice of qkv, takes fused.py's torch path.
+per step each), so W12 can replace them in place (`w12.module.apply_w12`, layer by layer: `to_w12`). The norms,
+the SiLU product and the q/k norm with the rotary embedding run as fused.py's kernels on CUDA (those before a
+projection let a W12 ws GEMM after them start early).
 
 The cache is static: [layers, batch, kv_heads, length, head_dim], allocated once per batch. A forward writes
 its tokens' keys and values at their positions by index (no host sync) and attends over the whole cache,
@@ -93,12 +93,6 @@ class StaticCache:
         return self.k.shape[3]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin, where rotate_half(x) * sin
-    == roll(x, half) * signed_sin, signed_sin being sin with its first half negated (exact: a sign)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 def _projection(rows: int, cols: int, dtype, device) -> nn.Linear:
     return nn.utils.skip_init(nn.Linear, cols, rows, bias=False, dtype=dtype, device=device)
 
@@ -121,7 +115,7 @@ class Qwen3Layer(nn.Module):
         batch, steps, _ = x.shape
         eps = s.rms_norm_eps
         qkv = self.qkv(fused.rms_norm(x, self.input_norm, eps)).view(batch, steps, -1, s.head_dim)
-        qk = rotate(fused.rms_norm(qkv[:, :, :s.num_heads + s.num_kv_heads], self.qk_norm, eps), cos, sin)
+        qk = fused.norm_rotate(qkv[:, :, :s.num_heads + s.num_kv_heads], self.qk_norm, cos, sin, eps)
         q, k, v = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:], qkv[:, :, s.num_heads + s.num_kv_heads:]
         k_cache[rows, :, positions] = k  # [batch, steps, kv_heads, head_dim] at each token's position
         v_cache[rows, :, positions] = v
