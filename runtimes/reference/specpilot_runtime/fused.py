@@ -137,6 +137,11 @@ def _interpreting() -> bool:
 
 if triton is not None:
     @triton.jit
+    def _weighted(x, scale, w, dtype: tl.constexpr):
+        """weight * (x * scale) as torch's ops round it: the normalised x to the model dtype, then the product."""
+        return (w * (x * scale).to(dtype).to(tl.float32)).to(dtype)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, inv_n, eps, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
         if TRIGGER:   # every program has started: a ws kernel next in the stream may launch
             gdc_launch_dependents()
@@ -145,8 +150,8 @@ if triton is not None:
         mask = cols < n
         x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = (x * libdevice.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row + cols, (w * normed.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+        scale = libdevice.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+        tl.store(y_ptr + row + cols, _weighted(x, scale, w, y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _norm_rotate_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, steps, stride_b, stride_t, stride_h, heads,
@@ -161,11 +166,9 @@ if triton is not None:
         x_rolled = tl.load(x_row + rolled).to(tl.float32)
         scale = libdevice.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
         dtype = y_ptr.dtype.element_ty
-        # each step rounded to the model dtype where torch's bf16 ops round: the norm, the weight, each product,
-        # their sum
-        normed = (tl.load(w_ptr + head * DIM + cols).to(tl.float32) * (x * scale).to(dtype).to(tl.float32)).to(dtype)
-        normed_rolled = (tl.load(w_ptr + head * DIM + rolled).to(tl.float32)
-                         * (x_rolled * scale).to(dtype).to(tl.float32)).to(dtype)
+        # each step rounded to the model dtype where torch's ops round: the norm, the weight, each product, their sum
+        normed = _weighted(x, scale, tl.load(w_ptr + head * DIM + cols).to(tl.float32), dtype)
+        normed_rolled = _weighted(x_rolled, scale, tl.load(w_ptr + head * DIM + rolled).to(tl.float32), dtype)
         cos = tl.load(cos_ptr + token * DIM + cols).to(tl.float32)
         sin = tl.load(sin_ptr + token * DIM + cols).to(tl.float32)
         first = (normed.to(tl.float32) * cos).to(dtype).to(tl.float32)
