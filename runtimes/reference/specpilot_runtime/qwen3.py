@@ -8,15 +8,15 @@ tests/test_qwen3_runtime.py); norms take their statistics in float32 and apply t
 as transformers does.
 
 Projections are plain [out, in] `nn.Linear` layers, q/k/v and gate/up each fused into one (one weight read
-per step each), so W12 can replace them in place (`w12.module.apply_w12`, layer by layer: `to_w12`). The norms,
-the SiLU product and the q/k norm with the rotary embedding run as fused.py's kernels on CUDA (those before a
-projection let a W12 ws GEMM after them start early).
+per step each), so W12 can replace them in place (`w12.module.apply_w12`, layer by layer: `to_w12`). Everything
+between the projections is fused.py's, one kernel each on CUDA (those before a projection let a W12 ws GEMM after
+them start early): a residual add with the norm after it (the last layer's add inside the final norm), the q/k
+norm with the rotary embedding and the cache writes, the attention, the SiLU product.
 
 The cache is static: [layers, batch, kv_heads, length, head_dim], allocated once per batch. A forward writes
-its tokens' keys and values at their positions by index (no host sync) and attends over the whole cache,
-keys past each query's position masked, so a decode step has fixed shapes and no host work and can be
-captured in a CUDA graph (decode.py). Queries are grouped per KV head ([batch, kv_heads, T * group,
-head_dim]) so attention is one SDPA call with no copy of the cache per query head.
+its tokens' keys and values at their positions (no host sync), and each query attends to the keys at or before
+its position, so a decode step has fixed shapes and no host work and can be captured in a CUDA graph
+(decode.py). Attention is grouped per KV head, with no copy of the cache per query head.
 """
 from __future__ import annotations
 
@@ -25,12 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fused
-
-# Attention with a mask: memory-efficient attention on CUDA, the math kernel elsewhere (both capturable).
-ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,6 @@ class StaticCache:
         size = (shape.num_layers, batch, shape.num_kv_heads, length, shape.head_dim)
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
-        self.rows = torch.arange(batch, device=device)[:, None]
         self.key_positions = torch.arange(length, device=device)
 
     @property
@@ -110,24 +105,18 @@ class Qwen3Layer(nn.Module):
         # q_norm for the query heads then k_norm for the key heads: one norm (and one rotary) for both
         self.qk_norm = ones(s.num_heads + s.num_kv_heads, s.head_dim)
 
-    def forward(self, x, cos, sin, positions, mask, k_cache, v_cache, rows):
+    def forward(self, x, pending, cos, sin, positions, k_cache, v_cache):
+        """(the residual stream, the down projection's output not yet added to it): the previous layer's
+        output is added in this layer's first kernel, with the norm (fused.add_rms_norm)."""
         s = self.shape
         batch, steps, _ = x.shape
         eps = s.rms_norm_eps
-        qkv = self.qkv(fused.rms_norm(x, self.input_norm, eps)).view(batch, steps, -1, s.head_dim)
-        qk = fused.norm_rotate(qkv[:, :, :s.num_heads + s.num_kv_heads], self.qk_norm, cos, sin, eps)
-        q, k, v = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:], qkv[:, :, s.num_heads + s.num_kv_heads:]
-        k_cache[rows, :, positions] = k  # [batch, steps, kv_heads, head_dim] at each token's position
-        v_cache[rows, :, positions] = v
-        # Query head h reads KV head h // group: rows of one KV head are (token, head in group), token-major.
-        q = q.reshape(batch, steps, s.num_kv_heads, s.group, s.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.reshape(batch, s.num_kv_heads, steps * s.group, s.head_dim),
-                                           k_cache, v_cache, attn_mask=mask)
-        # (reshape: memory-efficient attention may return its output in another memory layout)
-        o = o.reshape(batch, s.num_kv_heads, steps, s.group * s.head_dim).transpose(1, 2)
-        x = x + self.o(o.reshape(batch, steps, s.num_heads * s.head_dim))
-        gate_up = self.gate_up(fused.rms_norm(x, self.post_norm, eps))
-        return x + self.down(fused.silu_mul(gate_up))
+        x, h = fused.add_rms_norm(x, pending, self.input_norm, eps)
+        qkv = self.qkv(h).view(batch, steps, -1, s.head_dim)
+        q = fused.attention_inputs(qkv, self.qk_norm, cos, sin, eps, positions, k_cache, v_cache, s.num_heads)
+        o = fused.attention(q, k_cache, v_cache, positions)
+        x, h = fused.add_rms_norm(x, self.o(o.reshape(batch, steps, s.num_heads * s.head_dim)), self.post_norm, eps)
+        return x, self.down(fused.silu_mul(self.gate_up(h)))
 
 
 class Qwen3(nn.Module):
@@ -164,18 +153,14 @@ class Qwen3(nn.Module):
         batch, steps = tokens.shape
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]
-        # Query row (token t, head g of a group) sees the keys at or before t's position: an additive mask,
-        # made once for all layers.
-        hidden = torch.full((), float("-inf"), dtype=self.dtype, device=tokens.device)
-        mask = torch.where(cache.key_positions <= positions[..., None], 0.0, hidden).to(self.dtype)
-        mask = mask[:, None, :, None].expand(batch, 1, steps, s.group, cache.length).reshape(
-            batch, 1, steps * s.group, cache.length)
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, positions, mask, cache.k[i], cache.v[i], cache.rows)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(fused.rms_norm(x, self.norm, s.rms_norm_eps))
+        if positions.is_cuda:   # fused.attention_inputs writes no position outside the cache; torch's indexing raised
+            torch._assert_async(((positions >= 0) & (positions < cache.length)).all(),
+                                f"a position outside the cache of {cache.length}")
+        pending = None
+        for i, layer in enumerate(self.layers):
+            x, pending = layer(x, pending, cos, sin, positions, cache.k[i], cache.v[i])
+        _, h = fused.add_rms_norm(x, pending, self.norm, s.rms_norm_eps)
+        return self.lm_head(h[:, -1:] if last_only else h)
 
     def projections(self):
         """(name, nn.Linear) of every layer's four weights: what W12 replaces."""
