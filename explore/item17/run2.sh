@@ -1,7 +1,0 @@
-export PYTHONUNBUFFERED=1
-date -u
-PYTHONPATH=kernels:runtimes/reference timeout 150 python3 -m pytest -q -x tests/test_runtime_fused.py > $OUT/tests.log 2>&1; tail -15 $OUT/tests.log
-PYTHONPATH=kernels:runtimes/reference timeout 100 python3 w12_carry/att_bench.py > $OUT/att.log 2>&1; cat $OUT/att.log | tail -15
-PYTHONPATH=kernels:runtimes/reference timeout 120 python3 w12_carry/e2e_profile.py 4 > $OUT/profile.log 2>&1; grep "==" $OUT/profile.log; date -u
-PYTHONPATH=kernels:runtimes/reference timeout 220 python3 benchmarks/qwen3_e2e.py --family normal,student-t4,outliers --dense-fallback --out $OUT/e2e.json > $OUT/e2e.log 2>&1; grep "^| \|graph replay" $OUT/e2e.log | cut -c1-200; date -u
-PYTHONPATH=kernels:w12_carry/old/runtimes/reference timeout 90 python3 benchmarks/qwen3_e2e.py --family normal --dense-fallback --out $OUT/e2e_old.json > $OUT/e2e_old.log 2>&1; grep "^| " $OUT/e2e_old.log | cut -c1-200; date -u
