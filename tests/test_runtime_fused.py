@@ -1,6 +1,7 @@
 """specpilot_runtime.fused: the residual adds with the RMSNorms, the SiLU product, the q/k norm with the
-rotary embedding and the cache writes, and the attention of the Qwen3 forward. On CPU (what CI runs) they are the torch expressions the forward had, bit for bit; on CUDA the
-Triton kernels against those expressions, called eagerly and replayed from a CUDA graph."""
+rotary embedding and the cache writes, and the attention of the Qwen3 forward. On CPU (what CI runs) they are the
+torch expressions the forward had, bit for bit; on CUDA the Triton kernels against those expressions (and the
+attention against float64 attention), called eagerly and replayed from a CUDA graph."""
 from __future__ import annotations
 
 import pytest

@@ -110,8 +110,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     On CUDA one Triton kernel (two when the keys are split, `splits`: default from the cache's length and the
     number of programs): each program takes one token's queries of one KV head (the group's rows together, so
     a key is read once per group) over a range of keys, with an online softmax in float32 (scores as exp2 of
-    log2e-scaled logits, probabilities rounded to the model dtype for the value product, as flash attention does), and
-    scores only keys up to the token's position. Elsewhere scaled_dot_product_attention with an additive mask
+    log2e-scaled logits, probabilities rounded to the model dtype for the value product, as flash attention
+    does), and scores only keys up to the token's position. Elsewhere scaled_dot_product_attention with an additive mask
     (memory-efficient attention or the math kernel), the forward's code before this function."""
     if _triton_path(q) and _attention_fits(q, k_cache, v_cache, positions):
         return _attention_triton(q, k_cache, v_cache, positions, splits)
@@ -162,31 +162,29 @@ def _same_layout(x: torch.Tensor, other: torch.Tensor) -> bool:
 
 
 def _attention_inputs_fit(qkv, weight, cos, signed_sin, positions, k_cache, v_cache, num_heads) -> bool:
-    if qkv.dim() != 4 or k_cache.dim() != 4:
+    if qkv.dim() != 4 or not _caches_fit(qkv, k_cache, v_cache, positions):
         return False
     batch, steps, all_heads, dim = qkv.shape
-    kv_heads = k_cache.shape[1]
     table = (batch, steps, 1, dim)
-    return (dim >= 2 and triton.next_power_of_2(dim) == dim and all_heads == num_heads + 2 * kv_heads
-            and weight.shape == (num_heads + kv_heads, dim) and weight.is_contiguous()
+    return (dim >= 2 and all_heads == num_heads + 2 * k_cache.shape[1]
+            and weight.shape == (num_heads + k_cache.shape[1], dim) and weight.is_contiguous()
             and all(t.shape == table and t.is_contiguous() for t in (cos, signed_sin))
-            and all(t.dtype == qkv.dtype and t.device == qkv.device for t in (weight, cos, signed_sin, k_cache, v_cache))
-            and k_cache.shape == v_cache.shape and k_cache.shape[0] == batch and k_cache.shape[3] == dim
-            and k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride()
-            and positions.shape == (batch, steps) and positions.device == qkv.device
-            and positions.dtype in (torch.int32, torch.int64))
+            and all(t.dtype == qkv.dtype and t.device == qkv.device for t in (weight, cos, signed_sin)))
 
 
 def _attention_fits(q, k_cache, v_cache, positions) -> bool:
-    if q.dim() != 4 or k_cache.dim() != 4:
-        return False
-    batch, steps, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    return (q.dtype in (torch.bfloat16, torch.float16) and dim >= 16 and triton.next_power_of_2(dim) == dim
-            and kv_heads > 0 and heads % kv_heads == 0 and k_cache.shape[0] == batch and k_cache.shape[3] == dim
-            and k_cache.shape == v_cache.shape and v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1
-            and all(t.dtype == q.dtype and t.device == q.device for t in (k_cache, v_cache))
-            and positions.shape == (batch, steps) and positions.device == q.device
+    return (q.dim() == 4 and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] >= 16
+            and _caches_fit(q, k_cache, v_cache, positions) and q.shape[2] % k_cache.shape[1] == 0)
+
+
+def _caches_fit(heads, k_cache, v_cache, positions) -> bool:
+    """Caches [B, kv_heads, length, head_dim] and positions [B, T] that go with heads [B, T, any, head_dim]."""
+    batch, steps, _, dim = heads.shape
+    return (k_cache.dim() == 4 and k_cache.shape[1] > 0 and triton.next_power_of_2(dim) == dim
+            and k_cache.shape[0] == batch and k_cache.shape[3] == dim and k_cache.shape == v_cache.shape
+            and k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride()
+            and all(t.dtype == heads.dtype and t.device == heads.device for t in (k_cache, v_cache))
+            and positions.shape == (batch, steps) and positions.device == heads.device
             and positions.dtype in (torch.int32, torch.int64))
 
 
@@ -388,7 +386,8 @@ if triton is not None:
             new_top = tl.maximum(top, part_top)
             rescale, part_scale = tl.math.exp2(top - new_top), tl.math.exp2(part_top - new_top)
             total = total * rescale + tl.load(slot + rows * (DIM + 2) + DIM + 1) * part_scale
-            acc = acc * rescale[:, None] + tl.load(slot + rows[:, None] * (DIM + 2) + cols[None, :]) * part_scale[:, None]
+            part = tl.load(slot + rows[:, None] * (DIM + 2) + cols[None, :])
+            acc = acc * rescale[:, None] + part * part_scale[:, None]
             top = new_top
         head_rows = (token * heads + kv_head * GROUP + rows) * DIM
         tl.store(o_ptr + head_rows[:, None] + cols[None, :], (acc / total[:, None]).to(o_ptr.dtype.element_ty),
