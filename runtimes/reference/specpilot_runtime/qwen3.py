@@ -77,7 +77,6 @@ class StaticCache:
         size = (shape.num_layers, batch, shape.num_kv_heads, length, shape.head_dim)
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
-        self.key_positions = torch.arange(length, device=device)
 
     @property
     def batch(self) -> int:
