@@ -31,7 +31,7 @@ import torch
 
 from .format import UNIT_HALF, UNIT_ROWS
 
-__all__ = ["WsPlan", "supported", "build", "escape_table", "BuildError"]
+__all__ = ["WsPlan", "supported", "build", "escape_table", "cta_ranges", "BuildError"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_ws.cu"
 TILE_ROWS = UNIT_ROWS    # rows per tile: the kernel's two consumer warpgroups of 64
@@ -48,7 +48,7 @@ PDL = True   # launched as a programmatic dependent of the kernel ahead in the s
 class Args(ctypes.Structure):
     """csrc/w12_ws.cu's Args, field for field (checked against w12_ws_params_size at load)."""
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("planes", "base", "esc_ptr", "esc", "x", "y", "ws", "counters")] + \
+                ("planes", "base", "esc_ptr", "esc", "x", "y", "ws", "counters", "ranges")] + \
                [(name, ctypes.c_int32) for name in ("n", "half", "cols", "m", "ldx", "ldy", "grid", "pdl")]
 
 
@@ -228,6 +228,19 @@ def escape_table(packed) -> tuple[torch.Tensor, torch.Tensor]:
     return esc, esc_ptr
 
 
+def cta_ranges(tiles: int, ks: int, grid: int, device=None) -> torch.Tensor:
+    """The kernel's stream-K split of tiles * ks units over grid CTAs, as int32 [grid + 1 + 2 * tiles]: first the
+    boundaries (CTA c takes units c * units // grid up to (c + 1) * units // grid), then per tile the first and last
+    CTA holding one of its units (equal for a tile done whole by one CTA; otherwise the first sums the pieces). Made
+    on `device` by torch ops alone, so a plan can be made during CUDA-graph capture."""
+    units = tiles * ks
+    bounds = torch.arange(grid + 1, dtype=torch.int64, device=device) * units // grid
+    firsts = torch.arange(tiles, dtype=torch.int64, device=device) * ks
+    ctas = torch.stack([torch.searchsorted(bounds, firsts, right=True) - 1,
+                        torch.searchsorted(bounds, firsts + ks - 1, right=True) - 1], 1)
+    return torch.cat([bounds, ctas.flatten()]).to(torch.int32)
+
+
 _WORKSPACES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -273,12 +286,14 @@ class WsPlan:
         units = _units(packed)
         self.bucket, self.rows, self.cols, self.device = bucket, packed.rows, packed.cols, device
         self.grid = min(_device_info(index)[1], units)
+        ranges = cta_ranges(-(-packed.rows // TILE_ROWS), packed.half // UNIT_HALF, self.grid, device)
         # the weight holds its plans (W12Tensor.plans): a strong reference back would make a cycle
         self._weight = weakref.ref(packed)
-        self._held = (esc, esc_ptr, pieces, counters, base)    # what the arguments point at
+        self._held = (esc, esc_ptr, pieces, counters, base, ranges)    # what the arguments point at
         # cols is x's tensor-map width: TMA reads columns cols .. 2 * half - 1 (padding) as zeros
         self._args = Args(planes=packed.units.data_ptr(), base=base.data_ptr(), esc_ptr=esc_ptr.data_ptr(),
-                          esc=esc.data_ptr(), ws=pieces.data_ptr(), counters=counters.data_ptr(), n=packed.rows,
+                          esc=esc.data_ptr(), ws=pieces.data_ptr(), counters=counters.data_ptr(),
+                          ranges=ranges.data_ptr(), n=packed.rows,
                           half=packed.half, cols=packed.cols, ldy=packed.rows, grid=self.grid, pdl=int(PDL))
         # Launched as a programmatic dependent, the kernel reads the weight before the kernels ahead of it in the
         # stream are done: whatever wrote the planes and the escape table must be finished now.

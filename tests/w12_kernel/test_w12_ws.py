@@ -87,6 +87,23 @@ def test_escape_table_of_an_encoded_weight():
     assert_table_matches(packed)
 
 
+@settings(max_examples=80, derandomize=True, deadline=None)
+@given(tiles=st.integers(1, 300), ks=st.integers(1, 300), sms=st.integers(1, 140))
+def test_cta_ranges_split_the_units_as_stream_k_and_name_each_tiles_first_and_last_cta(tiles, ks, sms):
+    """The kernel takes its range and each tile's CTAs from this table: CTA c's units are c * units // grid up to
+    (c + 1) * units // grid, and a tile's first and last CTA are those holding its first and last unit (found here
+    one unit at a time)."""
+    units = tiles * ks
+    grid = min(sms, units)
+    table = ws.cta_ranges(tiles, ks, grid)
+    assert table.dtype == torch.int32 and table.numel() == grid + 1 + 2 * tiles
+    bounds = table[:grid + 1].tolist()
+    assert bounds == [c * units // grid for c in range(grid + 1)]
+    cta_of = [c for c in range(grid) for _ in range(bounds[c], bounds[c + 1])]
+    assert len(cta_of) == units
+    assert table[grid + 1:].tolist() == [cta for t in range(tiles) for cta in (cta_of[t * ks], cta_of[t * ks + ks - 1])]
+
+
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPILOT_W12_CACHE", str(tmp_path / "a"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

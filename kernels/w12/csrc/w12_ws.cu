@@ -8,7 +8,8 @@
 // units in flight: it decodes unit u while unit u - 1's wgmmas run, and frees u - 1's stage once they are done.
 // Escapes (grouped by unit and consumer warp, ws.py escape_table) are scalar multiply-adds by the lanes holding the
 // escape's row, into accumulators of their own. Split tiles are summed by the CTA holding the tile's first unit, in
-// CTA order: the result does not depend on timing.
+// CTA order: the result does not depend on timing. The CTAs' ranges of units and each tile's first and last CTA come
+// from a table made with the plan (ws.cta_ranges): no division in the kernel (BENCH.md item 21).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -28,6 +29,8 @@ struct Args {
   __nv_bfloat16* y;        // [m][ldy]
   float* ws;               // split tiles' pieces: w12_ws_slot_floats() per CTA
   int32_t* counters;       // 2 per row tile, zero between launches
+  const int32_t* ranges;   // [grid + 1]: CTA c's units are [ranges[c], ranges[c + 1]); then per tile its first and
+                           // last CTA
   int32_t n, half, cols, m, ldx, ldy, grid;
   int32_t pdl;             // 1: launched as a programmatic dependent of the kernel before it in the stream
 };
@@ -41,6 +44,7 @@ struct Params {
   __nv_bfloat16* y;
   float* ws;
   int32_t* counters;
+  const int32_t* ranges;
   int32_t n, half, m, ldy, grid, ks;
 };
 
@@ -68,7 +72,8 @@ struct Cfg {
   static constexpr int kSlot = 64 * kMp;    // one warpgroup's piece of a tile, floats
   static constexpr int kFit = (220 * 1024) / kStage;
   static constexpr int kStages = kFit < W12_STAGES ? kFit : W12_STAGES;
-  static constexpr int kSmem = 1024 + kStages * kStage + 4 * (8 * kMaxUnits + 1);
+  static constexpr int kPtrBytes = 4 * (8 * kMaxUnits + 4);   // the CTA's escape pointers, then its tiles' CTAs
+  static constexpr int kSmem = 1024 + kStages * kStage + kPtrBytes + 8 * kMaxUnits;
   static_assert(kStages >= 3, "a stage too large");
 };
 
@@ -199,14 +204,6 @@ __device__ __forceinline__ void wgmma<8>(float* d, const uint32_t* a, uint64_t d
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// The CTA whose range [c * units / grid, (c + 1) * units / grid) holds unit u.
-__device__ __forceinline__ int owner(int64_t u, int64_t units, int grid) {
-  int c = static_cast<int>(u * grid / units);
-  while (c + 1 < grid && (c + 1) * units / grid <= u) ++c;
-  while (c > 0 && c * units / grid > u) --c;
-  return c;
-}
-
 // The bf16 at token row r, column c (0..63) of a 128-byte-swizzled x box.
 __device__ __forceinline__ float x_at(uint32_t box, int r, int c) {
   return __uint_as_float(lds_u16(box + r * 128 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) << 16);
@@ -263,12 +260,13 @@ struct Consumer {
   uint32_t stages;   // shared-memory addresses (32-bit: ld.shared, not generic loads)
   uint64_t *full, *empty;
   uint32_t ptrs;
+  uint32_t tile_ctas;   // shared: the first and last CTA of each tile from tile_first on
+  int tile_first;
   int wg, warp, lane, g, t, start, end;
-  int64_t units;
   uint32_t b4[2];
   int slot, prev;    // the stage of the unit in hand and of the one before it
   uint32_t phase;
-  int tile, tile_end;
+  int tile, tile_end, c0, c1;   // the tile in hand, its end here, its first and last CTA
 
   __device__ uint32_t stage() const { return stages + slot * C::kStage; }
   __device__ int row_in_tile(int hr) const { return wg * 64 + warp * 16 + g + 8 * hr; }
@@ -350,8 +348,6 @@ struct Consumer {
       store(tile, acc);
       return;
     }
-    const int c0 = owner(static_cast<int64_t>(tile) * p.ks, units, p.grid);
-    const int c1 = owner(static_cast<int64_t>(tile + 1) * p.ks - 1, units, p.grid);
     const int me = (warp * 32 + lane) * C::kAcc;
     float4* a4 = reinterpret_cast<float4*>(acc);
     int* counter = p.counters + tile * 2 + wg;
@@ -399,6 +395,8 @@ struct Consumer {
       tile = u / p.ks;
       tile_end = min(end, (tile + 1) * p.ks);
       bases();
+      c0 = __shfl_sync(0xffffffffu, lds_u32(tile_ctas + 8 * (tile - tile_first)), 0);
+      c1 = __shfl_sync(0xffffffffu, lds_u32(tile_ctas + 8 * (tile - tile_first) + 4), 0);
     }
     mma(acc, a);
     escapes(u, esc);
@@ -450,13 +448,16 @@ __global__ void __launch_bounds__(kThreads, 1) w12_ws_kernel(const __grid_consta
   __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   int* ptrs = reinterpret_cast<int*>(stages + C::kStages * C::kStage);
-  const int64_t units = static_cast<int64_t>(p.n / kBN) * p.ks;
-  const int start = static_cast<int>(blockIdx.x * units / p.grid);
-  const int end = static_cast<int>((blockIdx.x + 1) * units / p.grid);
+  int* tile_ctas = reinterpret_cast<int*>(stages + C::kStages * C::kStage + C::kPtrBytes);
+  const int start = __shfl_sync(0xffffffffu, __ldg(p.ranges + blockIdx.x), 0);
+  const int end = __shfl_sync(0xffffffffu, __ldg(p.ranges + blockIdx.x + 1), 0);
+  const int tile_first = start / p.ks, tiles = (end - 1) / p.ks - tile_first + 1;
   const int tid = threadIdx.x;
   const int warp_idx = __shfl_sync(0xffffffffu, tid >> 5, 0);   // warp-uniform to the compiler, like the roles below
   for (int i = tid; i <= (end - start) * 8; i += kThreads)
     sts_u32(smem_addr(ptrs + i), __ldg(p.esc_ptr + start * 8 + i));
+  for (int i = tid; i < 2 * tiles; i += kThreads)
+    sts_u32(smem_addr(tile_ctas + i), __ldg(p.ranges + p.grid + 1 + 2 * tile_first + i));
   if (tid == 0) {
     for (int s = 0; s < C::kStages; ++s) bar_init(full + s, 1), bar_init(empty + s, 8);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::);
@@ -471,8 +472,8 @@ __global__ void __launch_bounds__(kThreads, 1) w12_ws_kernel(const __grid_consta
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int lane = tid & 31;
-  Consumer<NT> c{p, smem_addr(stages), full, empty, smem_addr(ptrs), (warp_idx - 4) >> 2, warp_idx & 3, lane, lane >> 2,
-                 lane & 3, start, end, units, {0u, 0u}, 0, 0, 0u, 0, 0};
+  Consumer<NT> c{p, smem_addr(stages), full, empty, smem_addr(ptrs), smem_addr(tile_ctas), tile_first,
+                 (warp_idx - 4) >> 2, warp_idx & 3, lane, lane >> 2, lane & 3, start, end, {0u, 0u}, 0, 0, 0u, 0, 0, 0, 0};
   c.run();
 }
 
@@ -525,6 +526,7 @@ int launch(const Args& a, cudaStream_t stream) {
   p.y = a.y;
   p.ws = a.ws;
   p.counters = a.counters;
+  p.ranges = a.ranges;
   p.n = a.n, p.half = a.half, p.m = a.m, p.ldy = a.ldy, p.grid = a.grid, p.ks = a.half / kBKh;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(a.grid);
@@ -554,9 +556,11 @@ int w12_ws_gemm(const Args* a, void* stream) {
   const int64_t units = static_cast<int64_t>(a->n / kBN) * (a->half / kBKh);
   const uintptr_t aligned = reinterpret_cast<uintptr_t>(a->planes) | reinterpret_cast<uintptr_t>(a->base) |
                             reinterpret_cast<uintptr_t>(a->esc) | reinterpret_cast<uintptr_t>(a->x);
+  const uintptr_t words = reinterpret_cast<uintptr_t>(a->ranges) | reinterpret_cast<uintptr_t>(a->counters);
   if (a->m < 1 || a->m > 64 || a->half < kBKh || a->half % kBKh != 0 || a->n < kBN || a->n % kBN != 0 ||
       a->cols < 1 || a->cols > 2 * a->half || a->ldx < a->cols || a->ldx % 8 != 0 || aligned % 16 != 0 ||
-      a->grid < 1 || a->grid > units || (units + a->grid - 1) / a->grid > kMaxUnits || (a->pdl & ~1))
+      a->grid < 1 || a->grid > units || (units + a->grid - 1) / a->grid > kMaxUnits || (a->pdl & ~1) ||
+      !a->ranges || !a->counters || words % 4 != 0)
     return 1000;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a->m <= 8) return launch<1>(*a, s);
@@ -568,7 +572,7 @@ int w12_ws_gemm(const Args* a, void* stream) {
 const char* w12_ws_error(int code) {
   return code == 1000   ? "arguments not taken (M in 1..64, half a multiple of 64, N of 128, cols <= 2 * half, x "
                           "rows 16-byte aligned and at least cols wide, planes/base/esc/x 16-byte aligned, grid <= "
-                          "units, units per CTA <= 128, pdl 0 or 1)"
+                          "units, units per CTA <= 128, pdl 0 or 1, ranges and counters given)"
          : code == 1001 ? "cuTensorMapEncodeTiled not found"
          : code == 1002 ? "a tensor map was refused"
          : code == 1003 ? "device index beyond the kernel's table of 64"
