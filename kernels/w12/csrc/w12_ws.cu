@@ -9,7 +9,8 @@
 // Escapes (grouped by unit and consumer warp, ws.py escape_table) are scalar multiply-adds by the lanes holding the
 // escape's row, into accumulators of their own. Split tiles are summed by the CTA holding the tile's first unit, in
 // CTA order: the result does not depend on timing. The CTAs' ranges of units and each tile's first and last CTA come
-// from a table made with the plan (ws.cta_ranges): no division in the kernel (BENCH.md item 21).
+// from a table made with the plan (ws.cta_ranges), not from 64-bit divisions at every split tile's end (BENCH.md
+// item 21).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -473,7 +474,8 @@ __global__ void __launch_bounds__(kThreads, 1) w12_ws_kernel(const __grid_consta
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int lane = tid & 31;
   Consumer<NT> c{p, smem_addr(stages), full, empty, smem_addr(ptrs), smem_addr(tile_ctas), tile_first,
-                 (warp_idx - 4) >> 2, warp_idx & 3, lane, lane >> 2, lane & 3, start, end, {0u, 0u}, 0, 0, 0u, 0, 0, 0, 0};
+                 (warp_idx - 4) >> 2, warp_idx & 3, lane, lane >> 2, lane & 3, start, end, {0u, 0u}, 0, 0, 0u, 0, 0,
+                 0, 0};
   c.run();
 }
 
