@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from specpilot_build.build.runtime_base import wheel_file
+from specpilot_build.pins.wheels import wheel_file
 from specpilot_build.config.compose import compose_setting, list_settings
-from specpilot_build.hub.lockfile import load_lock, write_placeholder_lock
+from specpilot_build.pins.lockfile import load_lock, write_placeholder_lock
 from specpilot_build.store.engines import disk_usage
 
 REPO = Path(__file__).resolve().parent.parent

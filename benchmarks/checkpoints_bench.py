@@ -35,8 +35,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.update(SPECPILOT_DATA=f"{tmp}/data", HF_HUB_CACHE=f"{tmp}/hub", HF_HUB_OFFLINE="1")
-        from specpilot_build.hub import checkpoints
-        from specpilot_build.hub.lockfile import PinnedFile, load_lock
+        from specpilot_build.models import checkpoints
+        from specpilot_build.pins.lockfile import PinnedFile, load_lock
 
         pin = load_lock(REPO / "lockfiles").checkpoints["karpathy/tinyllamas"]
         rows = []

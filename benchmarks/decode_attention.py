@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from specpilot_runtime import fused
+from specpilot_lab import fused
 
 HEADS, KV_HEADS, DIM = 64, 8, 128
 GROUP = HEADS // KV_HEADS

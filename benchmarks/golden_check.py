@@ -14,9 +14,9 @@ import time
 
 import httpx
 
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.locations import mirror_dir
-from specpilot_build.run.serve import serve, stop
+from specpilot_build.serve.process import serve, stop
 
 
 def main() -> None:

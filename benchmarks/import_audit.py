@@ -14,7 +14,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from specpilot_build.run.audit import compare_imports
+from specpilot_build.serve.audit import compare_imports
 from specpilot_build.store.engines import resolve_engine
 
 

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from specpilot_build.measure.bench import bench
-from specpilot_build.build.builder import build_engine
-from specpilot_build.run.serve import serve, stop
+from specpilot_build.assemble.builder import build_engine
+from specpilot_build.serve.process import serve, stop
 from specpilot_build.measure.verify import verify
 
 REPO = Path(__file__).resolve().parent.parent

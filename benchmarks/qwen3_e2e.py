@@ -9,7 +9,7 @@ memory at a time), rows of all of them in one table.
 
 27B shapes: hidden 5120, 64 layers, 64 query heads and 8 KV heads of 128 (qkv 10240x5120, o 5120x8192),
 intermediate 17408 (gate_up 34816x5120, down 5120x17408), vocab 151936, untied lm_head. Weights are drawn on
-the device from a w12.families family (no download), one seed per matrix; norm weights are 1. bf16 needs
+the device from a specpilot_lab.w12_families family (no download), one seed per matrix; norm weights are 1. bf16 needs
 about 57 GB. Each batch decodes --prompt-tokens random ids per sequence (seeded per batch, the same prompts
 for both formats) and --new-tokens greedy tokens: the first from the prefill (eager), the rest one graph
 replay each; tok/s counts the decode steps only, timed after warm-up steps. Then the 64 layers' 256
@@ -52,9 +52,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from specpilot_runtime.decode import Decoded, divergences, greedy_decode
-from specpilot_runtime.qwen3 import Qwen3, Qwen3Shape
-from w12.families import FAMILIES, draw
+from specpilot_lab.decode import Decoded, divergences, greedy_decode
+from specpilot_lab.qwen3 import Qwen3, Qwen3Shape
+from specpilot_lab.w12_families import FAMILIES, draw
 
 START = time.perf_counter()
 

@@ -18,8 +18,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specpilot_runtime.decode import DecodeStep, prefill
-from specpilot_runtime.qwen3 import Qwen3Shape
+from specpilot_lab.decode import DecodeStep, prefill
+from specpilot_lab.qwen3 import Qwen3Shape
 from qwen3_e2e import drawn_model
 
 PROFILED_STEPS = 5

@@ -5,7 +5,7 @@ its processes import, and check that each imported SGLang file is one the pruned
         --out <dir> [--port 30002]
 
 The unpruned tree is a copy of the engine tree (its overlaid files win) with every other member of the wheel added,
-launched from the engine's own launch spec and audit hook (run/serve.py, run/audit.py), on the GPU the setting
+launched from the engine's own launch spec and audit hook (serve/process.py, serve/audit.py), on the GPU the setting
 names; one golden prompt through /generate, then the whole process group is stopped. `--log <file>` re-reads
 such a run's import log instead of serving.
 
@@ -28,11 +28,11 @@ import zipfile
 from pathlib import Path
 
 from golden_generate import golden_generate
-from specpilot_build.build.runtime_base import wheel_sha256
+from specpilot_build.pins.wheels import wheel_sha256
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.hub.checkpoints import model_dirs
-from specpilot_build.run.audit import AUDIT_ENV, audit_env, compare_imports, module_name, static_importers
-from specpilot_build.run.serve import _terminate, _wait_healthy, launch_command
+from specpilot_build.models.checkpoints import model_dirs
+from specpilot_build.serve.audit import AUDIT_ENV, audit_env, compare_imports, module_name, static_importers
+from specpilot_build.serve.process import _terminate, _wait_healthy, launch_command
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
 from specpilot_build.store.names import plain_relpath
 

@@ -62,9 +62,9 @@ def llama2c_dir(stories_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def w12_stories() -> Path:
-    """stories260K's checkpoint where w12.families reads it ($W12_STORIES, $SPECPILOT_MIRROR, shared/ in the
+    """stories260K's checkpoint where specpilot_lab.w12_families reads it ($W12_STORIES, $SPECPILOT_MIRROR, shared/ in the
     checkout, else ../shared: families.stories_path()), for the stories260k weight family; skips without it."""
-    from w12 import families
+    from specpilot_lab import w12_families as families
 
     return _need(families.stories_path())
 

@@ -10,8 +10,8 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from specpilot_build.build.builder import build_engine
-from specpilot_build.hub.lockfile import write_placeholder_lock
+from specpilot_build.assemble.builder import build_engine
+from specpilot_build.pins.lockfile import write_placeholder_lock
 from specpilot_build.locations import conf_dir
 from specpilot_build.store.engines import Engine
 

@@ -81,8 +81,8 @@ E2E_DATASETS = ["gsm8k", "mt-bench"]
 def loop(tmp_path_factory, shared):
     """Engines of the embedded setting, a final run benched on the real runtime, and a running ar oracle."""
     from specpilot_build.measure.bench import bench
-    from specpilot_build.build.builder import build_engine
-    from specpilot_build.run.serve import serve, stop
+    from specpilot_build.assemble.builder import build_engine
+    from specpilot_build.serve.process import serve, stop
 
     root = tmp_path_factory.mktemp("loop")
     with pytest.MonkeyPatch.context() as env:

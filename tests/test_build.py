@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.store.manifest import engine_id
@@ -99,40 +99,65 @@ def test_ids_are_identical_across_clones_umasks_and_clocks(tmp_path):
     assert ids[0] == ids[1]
 
 
-def test_an_engine_ships_its_kernels_run_time_files_and_their_benchmarks_do_not_move_its_id(tmp_path):
+# Every setting served by the reference runtime: its engines are the ones whose ids a lab edit must not move.
+EMBEDDED_SETTINGS = sorted(p.stem for p in (REPO_ROOT / "conf" / "setting").glob("*.yaml")
+                           if "override /runtime: reference" in p.read_text())
+IDS_OF_EVERY_ARM = ("import json, sys\n"
+                    "from specpilot_build.assemble.builder import build_engine\n"
+                    "print(json.dumps({f'{s}/{a}': build_engine(s, a).engine.id for s in sys.argv[1:]\n"
+                    "                  for a in ('ar', 'stock', 'final')}))\n")
+
+
+def engine_ids(clone: Path) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-c", IDS_OF_EVERY_ARM, *EMBEDDED_SETTINGS], capture_output=True,
+                         text=True, env={**os.environ, **clone_env(clone)}, cwd=clone, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def append(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + line)
+
+
+def test_engine_ids_track_only_what_is_served(tmp_path):
     clone = clone_sources(tmp_path / "clone")
+    for name in ("lab", "benchmarks"):
+        shutil.copytree(REPO_ROOT / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+    ids = engine_ids(clone)
+    assert len(EMBEDDED_SETTINGS) >= 5 and len(set(ids.values())) == 3 * len(EMBEDDED_SETTINGS)
+    # benchmark-only code and results: the Qwen3 research forward, W12's bench, a results page, a new result
+    for rel in ("lab/specpilot_lab/qwen3.py", "lab/specpilot_lab/fused.py", "lab/specpilot_lab/w12_bench.py",
+                "benchmarks/qwen3_e2e.py"):
+        append(clone / rel, "# edited by a benchmark author\n")
+    append(clone / "benchmarks" / "w12_gemm.md", "one more run\n")
+    (clone / "benchmarks" / "results").mkdir(exist_ok=True)
+    (clone / "benchmarks" / "results" / "w12_gemm_h100.json").write_text("{}\n")
+    assert engine_ids(clone) == ids
+    # a file the server executes: every reference engine moves
+    append(clone / "runtimes" / "reference" / "specpilot_runtime" / "engine.py", "# a served change\n")
+    moved = engine_ids(clone)
+    assert not set(moved.values()) & set(ids.values())
+    # a file the W12 kernel package ships: exactly the engines that carry W12 (the bf16 finals) move
+    append(clone / "kernels" / "w12" / "gemm.py", "# a kernel change\n")
+    again = engine_ids(clone)
+    changed = sorted(k for k in again if again[k] != moved[k])
+    assert changed == ["cpu_c1_stories260k-bf16_ngram/final", "h200_c1_stories260k-bf16_ngram/final"]
 
-    def build() -> tuple[str, Path]:
-        out = cli("engine", "build", "--setting", "cpu_c1_stories260k-bf16_ngram", "--arm", "final",
-                  env=clone_env(clone), cwd=clone)
-        assert out.returncode == 0, out.stderr
-        return out.stdout.split()[0], Path(out.stdout.split()[1])
 
-    eid, path = build()
-    shipped = {p.relative_to(path / "kernels" / "w12").as_posix() for p in (path / "kernels" / "w12").rglob("*")}
-    assert shipped == {"__init__.py", "format.py", "gemm.py", "ws.py", "csrc", "csrc/w12_ws.cu", "module.py",
-                       "tuned_h200.json", "fallback_h200.json", "layouts_h200.json", "FORMAT.md"}
-    (clone / "kernels" / "w12" / "bench_h200.json").write_text("{}\n")     # a new benchmark run
-    (clone / "kernels" / "w12" / "BENCH.md").write_text("# W12 results, re-run\n")
-    assert build()[0] == eid
-    gemm = clone / "kernels" / "w12" / "gemm.py"
-    gemm.write_text(gemm.read_text() + "# a change to the kernel\n")
-    assert build()[0] != eid
-
-
-def test_a_kernels_ship_list_naming_a_missing_file_is_refused(tmp_path, monkeypatch):
-    from specpilot_build.build import inputs as assemble
+def test_a_kernel_ships_every_file_of_its_package(tmp_path, monkeypatch):
+    from specpilot_build.assemble import inputs
     kernel = tmp_path / "kernels" / "k"
-    kernel.mkdir(parents=True)
+    (kernel / "csrc").mkdir(parents=True)
     (kernel / "k.py").write_text("")
-    (kernel / "engine_files.txt").write_text("k.py\ntuned_*.json   # the tile choices\n")
-    monkeypatch.setattr(assemble, "KERNELS_DIR", tmp_path / "kernels")
-    with pytest.raises(SpecPilotError, match=r"^kernels/k/engine_files.txt: 'tuned_\*.json' matches no file in kernels/k/$"):
-        assemble.kernel_files("k")
+    (kernel / "csrc" / "k.cu").write_text("")
+    (kernel / "__pycache__").mkdir()
+    (kernel / "__pycache__" / "k.cpython-311.pyc").write_bytes(b"")
+    monkeypatch.setattr(inputs, "KERNELS_DIR", tmp_path / "kernels")
+    assert [rel for rel, _ in inputs.kernel_files("k")] == ["csrc/k.cu", "k.py"]
     (kernel / "tuned_h100.json").write_text("{}")
-    assert [rel for rel, _ in assemble.kernel_files("k")] == ["k.py", "tuned_h100.json"]
+    assert [rel for rel, _ in inputs.kernel_files("k")] == ["csrc/k.cu", "k.py", "tuned_h100.json"]
     with pytest.raises(SpecPilotError, match="^kernel 'w13': kernels/w13/ does not exist$"):
-        assemble.kernel_files("w13")
+        inputs.kernel_files("w13")
 
 
 @pytest.mark.slow
@@ -208,7 +233,7 @@ def _wheel_lock(tmp_path: Path, sha256: str | None = None) -> Path:
 def test_a_corrupt_cached_wheel_is_refused(store, tmp_path):
     data = tmp_path / "data"
     (data / "wheels").mkdir(parents=True)
-    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.pins.lockfile import load_lock
     pin = load_lock().runtimes["sglang"]
     (data / "wheels" / pin.filename).write_bytes(b"PK\x03\x04 not really a wheel")
     out = cli("engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar",
@@ -219,8 +244,8 @@ def test_a_corrupt_cached_wheel_is_refused(store, tmp_path):
 
 
 def test_a_wheel_whose_hash_differs_from_the_lock_is_refused(store, tmp_path, session_data):
-    from specpilot_build.hub.lockfile import load_lock
-    from specpilot_build.build.runtime_base import wheel_file
+    from specpilot_build.pins.lockfile import load_lock
+    from specpilot_build.pins.wheels import wheel_file
 
     wheel = wheel_file(load_lock().runtimes["sglang"])  # the genuine pinned wheel, cached for the session
     lock = _wheel_lock(tmp_path, sha256="0" * 64)

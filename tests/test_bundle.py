@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reference_runtime_helpers import free_port
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.bundle import install as installer
 from specpilot_build.bundle.pack import INDEX_NAME, make_bundle, split_archive
 from specpilot_build.errors import IntegrityError

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.hub.checkpoints import materialize, snapshot_dir
+from specpilot_build.models.checkpoints import materialize, snapshot_dir
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
-from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_lock
+from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, load_lock
 
 TINY = "karpathy/tinyllamas"
 TINY_FILES = ("stories260K/stories260K.bin", "stories260K/tok512.bin")
@@ -109,7 +109,7 @@ def test_files_sit_in_the_hub_cache_layout_the_real_client_resolves(stories, tin
 def test_present_and_verified_means_no_work(stories, tiny_pin, monkeypatch, llama2c_dir):
     model_dir, cache = stories
     before = {p: p.stat().st_mtime_ns for p in [*model_dir.iterdir(), *(cache.rglob("blobs/*"))]}
-    import specpilot_build.hub.checkpoints as checkpoints
+    import specpilot_build.models.checkpoints as checkpoints
 
     hashed = []
     monkeypatch.setattr(checkpoints, "sha256_of", lambda path, **kw: hashed.append(path))
@@ -184,7 +184,7 @@ def _pins_md(shared: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned(shared):
-    from specpilot_build.hub.checkpoints import checkpoint_requests
+    from specpilot_build.models.checkpoints import checkpoint_requests
     from specpilot_build.config.compose import compose_setting, list_settings
 
     pins, known = load_lock(REPO_ROOT / "lockfiles").checkpoints, _pins_md(shared)

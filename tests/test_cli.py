@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.locations import REPO_ROOT
 
 VERBS = ("engine", "sweep", "lock", "models", "serve", "stop", "bench", "compare", "score", "verify", "diff", "demo")

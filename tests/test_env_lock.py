@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.build.environment import (
+from specpilot_build.hosts.install import (
     install_environment,
     native_rules,
     select_distributions,
 )
-from specpilot_build.build.inputs import resolve_inputs
+from specpilot_build.assemble.inputs import resolve_inputs
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import ConfigError, PinError
-from specpilot_build.hub.environment import digest_of, lock_body, load_env_lock, load_host_profile
-from specpilot_build.hub.envlock import resolve_env_lock, to_toml, write_env_lock, write_host_profile
-from specpilot_build.hub.lockfile import WheelPin, load_lock
+from specpilot_build.hosts.profiles import digest_of, lock_body, load_env_lock, load_host_profile
+from specpilot_build.hosts.resolve import resolve_env_lock, to_toml, write_env_lock, write_host_profile
+from specpilot_build.pins.lockfile import WheelPin, load_lock
 from specpilot_build.locations import REPO_ROOT
 
 LOCKS = REPO_ROOT / "lockfiles"

@@ -1,4 +1,4 @@
-"""The import audit (run/audit.py, benchmarks/import_audit.py) on a real served engine: with
+"""The import audit (serve/audit.py, benchmarks/import_audit.py) on a real served engine: with
 SPECPILOT_IMPORT_AUDIT set, the server process (not serve's) logs the files it imports, and the comparison with
 the engine's manifest counts imported-and-kept, imported-but-pruned and kept-but-never-imported correctly."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from reference_runtime_helpers import free_port
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
-from specpilot_build.run.audit import compare_imports, module_name, package_path, static_importers
-from specpilot_build.run.serve import read_record, serve, stop
+from specpilot_build.serve.audit import compare_imports, module_name, package_path, static_importers
+from specpilot_build.serve.process import read_record, serve, stop
 
 EMBEDDED = "cpu_c1_stories260k_ngram"
 
@@ -78,7 +78,7 @@ def test_the_comparison_counts_kept_pruned_and_never_imported(served_log, tmp_pa
 
 
 def test_without_the_variable_the_launch_environment_is_untouched(monkeypatch):
-    from specpilot_build.run.audit import audit_env
+    from specpilot_build.serve.audit import audit_env
 
     monkeypatch.delenv("SPECPILOT_IMPORT_AUDIT", raising=False)
     env = {"PYTHONPATH": "/e/python:/e/kernels"}

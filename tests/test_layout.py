@@ -13,20 +13,23 @@ PACKAGE = "specpilot_build"
 # Modules every stage may use: the package root (its version), typed errors, paths, defaults.
 BASE = {"(root)", "errors", "locations", "defaults"}
 # What each stage may import besides itself and BASE (cli may import everything; nothing imports cli).
-# The one-way rule: cli -> measure / run / build -> store / config / hub; measure -> run; nothing goes back.
+# The one-way rule: cli -> measure -> serve -> store / models -> pins; cli -> assemble -> hosts -> pins; nothing
+# goes back.
 ALLOWED = {
-    "measure": {"run", "store", "hub"},
-    "run": {"store", "hub"},
-    "build": {"store", "config", "hub"},
-    "bundle": {"store", "hub"},
+    "measure": {"serve", "store", "models", "pins"},
+    "serve": {"store", "models", "pins"},
+    "assemble": {"store", "config", "models", "pins", "hosts"},
+    "bundle": {"store", "models", "pins"},
+    "hosts": {"store", "config", "pins"},
+    "models": {"pins", "store"},
     "store": set(),
     "config": set(),
-    "hub": set(),
+    "pins": {"store"},
 }
-# run/ and measure/ read engines only through the store: never the builder or the config composer.
-NEVER = {"run": {"build", "config"}, "measure": {"build", "config"}}
+# serve/ and measure/ read engines only through the store: never the assembler or the config composer.
+NEVER = {"serve": {"assemble", "config"}, "measure": {"assemble", "config"}}
 # Where `sys.path` may not be edited, and the benchmarks that may not import tests.
-NO_SYS_PATH = ("specpilot_build", "kernels", "runtimes", "benchmarks", "tests")
+NO_SYS_PATH = ("specpilot_build", "kernels", "runtimes", "lab", "benchmarks", "tests")
 
 
 @functools.cache
@@ -161,7 +164,7 @@ def test_the_package_has_modules_in_every_stage(repo):
     assert set(ALLOWED) | {"cli"} <= stages, sorted(stages)
 
 
-def test_run_and_measure_import_neither_the_builder_nor_the_config(repo):
+def test_serve_and_measure_import_neither_the_assembler_nor_the_config(repo):
     bad = [f"{modules(repo)[s].relative_to(repo)}:{line} imports {t}"
            for s, targets in graph(repo).items() for t, line in targets.items()
            if stage(t) in NEVER.get(stage(s), ())]
@@ -219,21 +222,21 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     repo = _package(tmp_path, {
         "specpilot_build/errors.py": "",
         "specpilot_build/store/engines.py": "from specpilot_build.errors import X\n",
-        "specpilot_build/run/serve.py": "def f():\n    from ..config import compose\n",
+        "specpilot_build/serve/process.py": "def f():\n    from ..config import compose\n",
         "specpilot_build/config/compose.py": "from specpilot_build.store import engines\n",
-        "specpilot_build/hub/a.py": "from . import b\n",
-        "specpilot_build/hub/b.py": "import specpilot_build.hub.a\n",
+        "specpilot_build/pins/a.py": "from . import b\n",
+        "specpilot_build/pins/b.py": "import specpilot_build.pins.a\n",
         "specpilot_build/cli/main.py": "import sys\nsys.path.insert(0, 'x')\n",
         "specpilot_build/measure/__init__.py": "import specpilot_build.cli.main\n",
         "benchmarks/bench.py": "from sglang_builds import ARMS\n",
         "tests/sglang_builds.py": "",
     })
-    assert graph(repo)["specpilot_build.run.serve"] == {"specpilot_build.config.compose": 2}
-    assert cycles(graph(repo)) == [["specpilot_build.hub.a", "specpilot_build.hub.b"]]
+    assert graph(repo)["specpilot_build.serve.process"] == {"specpilot_build.config.compose": 2}
+    assert cycles(graph(repo)) == [["specpilot_build.pins.a", "specpilot_build.pins.b"]]
     assert layering_violations(repo) == [
         "specpilot_build/config/compose.py:1 imports specpilot_build.store.engines (config/ may import no other stage)",
         "specpilot_build/measure/__init__.py:1 imports specpilot_build.cli.main (nothing imports cli)",
-        "specpilot_build/run/serve.py:2 imports specpilot_build.config.compose (run/ reads engines only through the store)",
+        "specpilot_build/serve/process.py:2 imports specpilot_build.config.compose (serve/ reads engines only through the store)",
     ]
     assert sys_path_edits(repo / "specpilot_build/cli/main.py") == [2]
     for line, code in enumerate(["sys.path.append(p)", "sys.path = []", "sys.path[0:0] = [p]", "sys.path += [p]"]):

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.hub.llama2c import OUTPUT_FILES, convert, rotate_half_rows
+from specpilot_build.models.llama2c import OUTPUT_FILES, convert, rotate_half_rows
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from huggingface_hub import constants as hub_constants
 import pytest
 from fake_hub import FakeHub
 
-from specpilot_build.hub.checkpoints import materialize, snapshot_dir
+from specpilot_build.models.checkpoints import materialize, snapshot_dir
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.hub.lock import lock_repos, write_lockfile
-from specpilot_build.hub.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
+from specpilot_build.models.lock import lock_repos, write_lockfile
+from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
 from specpilot_build.locations import REPO_ROOT
 
 C1, C2 = "1" * 40, "2" * 40

@@ -41,8 +41,8 @@ def test_the_sglang_context_is_the_pinned_wheels_own(runtime, session_data):
     import re
     import zipfile
 
-    from specpilot_build.build.runtime_base import wheel_file
-    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.pins.wheels import wheel_file
+    from specpilot_build.pins.lockfile import load_lock
     from specpilot_build.locations import REPO_ROOT
 
     pin = load_lock(REPO_ROOT / "lockfiles").runtimes[runtime]

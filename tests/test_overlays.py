@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.build import overlay
+from specpilot_build.assemble import overlays as overlay
 from specpilot_build.config.effective import overlays_in_order
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.store.manifest import digest_bytes

@@ -16,10 +16,10 @@ from huggingface_hub import constants as hub_constants
 
 from fake_hub import FakeHub
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.hub.checkpoints import PADDED_KEY, converted_files, materialize, padded_pins
-from specpilot_build.hub.llama2c import OUTPUT_FILES, ROPE_THETA, convert, spread_head_rows
-from specpilot_build.hub.lock import lock_repos, write_lockfile
-from specpilot_build.hub.lockfile import CheckpointPin, load_checkpoint_pins, load_lock
+from specpilot_build.models.checkpoints import PADDED_KEY, converted_files, materialize, padded_pins
+from specpilot_build.models.llama2c import OUTPUT_FILES, ROPE_THETA, convert, spread_head_rows
+from specpilot_build.models.lock import lock_repos, write_lockfile
+from specpilot_build.pins.lockfile import CheckpointPin, load_checkpoint_pins, load_lock
 from specpilot_build.locations import REPO_ROOT
 
 TINY = "karpathy/tinyllamas"
@@ -226,7 +226,7 @@ def test_lock_records_and_keeps_the_padded_conversion(monkeypatch, tmp_path, lla
 
 @pytest.fixture(scope="module")
 def padded_engines(session_data):
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
 
     return {(s, arm): build_engine(s, arm).engine for s in SETTINGS for arm in ("ar", "stock", "final")}
 
@@ -272,8 +272,8 @@ def test_padded_h200_settings_build_with_sglangs_ngram(padded_engines):
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_padded_engines_launch_arguments_pass_sglangs_own_check(padded_engines, monkeypatch, tmp_path, llama2c_dir):
-    from specpilot_build.build.launch_check import check_launch_args
-    from specpilot_build.hub.checkpoints import model_dirs
+    from specpilot_build.assemble.launch_check import check_launch_args
+    from specpilot_build.models.checkpoints import model_dirs
 
     _offline(monkeypatch, tmp_path)
     monkeypatch.setenv("SPECPILOT_MIRROR", str(llama2c_dir))

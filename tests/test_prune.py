@@ -7,7 +7,7 @@ import zipfile
 import pytest
 
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.build.prune import select_members
+from specpilot_build.assemble.prune import select_members
 
 SOURCES = {
     "app/__init__.py": "",

@@ -1,13 +1,13 @@
-"""The reference runtime's Qwen3 forward (specpilot_runtime.qwen3) and greedy decoding over its static cache
-(specpilot_runtime.decode), at tiny shapes on CPU, against transformers' own Qwen3ForCausalLM."""
+"""The reference runtime's Qwen3 forward (specpilot_lab.qwen3) and greedy decoding over its static cache
+(specpilot_lab.decode), at tiny shapes on CPU, against transformers' own Qwen3ForCausalLM."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from specpilot_runtime.decode import NEAR_TIE_BF16, Decoded, divergences, greedy_decode
-from specpilot_runtime.qwen3 import from_transformers, qwen3_shape
+from specpilot_lab.decode import NEAR_TIE_BF16, Decoded, divergences, greedy_decode
+from specpilot_lab.qwen3 import from_transformers, qwen3_shape
 
 VOCAB = 256
 

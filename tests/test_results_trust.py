@@ -26,9 +26,9 @@ MAX_NEW = 600  # above stories260K's 512-token context: every request's budget i
 
 @pytest.fixture(scope="module")
 def trust(tmp_path_factory, shared):
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
     from specpilot_build.measure.bench import bench
-    from specpilot_build.run.serve import serve, stop
+    from specpilot_build.serve.process import serve, stop
 
     root = tmp_path_factory.mktemp("trust")
     with pytest.MonkeyPatch.context() as env:

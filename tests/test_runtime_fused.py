@@ -1,4 +1,4 @@
-"""specpilot_runtime.fused: the residual adds with the RMSNorms, the SiLU product, the q/k norm with the
+"""specpilot_lab.fused: the residual adds with the RMSNorms, the SiLU product, the q/k norm with the
 rotary embedding and the cache writes, and the attention of the Qwen3 forward. On CPU (what CI runs) they are the
 torch expressions the forward had, bit for bit; on CUDA the Triton kernels against those expressions (and the
 attention against float64 attention), called eagerly and replayed from a CUDA graph."""
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from specpilot_runtime import fused
+from specpilot_lab import fused
 
 EPS = 1e-6
 HIDDEN, INTERMEDIATE = 5120, 17408   # the 27B shapes of benchmarks/qwen3_e2e.py
@@ -336,7 +336,7 @@ def test_qwen3_forward_on_the_kernels_matches_its_torch_path_and_its_own_cache()
     """A small bf16 Qwen3 on CUDA: the forward on the kernels against the same forward on the torch path (prefill
     logits within 5% of their range: the sums run in other orders), and a cached decode step against the prefill
     of the longer prompt, both on the kernels (the cache written and read at the right positions)."""
-    from specpilot_runtime.qwen3 import Qwen3, Qwen3Shape
+    from specpilot_lab.qwen3 import Qwen3, Qwen3Shape
 
     shape = Qwen3Shape(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=64, max_positions=256)

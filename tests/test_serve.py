@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from reference_runtime_helpers import free_port
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 
@@ -149,7 +149,7 @@ def _time_wait_port() -> int:
 
 
 def test_a_port_left_in_time_wait_is_claimed(session_data):
-    from specpilot_build.run.serve import _claim_port
+    from specpilot_build.serve.process import _claim_port
 
     port = _time_wait_port()
     with socket.socket() as plain:  # what the claim did before: a bind without SO_REUSEADDR fails here
@@ -169,7 +169,7 @@ def test_a_port_left_in_time_wait_is_claimed(session_data):
 
 @pytest.mark.parametrize("port", [0, 65536, 99999, -1])
 def test_a_port_outside_the_range_is_one_line(session_data, port):
-    from specpilot_build.run.serve import _claim_port
+    from specpilot_build.serve.process import _claim_port
 
     with pytest.raises(SpecPilotError, match="1..65535"):
         _claim_port(port, lambda *a: None)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.build.inputs import resolve_inputs
-from specpilot_build.build.overlay import apply_overlays, overlay_inputs
+from specpilot_build.assemble.inputs import resolve_inputs
+from specpilot_build.assemble.overlays import apply_overlays, overlay_inputs
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.hub.lockfile import WheelPin, load_lock
+from specpilot_build.pins.lockfile import WheelPin, load_lock
 from specpilot_build.locations import REPO_ROOT
 
 PADDED = "h200_c1_stories260k-padded_ngram"  # on sglang-0.5.17 (its preset's runtime choice)
@@ -37,7 +37,7 @@ def pin() -> WheelPin:
 def wheel(pin, session_data) -> Path:
     """The pinned 0.5.17 wheel as the builder obtains it (conftest's copy of the outer data dir's wheels, the
     mirror, else pip download), hash-checked."""
-    from specpilot_build.build.runtime_base import wheel_file
+    from specpilot_build.pins.wheels import wheel_file
 
     path = wheel_file(pin)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == pin.sha256
@@ -99,7 +99,7 @@ def test_the_0517_engine_id_patch_applies_and_the_0523_one_is_refused(wheel, tmp
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_the_0517_pruning_rules_keep_what_the_padded_ngram_engine_loads(wheel):
-    from specpilot_build.build.prune import select_members
+    from specpilot_build.assemble.prune import select_members
 
     for arm in ("ar", "final"):
         cfg = effective_config(compose_setting(PADDED, arm, OLD).config)
@@ -121,7 +121,7 @@ def test_the_0517_pruning_rules_keep_what_the_padded_ngram_engine_loads(wheel):
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_the_padded_setting_builds_on_0517_its_flags_read_with_the_torchvision_stand_in(wheel):
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
 
     engine = build_engine(PADDED, "final").engine
     assert engine.manifest["inputs"]["runtime"]["version"] == "0.5.17"
@@ -136,7 +136,7 @@ def test_the_padded_setting_builds_on_0517_its_flags_read_with_the_torchvision_s
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_a_stand_in_is_used_only_where_the_real_module_fails_to_import(wheel):
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
 
     # dill is among the pinned packages, so it imports for real; torchvision still does not
     engine = build_engine(PADDED, "ar", ["runtime.flag_check.stand_ins=[torchvision,dill]"]).engine
@@ -152,7 +152,7 @@ def test_a_stand_in_is_used_only_where_the_real_module_fails_to_import(wheel):
     ("runtime.launch_args.attention-backend=tritn", ["--attention-backend", "'tritn'", "triton"]),
 ])
 def test_a_flag_0517_would_refuse_fails_the_build_naming_it(wheel, override, named):
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
     from specpilot_build.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:

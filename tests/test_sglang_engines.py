@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_builds import ARMS, sglang_settings
-from specpilot_build.build.launch_check import check_launch_args, compile_engines
+from specpilot_build.assemble.launch_check import check_launch_args, compile_engines
 from specpilot_build.locations import data_dir
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.store.engines import disk_usage
 from specpilot_build.store.manifest import digest_file
 from specpilot_build.store.engines import Engine

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from specpilot_build.build.builder import build_engine
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.errors import ConfigError
 from specpilot_build.locations import data_dir
 

@@ -112,9 +112,9 @@ def test_engine_charges_cpu_time_to_each_request(stories_dir):
 @pytest.fixture(scope="module")
 def side_by_side(tmp_path_factory):
     """The embedded setting's three arms served at once and benched side by side; plus a plain bench of ar."""
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
     from specpilot_build.measure.bench import bench
-    from specpilot_build.run.serve import serve, stop
+    from specpilot_build.serve.process import serve, stop
 
     root = tmp_path_factory.mktemp("sidebyside")
     with pytest.MonkeyPatch.context() as env:

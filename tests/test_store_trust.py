@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.build.builder import build_composed, build_engine
+from specpilot_build.assemble.builder import build_composed, build_engine
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.store.engines import INDEX, check_engine, object_path
@@ -114,7 +114,7 @@ def test_a_damaged_object_repaired_from_the_checkout_and_config_when_no_build_ra
 
 @pytest.fixture(scope="module")
 def sglang_wheel():
-    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.pins.lockfile import load_lock
     from specpilot_build.locations import data_dir
     pin = load_lock().runtimes["sglang"]
     if not (data_dir() / "wheels" / pin.filename).is_file() and os.environ.get("SPECPILOT_MIRROR", "x") == "":
@@ -263,7 +263,7 @@ def test_a_link_or_fifo_in_a_kernel_folder_is_refused_naming_it(store, tmp_path,
 
 @pytest.mark.parametrize("mode, words", [(0o010644, "FIFO"), (0o020644, "device"), (0o120777, "escapes")])
 def test_a_wheel_member_that_is_not_a_file_refuses_the_wheel(tmp_path, mode, words):
-    from specpilot_build.build.assemble import _check_member
+    from specpilot_build.assemble.tree import _check_member
     wheel = tmp_path / "x-1-py3-none-any.whl"
     info = zipfile.ZipInfo("x/member.py")
     info.external_attr = mode << 16
@@ -285,7 +285,7 @@ def _with_kernel(composed, kernel: str):
 
 @pytest.mark.parametrize("kernel", ["../../../../outside/k", "OUTSIDE", "..", "a/../../k"])
 def test_a_kernel_name_that_is_a_path_is_refused_and_nothing_is_written(store, tmp_path, kernel, monkeypatch):
-    from specpilot_build.build import inputs
+    from specpilot_build.assemble import inputs
     outside = tmp_path / "outside"
     (outside / "k").mkdir(parents=True)
     (outside / "k" / "k.py").write_text("x = 1\n")

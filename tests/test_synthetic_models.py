@@ -1,4 +1,4 @@
-"""Synthetic checkpoints (specpilot_build/hub/synthetic.py): the small Qwen3 target and its DFlash drafter that
+"""Synthetic checkpoints (specpilot_build/models/synthetic.py): the small Qwen3 target and its DFlash drafter that
 SpecPilot writes itself for h200_c1_qwen3-tiny_dflash — deterministic bytes pinned in lockfiles/checkpoints.toml,
 configs transformers reads with the intended shapes, the stories260K tokenizer, and SGLang launched with dummy
 weights for exactly those checkpoints."""
@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from specpilot_build.build.inputs import resolve_inputs
-from specpilot_build.build.launch import launch_spec
+from specpilot_build.assemble.inputs import resolve_inputs
+from specpilot_build.assemble.launch import launch_spec
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.errors import PinError
-from specpilot_build.hub import synthetic
-from specpilot_build.hub.checkpoints import model_dirs, sha256_of, synthetic_tokenizer_dir
-from specpilot_build.hub.lockfile import load_lock
+from specpilot_build.models import synthetic
+from specpilot_build.models.checkpoints import model_dirs, sha256_of, synthetic_tokenizer_dir
+from specpilot_build.pins.lockfile import load_lock
 
 SETTING = "h200_c1_qwen3-tiny_dflash"
 TARGET, DRAFTER = "specpilot-synthetic/qwen3-tiny", "specpilot-synthetic/dflash-qwen3-tiny"
@@ -110,7 +110,7 @@ def test_the_setting_serves_dummy_weights_for_exactly_its_synthetic_checkpoints(
 def test_the_setting_builds_pruned_with_the_dflash_worker_on_sglang_0523(session_data):
     """Every arm builds through the pruning rules and SGLang's own argument check (on 0.5.23, whose parser this
     builder can import; 0.5.17's is the environment helper's check)."""
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
 
     for arm in ("ar", "stock", "final"):
         engine = build_engine(SETTING, arm, ["runtime=sglang"]).engine

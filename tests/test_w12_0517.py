@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.build.inputs import resolve_inputs
-from specpilot_build.build.overlay import apply_overlays, overlay_inputs, read_descriptor
+from specpilot_build.assemble.inputs import resolve_inputs
+from specpilot_build.assemble.overlays import apply_overlays, overlay_inputs, read_descriptor
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import ConfigError, SpecPilotError
-from specpilot_build.hub.lockfile import load_lock
+from specpilot_build.pins.lockfile import load_lock
 from specpilot_build.locations import KERNELS_DIR, OVERLAYS_DIR, REPO_ROOT
 from specpilot_build.store.manifest import overlay_digest, overlay_files_dir
 from w12_overlay_helpers import EXPECTED, run_method
@@ -34,7 +34,7 @@ CHOICES = "python/sglang/srt/server_args.py"
 
 @pytest.fixture(scope="module")
 def wheel(session_data) -> Path:
-    from specpilot_build.build.runtime_base import wheel_file
+    from specpilot_build.pins.wheels import wheel_file
 
     pin = load_lock(REPO_ROOT / "lockfiles").runtimes["sglang-0.5.17"]
     path = wheel_file(pin)

@@ -15,10 +15,10 @@ import torch
 
 from reference_runtime_helpers import STORY_PROMPTS, engine_config, free_port, write_engine
 from sglang_builds import sglang_settings
-from specpilot_build.build.builder import build_engine
-from specpilot_build.build.launch_check import check_launch_args
+from specpilot_build.assemble.builder import build_engine
+from specpilot_build.assemble.launch_check import check_launch_args
 from specpilot_build.locations import KERNELS_DIR
-from specpilot_build.run.serve import serve, stop
+from specpilot_build.serve.process import serve, stop
 from specpilot_build.store.engines import Engine
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
 from specpilot_runtime.model import LeanLlama, load_hf_model

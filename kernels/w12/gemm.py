@@ -116,7 +116,7 @@ def _load_table(name: str, value) -> dict[tuple[int, int, int, bool], object]:
 # Configs picked on the H200, keyed by (N, K, M bucket: 8, 16, 32 or 64, heavy)
 TUNED: dict[tuple[int, int, int, bool], Config] = _load_table("tuned_h200.json", lambda cfg: Config(**cfg))
 # The fused kernel's speed over cuBLAS at each bucket's largest M, measured on the H200 (written by
-# `w12.bench --save-fallback`)
+# `specpilot_lab.w12_bench --save-fallback`)
 SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_table("fallback_h200.json", lambda e: float(e["speedup"]))
 DEFAULT_FALLBACK = (32, 64)   # unmeasured: W12 was below cuBLAS at M = 32 on 22 of 24 shape x family cases
                               # and at M = 64 on all 24 (BENCH.md)

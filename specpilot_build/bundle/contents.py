@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot_build.errors import IntegrityError, SpecPilotError
-from specpilot_build.hub.checkpoints import (
+from specpilot_build.models.checkpoints import (
     LLAMA2C_FORMATS,
     model_dirs,
     padded_pins,
     snapshot_dir,
     synthetic_tokenizer_dir,
 )
-from specpilot_build.hub.synthetic import is_synthetic
+from specpilot_build.models.synthetic import is_synthetic
 from specpilot_build.locations import REPO_ROOT, data_dir, hf_cache_dir, mirror_dir
 from specpilot_build.store.engines import Engine, check_engine, checked_manifest
 from specpilot_build.store.manifest import MANIFEST_NAME, entry_kind
@@ -141,10 +141,10 @@ def _directory_members(directory: Path, data: Path, expected: dict[str, str]) ->
 
 
 def _synthetic_members(record: dict, directory: Path, cache: Path, data: Path) -> list[Member]:
-    """A checkpoint SpecPilot writes itself (hub/synthetic.py): its generated files, checked against the pin's
+    """A checkpoint SpecPilot writes itself (models/synthetic.py): its generated files, checked against the pin's
     `converted`, and the tokenizer source serve materializes (and verifies) before it finds them already written."""
-    from specpilot_build.hub.lockfile import load_lock
-    from specpilot_build.hub.synthetic import TOKENIZER_SOURCE
+    from specpilot_build.pins.lockfile import load_lock
+    from specpilot_build.models.synthetic import TOKENIZER_SOURCE
 
     members = [Member("data/" + (directory / f["path"]).relative_to(data).as_posix(), directory / f["path"], False,
                       sha256=f["sha256"]) for f in record["converted"]]

@@ -22,13 +22,13 @@ from specpilot_build.defaults import ARMS, DEFAULT_PORT, DEFAULT_SETTING
 def demo(setting: str = DEFAULT_SETTING, limit: int = 3, max_new_tokens: int = 128,
          port: int = DEFAULT_PORT, datasets: list[str] | None = None, console: Console | None = None,
          repeat: int = 1) -> dict:
-    from specpilot_build.build.builder import build_engine
+    from specpilot_build.assemble.builder import build_engine
     from specpilot_build.errors import SpecPilotError
     from specpilot_build.measure.compare import OVERALL, compare
     from specpilot_build.measure.score import print_table as print_score, score_run
     from specpilot_build.measure.sidebyside import bench_side_by_side, cpu_speedups, print_cpu_table
     from specpilot_build.measure.verify import verify
-    from specpilot_build.run.serve import serve, stop
+    from specpilot_build.serve.process import serve, stop
 
     if repeat < 1:
         raise SpecPilotError(f"--repeat {repeat}: give at least 1")

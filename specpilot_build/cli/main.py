@@ -230,14 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
 # --- engine and store ----------------------------------------------------------------------------------------
 
 def _engine_build(args) -> int:
-    from specpilot_build.build.builder import build_engine, describe
+    from specpilot_build.assemble.builder import build_engine, describe
 
     print(describe(build_engine(args.setting, args.arm, args.overrides)))
     return 0
 
 
 def _engine_verify(args) -> int:
-    from specpilot_build.build.repair import repair_engine
+    from specpilot_build.assemble.repair import repair_engine
     from specpilot_build.store.engines import check_engine, resolve_engine
     from specpilot_build.store.maintain import EXIT_DAMAGED
 
@@ -267,7 +267,7 @@ def _engine_verify(args) -> int:
 
 
 def _engine_fsck(args) -> int:
-    from specpilot_build.build.repair import fsck
+    from specpilot_build.assemble.repair import fsck
 
     report = fsck(repair=args.repair)
     for line in report.objects_bad + report.objects_mode:
@@ -394,9 +394,9 @@ def _diff(args) -> int:
 # --- pins ----------------------------------------------------------------------------------------------------
 
 def _env_lock(args) -> int:
-    from specpilot_build.hub.environment import load_env_lock, load_host_profile
-    from specpilot_build.hub.envlock import resolve_env_lock, write_env_lock
-    from specpilot_build.hub.lockfile import WheelPin, load_lock
+    from specpilot_build.hosts.profiles import load_env_lock, load_host_profile
+    from specpilot_build.hosts.resolve import resolve_env_lock, write_env_lock
+    from specpilot_build.pins.lockfile import WheelPin, load_lock
 
     pin = load_lock().runtimes.get(args.runtime)
     if not isinstance(pin, WheelPin):
@@ -410,8 +410,8 @@ def _env_lock(args) -> int:
 
 
 def _env_host_profile(args) -> int:
-    from specpilot_build.hub.environment import load_host_profile
-    from specpilot_build.hub.envlock import write_host_profile
+    from specpilot_build.hosts.profiles import load_host_profile
+    from specpilot_build.hosts.resolve import write_host_profile
 
     path = write_host_profile(args.name, args.freeze, args.python, args.glibc, args.cuda)
     profile = load_host_profile(args.name)
@@ -420,11 +420,11 @@ def _env_host_profile(args) -> int:
 
 
 def _env_install(args) -> int:
-    from specpilot_build.build.environment import install_environment, native_rules
-    from specpilot_build.build.inputs import resolve_inputs
+    from specpilot_build.hosts.install import install_environment, native_rules
+    from specpilot_build.assemble.inputs import resolve_inputs
     from specpilot_build.config.compose import compose_setting
-    from specpilot_build.hub.environment import load_env_lock
-    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.hosts.profiles import load_env_lock
+    from specpilot_build.pins.lockfile import load_lock
 
     inputs = resolve_inputs(compose_setting(args.setting, args.arm, list(args.overrides)), load_lock())
     if inputs.environment is None:
@@ -444,8 +444,8 @@ def _env_install(args) -> int:
 
 def _lock(args) -> int:
     from specpilot_build.config.compose import compose_setting
-    from specpilot_build.hub.checkpoints import checkpoint_requests
-    from specpilot_build.hub.lock import lock_repos
+    from specpilot_build.models.checkpoints import checkpoint_requests
+    from specpilot_build.models.lock import lock_repos
     from specpilot_build.locations import lockfiles_dir
 
     requests = checkpoint_requests(compose_setting(args.setting).config)
@@ -461,8 +461,8 @@ def _lock(args) -> int:
 
 def _models(args) -> int:
     from specpilot_build.config.compose import compose_setting
-    from specpilot_build.hub.checkpoints import materialize_setting
-    from specpilot_build.hub.lockfile import load_lock
+    from specpilot_build.models.checkpoints import materialize_setting
+    from specpilot_build.pins.lockfile import load_lock
 
     config = compose_setting(args.setting).config
     pins = load_lock().checkpoints
@@ -475,7 +475,7 @@ def _models(args) -> int:
 # --- run -----------------------------------------------------------------------------------------------------
 
 def _serve(args) -> int:
-    from specpilot_build.run.serve import serve
+    from specpilot_build.serve.process import serve
 
     engine = _engine_of(args.engine, args.setting, args.arm)
     serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, dry_run=args.dry_run,
@@ -487,14 +487,14 @@ def _engine_of(engine_ref: str | None, setting: str | None, arm: str):
     """The engine named by id, or a setting's engine built (or found) first: the one place a setting is built
     on the way to running something."""
     if setting:
-        from specpilot_build.build.builder import build_engine
+        from specpilot_build.assemble.builder import build_engine
         return build_engine(setting, arm).engine
     from specpilot_build.store.engines import resolve_engine
     return resolve_engine(engine_ref)
 
 
 def _stop(args) -> int:
-    from specpilot_build.run.serve import stop
+    from specpilot_build.serve.process import stop
 
     print(stop(args.port))
     return 0
@@ -539,8 +539,9 @@ def _host_environment(engines, host: str, target: Path) -> tuple[Path, dict[str,
     by the runtime's native rules into `target`; returns (target, kept path -> blake3). The engines must share
     one runtime and the same applicable rules (else bundle them separately)."""
     try:
-        from specpilot_build.build.environment import install_environment, native_rules, rule_applies
-        from specpilot_build.hub.environment import load_env_lock
+        from specpilot_build.config.effective import rule_applies
+        from specpilot_build.hosts.install import install_environment, native_rules
+        from specpilot_build.hosts.profiles import load_env_lock
     except ImportError as exc:
         raise SpecPilotError(f"--host {host}: environment locks are not available in this checkout ({exc}); "
                              "pass an installed environment directory with --env DIR") from None
@@ -612,7 +613,7 @@ def _build_ar(setting: str, flag: str):
     """The setting's ar engine built (or found) from this checkout; where the builder's packages are missing (an
     installed bundle ships only what serving and measuring need) an error naming the flag that names it by id."""
     try:
-        from specpilot_build.build.builder import build_engine
+        from specpilot_build.assemble.builder import build_engine
 
         return build_engine(setting, "ar").engine
     except ModuleNotFoundError as exc:

@@ -26,7 +26,7 @@ RESULT = "build.json"
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def build_job(cfg: DictConfig) -> dict:
-    from specpilot_build.build.builder import build_composed
+    from specpilot_build.assemble.builder import build_composed
     from specpilot_build.config.compose import from_hydra_config
 
     out = Path(HydraConfig.get().runtime.output_dir)

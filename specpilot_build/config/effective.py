@@ -51,3 +51,18 @@ def overlays_in_order(cfg: dict) -> list[str]:
         elif isinstance(node, list):
             names += [m["overlay"] for m in node if m.get("overlay")]
     return names
+
+
+def rule_applies(rule: dict, cfg: dict) -> bool:
+    """Every `when` key (dotted, into the config) has the value given, or one of the values of a list."""
+    return all(lookup(cfg, key) in (value if isinstance(value, list) else [value])
+               for key, value in (rule.get("when") or {}).items())
+
+
+def lookup(cfg: dict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node

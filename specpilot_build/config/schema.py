@@ -34,7 +34,7 @@ class Hardware:
     arch: Optional[str] = None  # "sm_90", "sm_120a"
     memory_gib: int = field(default=0, metadata={"min": 0})
     # the host profile (lockfiles/hosts/<host>.toml) its SGLang engines' environment is locked for; recorded in the
-    # manifest's inputs.environment, not in the config (build/inputs.py)
+    # manifest's inputs.environment, not in the config (assemble/inputs.py)
     host: Optional[str] = None
 
 
@@ -43,7 +43,7 @@ class Model:
     name: str = MISSING
     repo: str = MISSING  # Hugging Face repo id; its revision comes from lockfiles/checkpoints.toml
     files: List[str] = field(default_factory=list)  # paths inside the repo; empty = the whole snapshot
-    source_format: str = "hf"  # "hf" | "llama2c" | "llama2c-padded" (hub/checkpoints.py SOURCE_FORMATS)
+    source_format: str = "hf"  # "hf" | "llama2c" | "llama2c-padded" (models/checkpoints.py SOURCE_FORMATS)
     architecture: str = MISSING  # HF architectures[0], e.g. "Qwen3ForCausalLM"
     dtype: str = "bfloat16"
     quantization: Optional[str] = None  # None | "fp8" | "w12"
@@ -82,7 +82,7 @@ class Arm:
 
 @dataclass
 class FlagCheck:
-    """Where the build-time flag check (build/sglang_flags.py) reads an SGLang's parser when this interpreter's own
+    """Where the build-time flag check (assemble/sglang_flags.py) reads an SGLang's parser when this interpreter's own
     packages cannot import it: exact pins installed once into a cached folder put first on the child's path, and
     modules replaced by import-only placeholders only where the real one fails to import there."""
     packages: List[str] = field(default_factory=list)  # "name==version", each exact

@@ -18,11 +18,11 @@ import platform
 import subprocess
 import sys
 
-from specpilot_build.run import client
+from specpilot_build.serve import client
 from specpilot_build.measure.datasets import BENCHMARKS, dataset_pin, load_split
 from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.hub.checkpoints import model_dirs
+from specpilot_build.models.checkpoints import model_dirs
 from specpilot_build.store.engines import Engine, resolve_engine
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.measure.prompts import PromptRenderer, prompts_digest

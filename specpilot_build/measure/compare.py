@@ -34,7 +34,7 @@ from specpilot_build.measure.results import (
     results_dir,
     write_json,
 )
-from specpilot_build.run import client
+from specpilot_build.serve import client
 from specpilot_build.store.manifest import engine_id as engine_id_of
 
 PAIRS = (("final", "stock"), ("final", "ar"), ("stock", "ar"))

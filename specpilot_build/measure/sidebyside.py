@@ -35,13 +35,13 @@ import numpy as np
 
 from specpilot_build.defaults import ARMS
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.hub.checkpoints import model_dirs
+from specpilot_build.models.checkpoints import model_dirs
 from specpilot_build.measure import bench as bench_mod
 from specpilot_build.measure.compare import OVERALL, PAIRS, RESAMPLES, SEED, _aligned, ratio_of_sums_ci
 from specpilot_build.measure.datasets import BENCHMARKS
 from specpilot_build.measure.prompts import PromptRenderer
 from specpilot_build.measure.results import load_results, results_path, write_json
-from specpilot_build.run import client
+from specpilot_build.serve import client
 from specpilot_build.store.engines import Engine, resolve_engine
 
 SCHEMA_SIDE_BY_SIDE = "specpilot.side_by_side/1"

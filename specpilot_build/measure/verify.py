@@ -37,8 +37,8 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import attest
 from specpilot_build.measure.prompts import prompt_digest, prompts_digest
 from specpilot_build.measure.results import load_results, require_current, write_json
-from specpilot_build.run import client
-from specpilot_build.run.serve import serve, stop
+from specpilot_build.serve import client
+from specpilot_build.serve.process import serve, stop
 from specpilot_build.store.engines import Engine, resolve_engine
 from specpilot_build.store.manifest import engine_id as engine_id_of
 
@@ -203,7 +203,7 @@ def _where(failure: dict) -> str:
 
 def record_renderer(data: dict):
     """The PromptRenderer of the run's engine: the tokenizer and chat template of its recorded manifest."""
-    from specpilot_build.hub.checkpoints import model_dirs
+    from specpilot_build.models.checkpoints import model_dirs
     from specpilot_build.measure.prompts import PromptRenderer
 
     manifest = data["engine_manifest"]

@@ -54,7 +54,7 @@ _TEMP_PID = re.compile(r"\.(?:tmp|link)-(\d+)-[0-9a-f]+$")
 
 class ObjectsOnly:
     """The store alone holds no other source of bytes: a damaged file is mended only from a good object.
-    build/repair.py supplies the pinned wheel, the checkout and a rebuild (the store does not import the build)."""
+    assemble/repair.py supplies the pinned wheel, the checkout and a rebuild (the store does not import the build)."""
 
     def __init__(self, engine: Engine, manifest: dict, root: Path):
         self.origin: dict[str, str] = {}
@@ -89,7 +89,7 @@ def repair_engine(engine: Engine, root: Path | None = None, sources=ObjectsOnly)
     good. A damaged or missing object is re-made from bytes that hash to the manifest's digest: the member of
     the sha256-pinned base wheel, the checkout's runtime, overlay or kernel file, the config and launch spec the
     manifest records, or, for files an overlay patched, a rebuild of the engine's setting and arm when that
-    build has exactly the engine's manifest head (`sources`: build/repair.py). Anything else is named as
+    build has exactly the engine's manifest head (`sources`: assemble/repair.py). Anything else is named as
     unrepairable."""
     root = root or store_root()
     with store_lock(root):
@@ -241,7 +241,7 @@ def in_use(root: Path | None = None) -> dict[str, str]:
 
 
 def _serving(pid: int, eid: str, port) -> bool:
-    """As run/serve.py's _is_our_process: the pid runs and its command line names the engine or the port."""
+    """As serve/process.py's _is_our_process: the pid runs and its command line names the engine or the port."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

@@ -7,8 +7,9 @@ import torch
 import w12
 from safetensors.torch import load_file
 from scipy import stats
-from w12 import bench, families
-from w12.families import FAMILIES, draw, normal_with_escapes
+from specpilot_lab import w12_bench as bench
+from specpilot_lab import w12_families as families
+from specpilot_lab.w12_families import FAMILIES, draw, normal_with_escapes
 
 
 @pytest.fixture(params=FAMILIES)

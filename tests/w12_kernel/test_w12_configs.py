@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import w12
 from w12 import gemm
-from w12.families import SHAPES, draw, normal_with_escapes
+from specpilot_lab.w12_families import SHAPES, draw, normal_with_escapes
 
 TUNED_FILE = Path(gemm.__file__).with_name("tuned_h200.json")
 
@@ -74,7 +74,7 @@ def test_escapes_clustered_in_some_row_blocks_make_a_weight_heavy(w12_stories):
 
 
 def test_pick_times_tiles_with_the_escape_handling_the_shape_has_now():
-    from w12 import bench
+    from specpilot_lab import w12_bench as bench
     n, k = SHAPES["o"]
     now = gemm.TUNED[(n, k, 8, False)]
     assert now.esc_step          # o at M <= 8 spreads its escapes over the loop (BENCH.md)
@@ -84,7 +84,7 @@ def test_pick_times_tiles_with_the_escape_handling_the_shape_has_now():
 
 
 def test_save_tuned_replaces_the_picked_keys_and_keeps_the_rest(tmp_path):
-    from w12 import bench
+    from specpilot_lab import w12_bench as bench
     path = tmp_path / "tuned.json"
     light = dict(vars(gemm.Config()), block_n=64)
     old = {"_comment": "kept", "1,2,8": light, "1,2,8,heavy": dict(light, xt=True), "1,2,64": light,

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import w12
-from w12 import bench, gemm
-from w12.families import SHAPES, normal_with_escapes
+from specpilot_lab import w12_bench as bench
+from w12 import gemm
+from specpilot_lab.w12_families import SHAPES, normal_with_escapes
 
 FALLBACK_FILE = Path(gemm.__file__).with_name("fallback_h200.json")
 
