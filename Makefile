@@ -1,8 +1,6 @@
-# SpecPilot's verbs. Every verb after `engine` takes an engine id (or a unique prefix of one).
-#   make demo                                   build, serve, bench, compare, score and verify the embedded default
-#   make test / make test-fast                  the whole suite (CI) / the unit tier (under a minute)
-#   make engine [SETTING=...] [ARM=final] [OVERRIDES='drafter.num_draft_tokens=6 ...']
-# README.md lists every verb and every option.
+# SpecPilot's verbs: a thin layer over the CLI. `make help` lists them; `make <verb>` runs `specpilot <verb>`,
+# `make <group>-<verb>` runs `specpilot <group> <verb>`, with one variable name per thing: SETTING, ARM, ENGINE (an
+# engine id or unique prefix), RUN (a bench run's name), PORT. docs/verbs.md has every option.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -19,8 +17,16 @@ MAX_NEW_TOKENS ?= 2048
 ARMS ?= ar,stock,final
 SETTINGS ?= $(SETTING)
 FAST_MARKERS := not slow and not gpu and not sglang
+LINTED := specpilot_build runtimes kernels lab benchmarks tests
+flag = $(if $(filter-out 0,$($(1))),$(2))
 
-.PHONY: setup demo test test-fast fuzz engine show verify-engine ls sweep lock env-lock models serve stop bench compare score verify diff bundle
+.PHONY: help setup demo test test-fast lint fuzz engine engine-build engine-check engine-show engine-ls engine-fsck \
+	engine-rm engine-gc sweep lock env-lock env-host-profile env-install models serve stop bench compare score \
+	verify attest-check diff bundle w12-promote
+
+help: ## this list
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
+		awk -F'\t' '{printf "  make %-17s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@echo "installing SpecPilot and its pinned dependencies into $(VENV) (first time: a few minutes)"
@@ -28,64 +34,90 @@ $(STAMP): pyproject.toml
 	set -o pipefail; $(VENV)/bin/pip install -e '.[test]' | { grep -E --line-buffered '^(Collecting|Successfully)' || true; }
 	rm -f $(VENV)/.installed-* && touch $@
 
-setup: $(STAMP)
+setup: $(STAMP) ## install SpecPilot and its pinned dependencies into .venv
 
-demo: $(STAMP)
-	$(SP) demo --port $(PORT) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(if $(REPEAT),--repeat $(REPEAT))
+demo: $(STAMP) ## build, serve, bench, compare, score and verify the embedded default [LIMIT DATASETS REPEAT PORT]
+	$(SP) demo --port $(PORT) $(call flag,LIMIT,--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(if $(REPEAT),--repeat $(REPEAT))
 
-test: $(STAMP)
+test: $(STAMP) lint ## lint, types and the whole suite (what CI runs)
 	$(VENV)/bin/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint ## lint, types and the unit tier (no served engines, SGLang builds or GPU)
 	$(VENV)/bin/python -m pytest -q -m "$(FAST_MARKERS)"
 
-fuzz: $(STAMP)
+lint: $(STAMP) ## ruff (lint and format check) over the code, mypy over specpilot_build
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy specpilot_build
+
+fuzz: $(STAMP) ## a longer hostile-client run against the reference runtime [SECONDS URL]
 	$(VENV)/bin/python benchmarks/server_fuzz.py --seconds $(or $(SECONDS),300) $(if $(URL),--url $(URL))
 
-engine: $(STAMP)
+engine engine-build: $(STAMP) ## build (or find) the engine of SETTING and ARM [OVERRIDES]; prints id and path
 	$(SP) engine build --setting $(SETTING) --arm $(ARM) $(OVERRIDES)
 
-show: $(STAMP)
+engine-check: $(STAMP) ## re-hash ENGINE against its manifest [REPAIR=1 mends it]
+	$(SP) engine check $(ENGINE) $(call flag,REPAIR,--repair)
+
+engine-show: $(STAMP) ## setting, arm, pins, mechanisms and size of ENGINE
 	$(SP) engine show $(ENGINE)
 
-verify-engine: $(STAMP)
-	$(SP) engine verify $(ENGINE)
-
-ls: $(STAMP)
+engine-ls: $(STAMP) ## list the store, damaged directories with the reason
 	$(SP) engine ls
 
-sweep: $(STAMP)
+engine-fsck: $(STAMP) ## hash every object and engine of the store [REPAIR=1]
+	$(SP) engine fsck $(call flag,REPAIR,--repair)
+
+engine-rm: $(STAMP) ## remove ENGINE (one or more ids) [FORCE=1]
+	$(SP) engine rm $(ENGINE) $(call flag,FORCE,--force)
+
+engine-gc: $(STAMP) ## remove unreferenced objects and temporaries [DRY_RUN=1] [ENGINES=1: unrooted engines too]
+	$(SP) engine gc $(call flag,DRY_RUN,--dry-run) $(call flag,ENGINES,--engines)
+
+sweep: $(STAMP) ## build SETTINGS x ARMS as one Hydra multirun [LAUNCHER=local|slurm OVERRIDES]
 	$(SP) sweep --settings $(SETTINGS) --arms $(ARMS) $(if $(LAUNCHER),--launcher $(LAUNCHER)) $(OVERRIDES)
 
-lock: $(STAMP)
-	$(SP) lock --setting $(SETTING) $(if $(UPDATE),--update)
+lock: $(STAMP) ## pin SETTING's model and drafter repos to commits, files to sha256 [UPDATE=1]
+	$(SP) lock --setting $(SETTING) $(call flag,UPDATE,--update)
 
-env-lock: $(STAMP)
+env-lock: $(STAMP) ## resolve RUNTIME's wheels for HOST into lockfiles/envs/RUNTIME@HOST.toml
 	$(SP) env lock --runtime $(RUNTIME) --host $(HOST)
 
-models: $(STAMP)
+env-host-profile: $(STAMP) ## write lockfiles/hosts/HOST.toml from FREEZE [PYTHON_VERSION GLIBC CUDA]
+	$(SP) env host-profile --freeze $(FREEZE) --host $(HOST) --python $(PYTHON_VERSION) --glibc $(GLIBC) --cuda $(CUDA)
+
+env-install: $(STAMP) ## install SETTING/ARM's host environment, pruned, into TARGET
+	$(SP) env install --setting $(SETTING) --arm $(ARM) --target $(TARGET) $(OVERRIDES)
+
+models: $(STAMP) ## fetch and verify SETTING's pinned checkpoint files [MIRROR]
 	$(SP) models --setting $(SETTING) $(if $(MIRROR),--mirror $(MIRROR))
 
-serve: $(STAMP)
+serve: $(STAMP) ## re-hash and serve ENGINE (or SETTING/ARM) on PORT [GPU SERVE_FLAGS=--dry-run]
 	$(SP) serve $(if $(ENGINE),--engine $(ENGINE),--setting $(SETTING) --arm $(ARM)) --port $(PORT) --gpu $(GPU) $(SERVE_FLAGS)
 
-stop: $(STAMP)
+stop: $(STAMP) ## stop the recorded server on PORT
 	$(SP) stop --port $(PORT)
 
-bench: $(STAMP)
-	$(SP) bench --engine $(ENGINE) --name $(NAME) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(if $(filter-out 0,$(LIMIT)),--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(if $(OVERWRITE),--overwrite) $(if $(ORACLE),--oracle $(ORACLE))
+bench: $(STAMP) ## bench ENGINE (served on PORT) on the dev splits as RUN [LIMIT DATASETS MAX_NEW_TOKENS ORACLE OVERWRITE=1]
+	$(SP) bench --engine $(ENGINE) --run $(RUN) --port $(PORT) --max-new-tokens $(MAX_NEW_TOKENS) $(call flag,LIMIT,--limit $(LIMIT)) $(if $(DATASETS),--datasets $(DATASETS)) $(call flag,OVERWRITE,--overwrite) $(if $(ORACLE),--oracle $(ORACLE))
 
-compare: $(STAMP)
-	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL) $(if $(NAME),--name $(NAME)) $(if $(OVERWRITE),--overwrite)
+compare: $(STAMP) ## speedups with 95% CIs of the runs AR, STOCK and FINAL [REPORT OVERWRITE=1]
+	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL) $(if $(REPORT),--report $(REPORT)) $(call flag,OVERWRITE,--overwrite)
 
-score: $(STAMP)
+score: $(STAMP) ## grade RUN: answers, and code in a sandbox [WORKERS]
 	$(SP) score $(RUN) $(if $(WORKERS),--workers $(WORKERS))
 
-verify: $(STAMP)
+verify: $(STAMP) ## force every token of RUN through its oracle [ORACLE VERIFY_PORT]
 	$(SP) verify $(RUN) $(if $(ORACLE),--oracle $(ORACLE)) --port $(VERIFY_PORT)
 
-diff: $(STAMP)
+attest-check: $(STAMP) ## re-hash every subject of the in-toto STATEMENT
+	$(SP) attest check $(STATEMENT)
+
+diff: $(STAMP) ## why engines A and B differ [DIFF_FLAGS=--json|--files]
 	$(SP) diff $(A) $(B) $(DIFF_FLAGS)
 
-bundle: $(STAMP)
+bundle: $(STAMP) ## ENGINE (one or more ids) as one archive for an air-gapped host [HOST|ENV_DIR PART_MB OUT]
 	$(SP) bundle $(ENGINE) $(if $(HOST),--host $(HOST)) $(if $(ENV_DIR),--env $(ENV_DIR)) --part-mb $(or $(PART_MB),60) $(if $(OUT),--out $(OUT))
+
+w12-promote: $(STAMP) ## lab: check a measured W12 TABLE and copy it into kernels/w12/ (moves W12 engine ids)
+	$(VENV)/bin/python -m specpilot_lab.w12_promote $(TABLE)

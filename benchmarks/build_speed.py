@@ -10,6 +10,7 @@ Rows (whole processes, wall clock, median and min–max over --repeat alternatin
 each for `new` (this checkout) and `old` (the --baseline commit, run from a git worktree of it).
 Then `engine fsck` of a store of every SGLang setting x {stock, final} (new), and the disk they take together.
 Settings without real pins are built with a placeholder lock (made-up revisions), as the tests do."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from specpilot_build.pins.wheels import wheel_file
 from specpilot_build.config.compose import compose_setting, list_settings
 from specpilot_build.pins.lockfile import load_lock, write_placeholder_lock
+from specpilot_build.pins.wheels import wheel_file
 from specpilot_build.store.engines import disk_usage
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,11 +79,21 @@ def main() -> None:
     os.environ.update({"SPECPILOT_DATA": str(data), "SPECPILOT_LOCKFILES": str(lock)})
     wheel = wheel_file(load_lock().runtimes["sglang"])  # fetched (or found in the mirror) once, cached
     old_tree = work / "baseline"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(old_tree), args.baseline],
-                   check=True)
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(old_tree), args.baseline], check=True
+    )
     trees = {"new": {**env}, "old": {**env, "PYTHONPATH": str(old_tree)}}  # the worktree's package first
-    build = [sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting", args.setting,
-             "--arm", "final"]
+    build = [
+        sys.executable,
+        "-m",
+        "specpilot_build.cli",
+        "engine",
+        "build",
+        "--setting",
+        args.setting,
+        "--arm",
+        "final",
+    ]
     rows: dict[str, list[float]] = {"naive-nc": []}
     caches = [data / "cache" / "import-graph", data / "cache" / "sglang-flags"]
     for which, tenv in trees.items():  # warms the caches and the OS cache
@@ -91,24 +102,42 @@ def main() -> None:
     try:
         for i in range(args.repeat):
             target = work / f"pip-{i}"
-            rows["naive-nc"].append(timed([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                                           "--no-compile", "--target", str(target), str(wheel)], env)
-                                    + timed([sys.executable, "-c", HASH_WALK, str(target)], env))
+            rows["naive-nc"].append(
+                timed(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "install",
+                        "--quiet",
+                        "--no-deps",
+                        "--no-compile",
+                        "--target",
+                        str(target),
+                        str(wheel),
+                    ],
+                    env,
+                )
+                + timed([sys.executable, "-c", HASH_WALK, str(target)], env)
+            )
             shutil.rmtree(target)
-            for which, tenv in (list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]):
+            for which, tenv in list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]:
                 store = {**tenv, "SPECPILOT_ENGINES": str(work / f"engines-{which}-{i}")}
                 rows[f"cold {which}"].append(timed(build, store))
                 rows[f"no-op {which}"].append(timed(build, store))
                 for cache in caches:
                     shutil.rmtree(cache, ignore_errors=True)
-                rows[f"cold* {which}"].append(timed(build, {**tenv, "SPECPILOT_ENGINES":
-                                                             str(work / f"engines-star-{which}-{i}")}))
+                rows[f"cold* {which}"].append(
+                    timed(build, {**tenv, "SPECPILOT_ENGINES": str(work / f"engines-star-{which}-{i}")})
+                )
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old_tree)])
     naive = statistics.median(rows["naive-nc"])
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"python {platform.python_version()}; setting {args.setting} (final); {args.repeat} runs; "
-          f"old = {args.baseline}; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"python {platform.python_version()}; setting {args.setting} (final); {args.repeat} runs; "
+        f"old = {args.baseline}; load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'path':<12} {'median s':>9} {'min-max s':>13} {'vs naive':>9} {'new/old':>8}")
     for name, values in rows.items():
         med = statistics.median(values)
@@ -122,23 +151,31 @@ def main() -> None:
     all_env = {**env, "SPECPILOT_ENGINES": str(store)}
     for setting in settings:
         for arm in ARMS:
-            timed([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting", setting,
-                   "--arm", arm], all_env)
+            timed(
+                [sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting", setting, "--arm", arm],
+                all_env,
+            )
     engines = [p for p in store.iterdir() if len(p.name) == 64]
     fsck = [timed([sys.executable, "-m", "specpilot_build.cli", "engine", "fsck"], all_env) for _ in range(3)]
-    print(f"\nengine fsck of {len(engines)} SGLang engines: median {statistics.median(fsck):.2f} s "
-          f"(min {min(fsck):.2f}, max {max(fsck):.2f}), whole process")
+    print(
+        f"\nengine fsck of {len(engines)} SGLang engines: median {statistics.median(fsck):.2f} s "
+        f"(min {min(fsck):.2f}, max {max(fsck):.2f}), whole process"
+    )
     print(f"\n{'setting':<42} {'arm':<6} {'kept files':>14} {'kept MB':>16} {'dropped files':>13}")
     for path in sorted(engines, key=lambda p: _setting_arm(p)):
         base = json.loads((path / "manifest.json").read_bytes())["base"]
         setting, arm = _setting_arm(path)
-        print(f"{setting:<42} {arm:<6} {base['kept_files']:>6}/{base['total_files']:<7} "
-              f"{base['kept_bytes'] / 1e6:6.1f}/{base['total_bytes'] / 1e6:5.1f} "
-              f"({100 * base['kept_bytes'] / base['total_bytes']:2.0f}%) {base['dropped_files']:>8}")
+        print(
+            f"{setting:<42} {arm:<6} {base['kept_files']:>6}/{base['total_files']:<7} "
+            f"{base['kept_bytes'] / 1e6:6.1f}/{base['total_bytes'] / 1e6:5.1f} "
+            f"({100 * base['kept_bytes'] / base['total_bytes']:2.0f}%) {base['dropped_files']:>8}"
+        )
     one = max(disk_usage([p]) for p in engines)
     together = disk_usage(engines)
-    print(f"disk: {len(engines)} SGLang engines together {together / 1e6:.1f} MB, one engine {one / 1e6:.1f} MB "
-          f"({together / one:.2f}x); the wheel unpacked: {wheel_members_bytes(wheel) / 1e6:.1f} MB")
+    print(
+        f"disk: {len(engines)} SGLang engines together {together / 1e6:.1f} MB, one engine {one / 1e6:.1f} MB "
+        f"({together / one:.2f}x); the wheel unpacked: {wheel_members_bytes(wheel) / 1e6:.1f} MB"
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -149,6 +186,7 @@ def _setting_arm(path: Path) -> tuple[str, str]:
 
 def wheel_members_bytes(wheel: Path) -> int:
     import zipfile
+
     with zipfile.ZipFile(wheel) as zf:
         return sum(i.file_size for i in zf.infolist() if not i.is_dir())
 

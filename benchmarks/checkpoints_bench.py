@@ -5,6 +5,7 @@ plus sha256 and mirror-copy throughput on a large file (what verifying a multi-G
 
 Prints a markdown table; the latest results are in benchmarks/checkpoints.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ import platform
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +46,7 @@ def main() -> None:
             for sub in ("data", "hub"):
                 if Path(tmp, sub).exists():
                     import shutil
+
                     shutil.rmtree(Path(tmp, sub))
             checkpoints.materialize(pin.repo, pin, source_format="llama2c", mirror=MIRROR)
 
@@ -65,14 +67,17 @@ def main() -> None:
         start = time.perf_counter()
         checkpoints.fetch_file("bench/big", "b" * 40, pinned, cache=Path(tmp, "hub"), mirror=big.parent)
         copy = time.perf_counter() - start
-        rows.append((f"mirror → cache, {args.mb} MiB (copy while hashing, rename, link)", copy,
-                     f"{args.mb / copy:.0f} MiB/s"))
+        rows.append(
+            (f"mirror → cache, {args.mb} MiB (copy while hashing, rename, link)", copy, f"{args.mb / copy:.0f} MiB/s")
+        )
         start = time.perf_counter()
         checkpoints.fetch_file("bench/big", "b" * 40, pinned, cache=Path(tmp, "hub"), mirror=big.parent)
         rows.append((f"same {args.mb} MiB file again (stamp hit, no hashing)", time.perf_counter() - start, ""))
 
-    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n")
+    print(
+        f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n"
+    )
     print("| step | seconds | throughput |\n|---|---:|---:|")
     for name, seconds, note in rows:
         print(f"| {name} | {seconds:.4f} | {note} |")

@@ -10,6 +10,7 @@ whole cache (position length - 1), at batch 1, 8, 16, 32 and cache lengths 192 (
 the best of 5 replays of a CUDA graph of 50 calls. Each arm's output is checked against float64 attention
 first (largest error printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ def graph_time(fn, calls: int = 50, replays: int = 5) -> float:
     """µs per call: fn captured `calls` times in one CUDA graph, the best of `replays` replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # compile and warm up off the capture stream
+    with torch.cuda.stream(side):  # compile and warm up off the capture stream
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -68,11 +69,12 @@ def sdpa_arm(q, k, v, positions):
         with sdpa_kernel(fused.ATTENTION_BACKENDS):
             o = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
         return o.reshape(batch, KV_HEADS, 1, GROUP, DIM).transpose(1, 2).reshape(batch, 1, HEADS, DIM)
+
     return run
 
 
 def exact(q, k, v):
-    scores = torch.einsum("bthd,bhld->bthl", q.double(), k.double().repeat_interleave(GROUP, 1)) / DIM ** 0.5
+    scores = torch.einsum("bthd,bhld->bthl", q.double(), k.double().repeat_interleave(GROUP, 1)) / DIM**0.5
     return torch.einsum("bthl,bhld->bthd", scores.softmax(-1), v.double().repeat_interleave(GROUP, 1))
 
 
@@ -84,10 +86,14 @@ def main() -> None:
     if not torch.cuda.is_available() or fused.triton is None:
         raise SystemExit("decode_attention.py needs a CUDA device and Triton")
     torch.set_grad_enabled(False)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {fused.triton.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
-    print("| batch | cache length | SDPA µs | kernel, default splits µs (splits) | 1 split µs | 4 splits µs "
-          "| speedup (default) | largest error: SDPA / kernel |")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {fused.triton.__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+    )
+    print(
+        "| batch | cache length | SDPA µs | kernel, default splits µs (splits) | 1 split µs | 4 splits µs "
+        "| speedup (default) | largest error: SDPA / kernel |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for length in (int(n) for n in args.lengths.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -98,8 +104,10 @@ def main() -> None:
             errors = [float((arm().double() - truth).abs().max()) for arm in arms[:2]]
             times = [graph_time(arm) for arm in arms]
             splits = fused.default_splits(batch, KV_HEADS, length, q.device)
-            print(f"| {batch} | {length} | {times[0]:.2f} | {times[1]:.2f} ({splits}) | {times[2]:.2f} | "
-                  f"{times[3]:.2f} | {times[0] / times[1]:.2f} | {errors[0]:.2e} / {errors[1]:.2e} |")
+            print(
+                f"| {batch} | {length} | {times[0]:.2f} | {times[1]:.2f} ({splits}) | {times[2]:.2f} | "
+                f"{times[3]:.2f} | {times[0] / times[1]:.2f} | {errors[0]:.2e} / {errors[1]:.2e} |"
+            )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 
 For each setting × arm: build (or find) the engine, serve it, send golden_greedy.json's prompt ids, compare the
 continuation with llama2.c's own greedy output, time a 256-token decode, stop. Prints a markdown table."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,34 +38,61 @@ def main() -> None:
             serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, quiet=True)
             try:
                 url = f"http://127.0.0.1:{args.port}"
-                out = httpx.post(f"{url}/generate", timeout=120, json={
-                    "input_ids": prompt,
-                    "sampling_params": {"max_new_tokens": len(expected) - len(prompt), "temperature": 0}}).json()
+                out = httpx.post(
+                    f"{url}/generate",
+                    timeout=120,
+                    json={
+                        "input_ids": prompt,
+                        "sampling_params": {"max_new_tokens": len(expected) - len(prompt), "temperature": 0},
+                    },
+                ).json()
                 got = prompt + out["output_ids"]
-                golden_ok = got == expected[:len(got)] and len(got) > len(prompt)
+                golden_ok = got == expected[: len(got)] and len(got) > len(prompt)
                 started = time.perf_counter()
-                timed = httpx.post(f"{url}/generate", timeout=120, json={
-                    "input_ids": prompt, "sampling_params": {"max_new_tokens": 256, "temperature": 0,
-                                                             "ignore_eos": True}}).json()
+                timed = httpx.post(
+                    f"{url}/generate",
+                    timeout=120,
+                    json={
+                        "input_ids": prompt,
+                        "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True},
+                    },
+                ).json()
                 seconds = time.perf_counter() - started
                 info = httpx.get(f"{url}/server_info").json()
             finally:
                 stop(args.port)
             first_arm_output = first_arm_output or out["output_ids"]
-            golden = ("exact" if golden_ok else "DIFFERS") if engine.config["model"]["dtype"] == "float32" else \
-                "n/a (not the fp32 model)"
-            rows.append((setting, arm, engine.id[:12], info.get("device"), golden,
-                         out["output_ids"] == first_arm_output, len(out["output_ids"]),
-                         timed["meta_info"]["completion_tokens"] / seconds, info.get("avg_spec_accept_length"),
-                         info.get("quantization")))
-    print(f"\n{platform.node()}, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC\n")
-    print("| setting | arm | engine | device | quantization | golden (llama2.c run.c) | same tokens as first arm "
-          "| tokens | tok/s (256, one request) | accept length |")
+            golden = (
+                ("exact" if golden_ok else "DIFFERS")
+                if engine.config["model"]["dtype"] == "float32"
+                else "n/a (not the fp32 model)"
+            )
+            rows.append(
+                (
+                    setting,
+                    arm,
+                    engine.id[:12],
+                    info.get("device"),
+                    golden,
+                    out["output_ids"] == first_arm_output,
+                    len(out["output_ids"]),
+                    timed["meta_info"]["completion_tokens"] / seconds,
+                    info.get("avg_spec_accept_length"),
+                    info.get("quantization"),
+                )
+            )
+    print(f"\n{platform.node()}, {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC\n")
+    print(
+        "| setting | arm | engine | device | quantization | golden (llama2.c run.c) | same tokens as first arm "
+        "| tokens | tok/s (256, one request) | accept length |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         accept = f"{r[8]:.2f}" if isinstance(r[8], (int, float)) else "-"
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[9] or '-'} | {r[4]} | {'yes' if r[5] else 'NO'} | {r[6]} | "
-              f"{r[7]:.0f} | {accept} |")
+        print(
+            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[9] or '-'} | {r[4]} | {'yes' if r[5] else 'NO'} | {r[6]} | "
+            f"{r[7]:.0f} | {accept} |"
+        )
 
 
 if __name__ == "__main__":

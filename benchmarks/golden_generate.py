@@ -4,6 +4,7 @@ back. Standard library only (runs on a host with an installed bundle and nothing
     python3 benchmarks/golden_generate.py <port> <golden_greedy.json>
     # prints "<tokens matching the golden>/<golden tokens> <tok/s> <output ids as json>"
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,10 @@ from pathlib import Path
 def golden_generate(port: int, golden_path: Path) -> tuple[int, int, float, list[int]]:
     """(matching tokens, golden tokens, tok/s of the request, output ids)."""
     golden = json.loads(Path(golden_path).read_text())
-    prompt, want = golden["prompt_ids"], golden["sequence_ids"][len(golden["prompt_ids"]):]
-    body = json.dumps({"input_ids": prompt,
-                       "sampling_params": {"max_new_tokens": len(want), "temperature": 0}}).encode()
+    prompt, want = golden["prompt_ids"], golden["sequence_ids"][len(golden["prompt_ids"]) :]
+    body = json.dumps(
+        {"input_ids": prompt, "sampling_params": {"max_new_tokens": len(want), "temperature": 0}}
+    ).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
     start = time.perf_counter()
     got = json.load(urllib.request.urlopen(request, timeout=300))["output_ids"]

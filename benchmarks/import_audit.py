@@ -6,6 +6,7 @@
 Prints: processes logged, package files imported, imported and kept, imported and pruned (must be 0; each named),
 kept but never imported, and with --wheel the imported files the full wheel lacks. Exit 1 when anything imported
 was pruned. --json writes the whole comparison."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the comparison here")
     args = parser.parse_args()
     engine = resolve_engine(args.engine)
-    package = args.package or ("specpilot_runtime" if engine.manifest["config"]["runtime"]["name"] == "reference"
-                               else "sglang")
+    package = args.package or (
+        "specpilot_runtime" if engine.manifest["config"]["runtime"]["name"] == "reference" else "sglang"
+    )
     universe = None
     if args.wheel:
         with zipfile.ZipFile(args.wheel) as zf:

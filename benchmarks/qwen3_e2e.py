@@ -41,6 +41,7 @@ whole path on a laptop (no graphs; W12 decodes the weights for F.linear there):
         --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 --head-dim 64 --vocab 2048 \\
         --batches 1,4 --prompt-tokens 16 --new-tokens 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,28 +67,52 @@ def main() -> None:
         raise SystemExit(f"--device {args.device}: no CUDA device visible to torch {torch.__version__}")
     torch.set_grad_enabled(False)
     shape = Qwen3Shape(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        max_positions=max(4096, args.prompt_tokens + args.new_tokens))
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_positions=max(4096, args.prompt_tokens + args.new_tokens),
+    )
     say(f"{_device_name(device)}, torch {torch.__version__}; {shape}")
-    prompts = {b: torch.randint(0, shape.vocab_size, (b, args.prompt_tokens),
-                                generator=torch.Generator().manual_seed(args.seed + b)) for b in args.batches}
+    prompts = {
+        b: torch.randint(
+            0, shape.vocab_size, (b, args.prompt_tokens), generator=torch.Generator().manual_seed(args.seed + b)
+        )
+        for b in args.batches
+    }
     graph = not args.eager and device.type == "cuda"
     runs = [run_family(family, shape, prompts, args, device, graph) for family in args.family]
     rows = [row for run in runs for row in run.pop("rows")]
     print(table(rows))
     for run in runs:
-        print(f"{run['family']}: W12 {run['w12_weight_bytes'] / 1e9:.2f} GB for bf16 "
-              f"{run['bf16_weight_bytes'] / 1e9:.2f} GB, {run['w12_escapes']} escapes; graph replay equals "
-              f"eager steps: {run['graph_equals_eager'] or 'not run (no graphs)'}")
-    print(f"lm_head {args.lm_head} in both runs; {args.prompt_tokens} prompt tokens, {args.new_tokens} new "
-          f"tokens ({args.new_tokens - 1} timed decode steps after {args.warmup_steps} warm-up steps); "
-          f"{'CUDA graphs' if graph else 'eager steps'}")
+        print(
+            f"{run['family']}: W12 {run['w12_weight_bytes'] / 1e9:.2f} GB for bf16 "
+            f"{run['bf16_weight_bytes'] / 1e9:.2f} GB, {run['w12_escapes']} escapes; graph replay equals "
+            f"eager steps: {run['graph_equals_eager'] or 'not run (no graphs)'}"
+        )
+    print(
+        f"lm_head {args.lm_head} in both runs; {args.prompt_tokens} prompt tokens, {args.new_tokens} new "
+        f"tokens ({args.new_tokens - 1} timed decode steps after {args.warmup_steps} warm-up steps); "
+        f"{'CUDA graphs' if graph else 'eager steps'}"
+    )
     if args.out:
-        record = {"device": _device_name(device), "torch": torch.__version__, "shape": shape.__dict__,
-                  "seed": args.seed, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                  "warmup_steps": args.warmup_steps, "lm_head": args.lm_head, "cuda_graphs": graph,
-                  "families": runs, "rows": rows, "seconds": time.perf_counter() - START}
+        record = {
+            "device": _device_name(device),
+            "torch": torch.__version__,
+            "shape": shape.__dict__,
+            "seed": args.seed,
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens,
+            "warmup_steps": args.warmup_steps,
+            "lm_head": args.lm_head,
+            "cuda_graphs": graph,
+            "families": runs,
+            "rows": rows,
+            "seconds": time.perf_counter() - START,
+        }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         say(f"wrote {args.out}")
@@ -105,13 +130,19 @@ def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torc
         with fp32_products(model):
             control = {b: decode(model, "control (fp32 GEMM)", p, args, False) for b, p in prompts.items()}
     say("encoding to W12 in place, layer by layer")
-    model.to_w12(lm_head=args.lm_head == "w12", dense_fallback=args.dense_fallback,
-                 progress=lambda i: (i + 1) % 16 == 0 and say(f"  W12: {i + 1}/{shape.num_layers} layers encoded"
-                                                              f"{_memory(device)}"))
+    model.to_w12(
+        lm_head=args.lm_head == "w12",
+        dense_fallback=args.dense_fallback,
+        progress=lambda i: (
+            (i + 1) % 16 == 0 and say(f"  W12: {i + 1}/{shape.num_layers} layers encoded{_memory(device)}")
+        ),
+    )
     _release_memory(device)
     w12_bytes, escapes, encoded = _w12_size(model)
-    say(f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB (bf16 {bf16_bytes / 1e9:.2f} GB), "
-        f"escapes {escapes}{_memory(device)}")
+    say(
+        f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB (bf16 {bf16_bytes / 1e9:.2f} GB), "
+        f"escapes {escapes}{_memory(device)}"
+    )
     fallback = {}
     with fallback_off(model):
         if graph:
@@ -123,16 +154,26 @@ def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torc
         fallback = {b: decode(model, "W12 + bf16 fallback", p, args, graph) for b, p in prompts.items()}
     del model
     _release_memory(device)
-    return {"family": family, "bf16_weight_bytes": bf16_bytes, "w12_weight_bytes": w12_bytes,
-            "w12_escapes": escapes, "w12_matrices": encoded, "graph_equals_eager": checks,
-            "rows": [compare(family, b, bf16[b], w12[b], control.get(b), fallback.get(b)) for b in prompts]}
+    return {
+        "family": family,
+        "bf16_weight_bytes": bf16_bytes,
+        "w12_weight_bytes": w12_bytes,
+        "w12_escapes": escapes,
+        "w12_matrices": encoded,
+        "graph_equals_eager": checks,
+        "rows": [compare(family, b, bf16[b], w12[b], control.get(b), fallback.get(b)) for b in prompts],
+    }
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="normal",
-                   help=f"weight families, comma-separated, run one after the other ({', '.join(FAMILIES)})")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--family",
+        default="normal",
+        help=f"weight families, comma-separated, run one after the other ({', '.join(FAMILIES)})",
+    )
     p.add_argument("--layers", type=int, default=64)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--intermediate", type=int, default=17408)
@@ -146,10 +187,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--lm-head", choices=("bf16", "w12"), default="bf16")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (one launch at a time)")
-    p.add_argument("--control", action="store_true",
-                   help="also decode bf16 as an fp32 GEMM of the same weights (another summation order)")
-    p.add_argument("--dense-fallback", action="store_true",
-                   help="keep bf16 copies where W12 falls back to cuBLAS; decode a third time with the fallback on")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="also decode bf16 as an fp32 GEMM of the same weights (another summation order)",
+    )
+    p.add_argument(
+        "--dense-fallback",
+        action="store_true",
+        help="keep bf16 copies where W12 falls back to cuBLAS; decode a third time with the fallback on",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the rows and the run's settings to this JSON file")
@@ -194,8 +241,10 @@ def graph_check(model: Qwen3, prompts: torch.Tensor, new_tokens: int = 8) -> boo
 def decode(model: Qwen3, label: str, prompts: torch.Tensor, args, graph: bool) -> Decoded:
     result = greedy_decode(model, prompts, args.new_tokens, graph=graph, warmup_steps=args.warmup_steps)
     steps = args.new_tokens - 1
-    say(f"{label} batch {prompts.shape[0]:2d}: {result.tokens_per_second:9.1f} tok/s, "
-        f"{1e3 * result.seconds / steps:7.2f} ms/step ({'graph' if result.graphed else 'eager'})")
+    say(
+        f"{label} batch {prompts.shape[0]:2d}: {result.tokens_per_second:9.1f} tok/s, "
+        f"{1e3 * result.seconds / steps:7.2f} ms/step ({'graph' if result.graphed else 'eager'})"
+    )
     _release_memory(model.device)
     return result
 
@@ -230,48 +279,82 @@ def fp32_products(model: Qwen3):
             del linear.forward
 
 
-def compare(family: str, batch: int, bf16: Decoded, w12: Decoded, control: Decoded | None = None,
-            fallback: Decoded | None = None) -> dict:
+def compare(
+    family: str,
+    batch: int,
+    bf16: Decoded,
+    w12: Decoded,
+    control: Decoded | None = None,
+    fallback: Decoded | None = None,
+) -> dict:
     """Speed and token identity of one batch; each divergence classified from the bf16 logits there."""
     diverged = divergences(bf16, w12)
     steps = bf16.tokens.shape[1] - 1
     reordered = divergences(bf16, control) if control is not None else None
     fell_back = divergences(bf16, fallback) if fallback is not None else None
     return dict(
-        family=family, batch=batch,
-        bf16_tok_s=bf16.tokens_per_second, w12_tok_s=w12.tokens_per_second,
-        bf16_ms_step=1e3 * bf16.seconds / steps, w12_ms_step=1e3 * w12.seconds / steps,
+        family=family,
+        batch=batch,
+        bf16_tok_s=bf16.tokens_per_second,
+        w12_tok_s=w12.tokens_per_second,
+        bf16_ms_step=1e3 * bf16.seconds / steps,
+        w12_ms_step=1e3 * w12.seconds / steps,
         speedup=w12.tokens_per_second / bf16.tokens_per_second,
-        identical=batch - len(diverged), diverged=len(diverged),
-        near_ties=sum(d["near_tie"] for d in diverged), divergences=diverged,
+        identical=batch - len(diverged),
+        diverged=len(diverged),
+        near_ties=sum(d["near_tie"] for d in diverged),
+        divergences=diverged,
         cuda_graphs=bf16.graphed and w12.graphed,
-        control=None if reordered is None else dict(
-            identical=batch - len(reordered), diverged=len(reordered),
-            near_ties=sum(d["near_tie"] for d in reordered), divergences=reordered),
-        fallback=None if fell_back is None else dict(
-            tok_s=fallback.tokens_per_second, speedup=fallback.tokens_per_second / bf16.tokens_per_second,
-            ms_step=1e3 * fallback.seconds / steps, identical=batch - len(fell_back), diverged=len(fell_back),
-            near_ties=sum(d["near_tie"] for d in fell_back), divergences=fell_back, cuda_graphs=fallback.graphed),
+        control=None
+        if reordered is None
+        else dict(
+            identical=batch - len(reordered),
+            diverged=len(reordered),
+            near_ties=sum(d["near_tie"] for d in reordered),
+            divergences=reordered,
+        ),
+        fallback=None
+        if fell_back is None
+        else dict(
+            tok_s=fallback.tokens_per_second,
+            speedup=fallback.tokens_per_second / bf16.tokens_per_second,
+            ms_step=1e3 * fallback.seconds / steps,
+            identical=batch - len(fell_back),
+            diverged=len(fell_back),
+            near_ties=sum(d["near_tie"] for d in fell_back),
+            divergences=fell_back,
+            cuda_graphs=fallback.graphed,
+        ),
     )
 
 
 def table(rows: list[dict]) -> str:
     with_fallback = any(r.get("fallback") for r in rows)
-    lines = [("| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
-              "| identical | diverged | near ties | control: identical | control: near ties |"
-              + (" W12 + fallback tok/s | speedup | identical | near ties |" if with_fallback else "")),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-             + ("---:|---:|---:|---:|" if with_fallback else "")]
+    lines = [
+        (
+            "| family | batch | bf16 tok/s | W12 tok/s | speedup | bf16 ms/step | W12 ms/step "
+            "| identical | diverged | near ties | control: identical | control: near ties |"
+            + (" W12 + fallback tok/s | speedup | identical | near ties |" if with_fallback else "")
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|---:|---:|---:|" if with_fallback else ""),
+    ]
     for r in rows:
         c, f = r["control"], r.get("fallback")
-        shown = (f"{c['identical']}/{r['batch']} | {c['near_ties']}/{c['diverged']}" if c else "– | –")
+        shown = f"{c['identical']}/{r['batch']} | {c['near_ties']}/{c['diverged']}" if c else "– | –"
         if with_fallback:
-            shown += (f" | {f['tok_s']:.1f} | {f['speedup']:.3f} | {f['identical']}/{r['batch']} "
-                      f"| {f['near_ties']}/{f['diverged']}" if f else " | – | – | – | –")
-        lines.append(f"| {r['family']} | {r['batch']} | {r['bf16_tok_s']:.1f} | {r['w12_tok_s']:.1f} "
-                     f"| {r['speedup']:.3f} | {r['bf16_ms_step']:.2f} | {r['w12_ms_step']:.2f} "
-                     f"| {r['identical']}/{r['batch']} | {r['diverged']} | {r['near_ties']}/{r['diverged']} "
-                     f"| {shown} |")
+            shown += (
+                f" | {f['tok_s']:.1f} | {f['speedup']:.3f} | {f['identical']}/{r['batch']} "
+                f"| {f['near_ties']}/{f['diverged']}"
+                if f
+                else " | – | – | – | –"
+            )
+        lines.append(
+            f"| {r['family']} | {r['batch']} | {r['bf16_tok_s']:.1f} | {r['w12_tok_s']:.1f} "
+            f"| {r['speedup']:.3f} | {r['bf16_ms_step']:.2f} | {r['w12_ms_step']:.2f} "
+            f"| {r['identical']}/{r['batch']} | {r['diverged']} | {r['near_ties']}/{r['diverged']} "
+            f"| {shown} |"
+        )
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ format and batch: the step's wall time over 20 replays, the kernels' summed time
 kernels), then each kernel name with its count per layer and mean time, largest total first, and the first
 layer's kernels in launch order.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,11 @@ import collections
 import time
 
 import torch
+from qwen3_e2e import drawn_model
 from torch.profiler import ProfilerActivity, profile
 
 from specpilot_lab.decode import DecodeStep, prefill
 from specpilot_lab.qwen3 import Qwen3Shape
-from qwen3_e2e import drawn_model
 
 PROFILED_STEPS = 5
 
@@ -42,23 +43,30 @@ def profile_step(model, label: str, batch: int, layers: int) -> None:
         for _ in range(PROFILED_STEPS):
             step()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted(
+        (e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
     stats = collections.defaultdict(lambda: [0, 0.0])
     for e in kernels:
         stats[e.name][0] += 1
         stats[e.name][1] += e.device_time
     summed = sum(d for _, d in stats.values()) / PROFILED_STEPS
-    print(f"\n### {label}, batch {batch}: step {wall:.1f} µs (graph replay), {len(kernels) // PROFILED_STEPS} "
-          f"kernels summing to {summed:.1f} µs, gaps {wall - summed:.1f} µs\n")
+    print(
+        f"\n### {label}, batch {batch}: step {wall:.1f} µs (graph replay), {len(kernels) // PROFILED_STEPS} "
+        f"kernels summing to {summed:.1f} µs, gaps {wall - summed:.1f} µs\n"
+    )
     print("| per layer | mean µs | µs a step | kernel |\n|---:|---:|---:|---|")
     for name, (count, total) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        print(f"| {count / PROFILED_STEPS / layers:.2f} | {total / count:.2f} | {total / PROFILED_STEPS:.1f} | "
-              f"`{name[:80]}` |")
+        print(
+            f"| {count / PROFILED_STEPS / layers:.2f} | {total / count:.2f} | {total / PROFILED_STEPS:.1f} | "
+            f"`{name[:80]}` |"
+        )
     one_step = len(kernels) // PROFILED_STEPS
     per_layer = [e for e in kernels[:one_step]]
-    print("\nfirst kernels of a step, in order: " + ", ".join(
-        f"{e.name[:28]} {e.device_time:.1f}" for e in per_layer[:min(len(per_layer), 24)]))
+    print(
+        "\nfirst kernels of a step, in order: "
+        + ", ".join(f"{e.name[:28]} {e.device_time:.1f}" for e in per_layer[: min(len(per_layer), 24)])
+    )
 
 
 def main() -> None:
@@ -67,10 +75,19 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,32")
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    shape = Qwen3Shape(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=args.layers,
-                       num_heads=64, num_kv_heads=8, head_dim=128)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {shape}")
+    shape = Qwen3Shape(
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=args.layers,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+    )
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {shape}"
+    )
     model = drawn_model(shape, "normal", 0, torch.device("cuda"))
     batches = [int(b) for b in args.batches.split(",")]
     for batch in batches:

@@ -11,6 +11,7 @@ the process (all threads), which a machine shared with other work distorts far l
 Every arm's tokens are checked against transformers' plain greedy output. `--sweep` also tries final's n, k;
 `--c16` adds the batching setting (16 requests at once, one batched step for all).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ import statistics
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -35,15 +36,30 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO.parent / "shared" / "models" / "stories260K"
 
 PROMPTS = [
-    "Once upon a time, there was a little girl named Mia.", "One day, a boy named Sam went to the beach.",
-    "The little dog wanted to play with the ball.", "Anna and her mom baked a cake.",
-    "There was a big tree in the garden.", "Tom liked to run fast.", "A small cat lived in a red house.",
-    "Lucy found a shiny stone in the park.", "The bunny was very hungry.", "Ben had a toy car that he loved.",
-    "It was a sunny day and the birds were singing.", "Sara wanted to see the moon.",
-    "Once upon a time, there was a big bear.", "Max and Lily went to the zoo.", "The old man had a magic hat.",
-    "A little fish swam in the blue sea.", "Jack wanted to build a tower.", "The princess lost her crown.",
-    "Tim was sad because it was raining.", "One morning, Sue saw a butterfly.", "The duck and the frog were friends.",
-    "Amy had a new pair of shoes.", "The boy climbed up the hill.", "Mom gave Lily a big hug.",
+    "Once upon a time, there was a little girl named Mia.",
+    "One day, a boy named Sam went to the beach.",
+    "The little dog wanted to play with the ball.",
+    "Anna and her mom baked a cake.",
+    "There was a big tree in the garden.",
+    "Tom liked to run fast.",
+    "A small cat lived in a red house.",
+    "Lucy found a shiny stone in the park.",
+    "The bunny was very hungry.",
+    "Ben had a toy car that he loved.",
+    "It was a sunny day and the birds were singing.",
+    "Sara wanted to see the moon.",
+    "Once upon a time, there was a big bear.",
+    "Max and Lily went to the zoo.",
+    "The old man had a magic hat.",
+    "A little fish swam in the blue sea.",
+    "Jack wanted to build a tower.",
+    "The princess lost her crown.",
+    "Tim was sad because it was raining.",
+    "One morning, Sue saw a butterfly.",
+    "The duck and the frog were friends.",
+    "Amy had a new pair of shoes.",
+    "The boy climbed up the hill.",
+    "Mom gave Lily a big hug.",
 ]
 
 # The embedded default's arms (conf/setting/cpu_c1_stories260k_ngram.yaml: stock = conf/drafter/ngram.yaml).
@@ -89,9 +105,10 @@ def run_engine(engine: Engine, prompt: list[int], max_new: int) -> list[int]:
 def run_hf(hf, prompt: list[int], max_new: int, lookup: int | None) -> list[int]:
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=2,
-                          eos_token_id=2, **extra)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=2, eos_token_id=2, **extra
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def timed(fn, *args):
@@ -129,8 +146,11 @@ def main() -> None:
                 cfg = DrafterConfig("ngram", num_draft_tokens=k, ngram_max_n=n, ngram_min_n=1)
                 shared = {"shared_ngram_cache": True}
                 arms[f"final k={k} n={n}"] = lambda cfg=cfg: engine_arm(hf, tokenizer, cfg, shared)
-    hf_arms = {"hf generate": None, f"hf generate prompt_lookup={STOCK.num_draft_tokens}": STOCK.num_draft_tokens,
-               "hf generate prompt_lookup=10": 10}
+    hf_arms = {
+        "hf generate": None,
+        f"hf generate prompt_lookup={STOCK.num_draft_tokens}": STOCK.num_draft_tokens,
+        "hf generate prompt_lookup=10": 10,
+    }
 
     names = [*arms, *hf_arms]
     wall: dict[str, list[float]] = {name: [] for name in names}
@@ -170,13 +190,19 @@ def main() -> None:
             accept[name].append(engine.avg_accept_length)
         print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
 
-    print(f"# reference runtime benchmark — {platform.node()}, {platform.machine()}, {os.cpu_count()} cores, "
-          f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
-          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"{len(prompts)} prompts x {max_new} new tokens ({tokens} tokens per round), {args.rounds} round(s), "
-          "greedy, c1 (one request at a time), CPU, stories260K float32\n")
-    print("| arm | tok/s wall (median) | wall spread | tok/s per CPU-second | vs hf generate (CPU) | "
-          "vs ar (CPU) | vs ar (wall) | mean accept length | identical to hf greedy |")
+    print(
+        f"# reference runtime benchmark — {platform.node()}, {platform.machine()}, {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
+    )
+    print(
+        f"{len(prompts)} prompts x {max_new} new tokens ({tokens} tokens per round), {args.rounds} round(s), "
+        "greedy, c1 (one request at a time), CPU, stories260K float32\n"
+    )
+    print(
+        "| arm | tok/s wall (median) | wall spread | tok/s per CPU-second | vs hf generate (CPU) | "
+        "vs ar (CPU) | vs ar (wall) | mean accept length | identical to hf greedy |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     base_hf, base_ar = statistics.median(cpu["hf generate"]), statistics.median(cpu["ar"])
     base_ar_wall = statistics.median(wall["ar"])
@@ -184,9 +210,11 @@ def main() -> None:
         med_wall, med_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
         acc = f"{statistics.median(accept[name]):.2f}" if name in accept else "–"
         same = "yes" if mismatches[name] == 0 else f"NO ({mismatches[name]} outputs differ)"
-        print(f"| {name} | {tokens / med_wall:.0f} | {tokens / max(wall[name]):.0f}–{tokens / min(wall[name]):.0f} | "
-              f"{tokens / med_cpu:.0f} | {base_hf / med_cpu:.2f}× | {base_ar / med_cpu:.2f}× | "
-              f"{base_ar_wall / med_wall:.2f}× | {acc} | {same} |")
+        print(
+            f"| {name} | {tokens / med_wall:.0f} | {tokens / max(wall[name]):.0f}–{tokens / min(wall[name]):.0f} | "
+            f"{tokens / med_cpu:.0f} | {base_hf / med_cpu:.2f}× | {base_ar / med_cpu:.2f}× | "
+            f"{base_ar_wall / med_wall:.2f}× | {acc} | {same} |"
+        )
     if args.c16:
         c16_table(hf, tokenizer, prompts[:16], max_new, args.rounds)
 
@@ -212,17 +240,23 @@ def c16_table(hf, tokenizer, prompts, max_new: int, rounds: int) -> None:
             cpu[name].append(ct)
             accept[name].append(engine.avg_accept_length)
             mismatches[name] += sum(a != b for a, b in zip(outs, reference))
-    print(f"\n## c16: {len(prompts)} requests at once, max_running_requests 16, {max_new} new tokens each, "
-          f"{rounds} round(s)\n")
-    print("| arm | tok/s wall (median) | tok/s per CPU-second | vs ar (CPU) | mean accept length | "
-          "identical to one-at-a-time ar |")
+    print(
+        f"\n## c16: {len(prompts)} requests at once, max_running_requests 16, {max_new} new tokens each, "
+        f"{rounds} round(s)\n"
+    )
+    print(
+        "| arm | tok/s wall (median) | tok/s per CPU-second | vs ar (CPU) | mean accept length | "
+        "identical to one-at-a-time ar |"
+    )
     print("|---|---:|---:|---:|---:|---|")
     base = statistics.median(cpu["ar"])
     for name in arms:
         med = statistics.median(cpu[name])
         same = "yes" if mismatches[name] == 0 else f"NO ({mismatches[name]} outputs differ)"
-        print(f"| {name} | {tokens / statistics.median(wall[name]):.0f} | {tokens / med:.0f} | {base / med:.2f}× | "
-              f"{statistics.median(accept[name]):.2f} | {same} |")
+        print(
+            f"| {name} | {tokens / statistics.median(wall[name]):.0f} | {tokens / med:.0f} | {base / med:.2f}× | "
+            f"{statistics.median(accept[name]):.2f} | {same} |"
+        )
 
 
 if __name__ == "__main__":

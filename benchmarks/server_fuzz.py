@@ -10,6 +10,7 @@ While the fuzzer runs, a storm of valid greedy requests (their outputs known fro
 that differs from its solo output, or a /health that did not answer; it prints the request counts and the
 status-code histogram. tests/test_server_fuzz.py runs the same machinery, seeded and bounded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,16 @@ POST_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 CHAT_MAX_TOKENS = 16  # what a generated chat case without a limit gets (its default fills the context)
 
 # Valid greedy requests: sent alone first, then again and again during the storm; each must answer the same.
-STORM_PROMPTS = ["Once upon a time", "Tim had a red ball", "The cat was hungry", "Lily and Tom went to the park",
-                 "A little bird sat on a tree", "Ben found a box", "The rain fell all day", "Max saw a frog"]
+STORM_PROMPTS = [
+    "Once upon a time",
+    "Tim had a red ball",
+    "The cat was hungry",
+    "Lily and Tom went to the park",
+    "A little bird sat on a tree",
+    "Ben found a box",
+    "The rain fell all day",
+    "Max saw a frog",
+]
 
 
 def storm_requests(n: int = 16) -> list[tuple[str, dict]]:
@@ -46,13 +55,21 @@ def storm_requests(n: int = 16) -> list[tuple[str, dict]]:
         if kind == 0:
             out.append(("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": new, "temperature": 0}}))
         elif kind == 1:
-            out.append(("/generate", {"input_ids": [1, 403, 407, 261, 378][: 2 + i % 4],
-                                      "sampling_params": {"max_new_tokens": new}}))
+            out.append(
+                (
+                    "/generate",
+                    {"input_ids": [1, 403, 407, 261, 378][: 2 + i % 4], "sampling_params": {"max_new_tokens": new}},
+                )
+            )
         elif kind == 2:
             out.append(("/v1/completions", {"prompt": prompt, "max_tokens": new, "temperature": 0}))
         else:
-            out.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
-                                                 "max_tokens": new, "temperature": 0}))
+            out.append(
+                (
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": prompt}], "max_tokens": new, "temperature": 0},
+                )
+            )
     return out
 
 
@@ -66,16 +83,22 @@ def answer_of(path: str, body: dict) -> object:
 
 # --- a server of our own ----------------------------------------------------------------------------------
 
+
 def engine_config(max_running: int = 16, arm: str = "final") -> dict:
     """The resolved config keys the reference runtime reads: stories260K, the n-gram `final` arm (its n-gram
     cache shared across requests) or the `ar` arm (no drafter)."""
     final = arm == "final"
     return {
-        "setting": "cpu_c16_stories260k_ngram", "arm": {"name": arm},
+        "setting": "cpu_c16_stories260k_ngram",
+        "arm": {"name": arm},
         "model": {"name": "stories260K", "dtype": "float32", "quantization": None},
         "hardware": {"device": "cpu"},
-        "drafter": {"algorithm": "ngram" if final else "none", "num_draft_tokens": 8, "ngram_max_n": 8,
-                    "ngram_min_n": 1},
+        "drafter": {
+            "algorithm": "ngram" if final else "none",
+            "num_draft_tokens": 8,
+            "ngram_max_n": 8,
+            "ngram_min_n": 1,
+        },
         "runtime_options": {"shared_ngram_cache": True} if final else {},
         "batching": {"concurrency": max_running, "max_running_requests": max_running},
     }
@@ -90,8 +113,14 @@ def free_port() -> int:
 class Server:
     """A reference-runtime server process on a free loopback port, started as `make serve` starts it."""
 
-    def __init__(self, workdir: Path, extra: list[str] = (), model_dir: Path = MODEL_DIR, max_running: int = 16,
-                 arm: str = "final"):
+    def __init__(
+        self,
+        workdir: Path,
+        extra: list[str] = (),
+        model_dir: Path = MODEL_DIR,
+        max_running: int = 16,
+        arm: str = "final",
+    ):
         engine = workdir / "engine"
         engine.mkdir(parents=True, exist_ok=True)
         (engine / "config.json").write_text(json.dumps(engine_config(max_running, arm), indent=1))
@@ -99,12 +128,26 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "server.log"
         env = dict(os.environ, PYTHONPATH=str(REPO / "runtimes" / "reference"))
-        argv = [sys.executable, "-m", "specpilot_runtime.server", "--engine", str(engine), "--engine-id",
-                "fuzz", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "specpilot_runtime.server",
+            "--engine",
+            str(engine),
+            "--engine-id",
+            "fuzz",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra,
+        ]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    def wait_healthy(self, timeout: float = 300) -> "Server":
+    def wait_healthy(self, timeout: float = 300) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -128,6 +171,7 @@ class Server:
 
 # --- raw JSON strategies --------------------------------------------------------------------------------
 
+
 class Raw(str):
     """A JSON fragment written as is (what json.dumps cannot write: 5,000-digit integers, NaN, depth 3,000)."""
 
@@ -150,11 +194,19 @@ def raw_strategies():
 
     surrogate = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
     hostile_text = st.lists(st.one_of(st.characters(codec="utf-8"), surrogate), min_size=1, max_size=12).map("".join)
-    json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                          st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12), hostile_text)
-    json_value = st.recursive(json_leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                                st.dictionaries(st.text(max_size=6), kids, max_size=4)),
-                              max_leaves=12)
+    json_leaf = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=12),
+        hostile_text,
+    )
+    json_value = st.recursive(
+        json_leaf,
+        lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=6), kids, max_size=4)),
+        max_leaves=12,
+    )
     depth = st.integers(1, 3000)
     hostile = st.one_of(
         hostile_text,
@@ -164,19 +216,49 @@ def raw_strategies():
         st.sampled_from([Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-1e999")]),
         json_value,
     )
-    bases = st.sampled_from([
-        ("/generate", {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
-        ("/generate", {"input_ids": [1, 403, 407], "sampling_params": {"max_new_tokens": 4, "stop": ["."]}}),
-        ("/generate", {"text": "Tim", "return_logprob": True, "top_logprobs_num": 2,
-                       "sampling_params": {"max_new_tokens": 3}}),
-        ("/v1/completions", {"model": "stories260K", "prompt": "Once upon", "max_tokens": 4, "stream": True,
-                             "stream_options": {"include_usage": True}}),
-        ("/v1/completions", {"prompt": [1, 403, 407], "max_tokens": 4}),
-        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                                  "stream": True, "stream_options": {"include_usage": False}}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-                                  "max_completion_tokens": 4}),
-    ])
+    bases = st.sampled_from(
+        [
+            ("/generate", {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
+            ("/generate", {"input_ids": [1, 403, 407], "sampling_params": {"max_new_tokens": 4, "stop": ["."]}}),
+            (
+                "/generate",
+                {
+                    "text": "Tim",
+                    "return_logprob": True,
+                    "top_logprobs_num": 2,
+                    "sampling_params": {"max_new_tokens": 3},
+                },
+            ),
+            (
+                "/v1/completions",
+                {
+                    "model": "stories260K",
+                    "prompt": "Once upon",
+                    "max_tokens": 4,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ),
+            ("/v1/completions", {"prompt": [1, 403, 407], "max_tokens": 4}),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4,
+                    "stream": True,
+                    "stream_options": {"include_usage": False},
+                },
+            ),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                    "max_completion_tokens": 4,
+                },
+            ),
+        ]
+    )
 
     @st.composite
     def mutated(draw):
@@ -197,8 +279,12 @@ def raw_strategies():
             container, key = draw(st.sampled_from(places))
             container[key] = draw(hostile)
         if draw(st.booleans()):  # an extra field: unknown name (maybe with a surrogate), or a known one
-            name = draw(st.one_of(hostile_text, st.sampled_from(["stream_options", "model", "max_tokens",
-                                                                  "max_new_tokens", "logprobs", "rid"])))
+            name = draw(
+                st.one_of(
+                    hostile_text,
+                    st.sampled_from(["stream_options", "model", "max_tokens", "max_new_tokens", "logprobs", "rid"]),
+                )
+            )
             body[name] = draw(hostile)
         return path, to_json(body).encode()
 
@@ -208,6 +294,7 @@ def raw_strategies():
 
 
 # --- the run ------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Tally:
@@ -231,8 +318,9 @@ class Tally:
             self.statuses[status] += 1
             self.by_source[source] += 1
             if problem:
-                self.failures.append(f"{source} {method} {path}: {problem}: sent {(sent or b'')[:300]!r}, "
-                                     f"got {body[:300]!r}")
+                self.failures.append(
+                    f"{source} {method} {path}: {problem}: sent {(sent or b'')[:300]!r}, got {body[:300]!r}"
+                )
 
     @property
     def total(self) -> int:
@@ -244,8 +332,14 @@ def fuzz_raw(url: str, tally: Tally, examples: int, seed: int | None, client: ht
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as fixed_seed
 
-    @settings(max_examples=examples, derandomize=seed is None, deadline=None, database=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        derandomize=seed is None,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(raw_strategies())
     def one(case):
         path, content = case
@@ -263,24 +357,45 @@ def fuzz_schema(url: str, tally: Tally, examples: int, seed: int | None, client:
     from hypothesis import strategies as st
 
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
-    strategy = st.one_of(schema.as_strategy(schemathesis.GenerationMode.POSITIVE),
-                         schema.as_strategy(schemathesis.GenerationMode.NEGATIVE))
+    strategy = st.one_of(
+        schema.as_strategy(schemathesis.GenerationMode.POSITIVE),
+        schema.as_strategy(schemathesis.GenerationMode.NEGATIVE),
+    )
 
-    @settings(max_examples=examples, derandomize=seed is None, deadline=None, database=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        derandomize=seed is None,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def one(case):
         body = case.body
-        if (case.operation.path == "/v1/chat/completions" and isinstance(body, dict)
-                and body.get("max_tokens") is None and body.get("max_completion_tokens") is None):
+        if (
+            case.operation.path == "/v1/chat/completions"
+            and isinstance(body, dict)
+            and body.get("max_tokens") is None
+            and body.get("max_completion_tokens") is None
+        ):
             body["max_tokens"] = CHAT_MAX_TOKENS  # chat's default is the whole context: seconds per case
         kwargs = case.as_transport_kwargs(base_url=url)
-        sent = kwargs.get("data") if isinstance(kwargs.get("data"), bytes) else \
-            json.dumps(kwargs.get("json"), default=str).encode() if "json" in kwargs else None
-        r = client.request(kwargs["method"], kwargs["url"], params=kwargs.get("params"),
-                           headers={k: str(v) for k, v in (kwargs.get("headers") or {}).items()},
-                           content=kwargs.get("data") if "data" in kwargs else None,
-                           json=kwargs.get("json") if "json" in kwargs and "data" not in kwargs else None)
+        sent = (
+            kwargs.get("data")
+            if isinstance(kwargs.get("data"), bytes)
+            else json.dumps(kwargs.get("json"), default=str).encode()
+            if "json" in kwargs
+            else None
+        )
+        r = client.request(
+            kwargs["method"],
+            kwargs["url"],
+            params=kwargs.get("params"),
+            headers={k: str(v) for k, v in (kwargs.get("headers") or {}).items()},
+            content=kwargs.get("data") if "data" in kwargs else None,
+            json=kwargs.get("json") if "json" in kwargs and "data" not in kwargs else None,
+        )
         tally.record("schemathesis", kwargs["method"].upper(), case.operation.path, r.status_code, r.content, sent)
 
     (fixed_seed(seed)(one) if seed is not None else one)()
@@ -290,8 +405,14 @@ class Storm:
     """Valid greedy requests (each compared with its solo answer) from `workers` threads, and a /health prober,
     until stop()."""
 
-    def __init__(self, url: str, requests: list[tuple[str, dict]], workers: int, probe_every: float = 0.05,
-                 health_timeout: float = 5.0):
+    def __init__(
+        self,
+        url: str,
+        requests: list[tuple[str, dict]],
+        workers: int,
+        probe_every: float = 0.05,
+        health_timeout: float = 5.0,
+    ):
         self.url, self.requests = url, requests
         with httpx.Client(timeout=120) as client:  # the solo answers: one request at a time, nothing else
             self.solo = [answer_of(p, client.post(url + p, json=b).raise_for_status().json()) for p, b in requests]
@@ -304,7 +425,7 @@ class Storm:
         self.threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(workers)]
         self.threads.append(threading.Thread(target=self._prober, daemon=True))
 
-    def start(self) -> "Storm":
+    def start(self) -> Storm:
         for t in self.threads:
             t.start()
         return self
@@ -324,8 +445,10 @@ class Storm:
                 except Exception as exc:  # noqa: BLE001
                     got = f"request failed: {exc!r}"
                 if got != self.solo[k % len(self.requests)]:
-                    self.mismatches.append(f"{path} {json.dumps(body)[:120]}: storm {got!r:.200} "
-                                           f"!= solo {self.solo[k % len(self.requests)]!r:.200}")
+                    self.mismatches.append(
+                        f"{path} {json.dumps(body)[:120]}: storm {got!r:.200} "
+                        f"!= solo {self.solo[k % len(self.requests)]!r:.200}"
+                    )
                 self.sent += 1
                 k += 1
 
@@ -347,8 +470,15 @@ class Storm:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def run(url: str, *, raw_examples: int, schema_examples: int, seed: int | None, storm_workers: int,
-        seconds: float | None = None) -> tuple[Tally, Storm]:
+def run(
+    url: str,
+    *,
+    raw_examples: int,
+    schema_examples: int,
+    seed: int | None,
+    storm_workers: int,
+    seconds: float | None = None,
+) -> tuple[Tally, Storm]:
     """One fuzz run against `url` with the storm beside it. With `seconds`, batches of fresh seeds repeat until
     the time is up (seed, seed+1, ...); else one seeded (or derandomized) batch of each."""
     tally = Tally()
@@ -371,13 +501,15 @@ def run(url: str, *, raw_examples: int, schema_examples: int, seed: int | None, 
 
 def report(tally: Tally, storm: Storm) -> str:
     hist = ", ".join(f"{code}: {n}" for code, n in sorted(tally.statuses.items()))
-    return (f"fuzz requests: {tally.total} ({', '.join(f'{k} {v}' for k, v in sorted(tally.by_source.items()))}); "
-            f"status codes: {hist}\n"
-            f"storm: {storm.sent} valid requests, {len(storm.mismatches)} differing from solo; /health: "
-            f"{len(storm.health)} probes, p50 {storm.health_percentile(0.5) * 1000:.1f} ms, "
-            f"p99 {storm.health_percentile(0.99) * 1000:.1f} ms, max {max(storm.health, default=0) * 1000:.1f} ms, "
-            f"{len(storm.health_failures)} failed\n"
-            f"findings: {len(tally.failures)}" + "".join(f"\n  {f}" for f in tally.failures[:20]))
+    return (
+        f"fuzz requests: {tally.total} ({', '.join(f'{k} {v}' for k, v in sorted(tally.by_source.items()))}); "
+        f"status codes: {hist}\n"
+        f"storm: {storm.sent} valid requests, {len(storm.mismatches)} differing from solo; /health: "
+        f"{len(storm.health)} probes, p50 {storm.health_percentile(0.5) * 1000:.1f} ms, "
+        f"p99 {storm.health_percentile(0.99) * 1000:.1f} ms, max {max(storm.health, default=0) * 1000:.1f} ms, "
+        f"{len(storm.health_failures)} failed\n"
+        f"findings: {len(tally.failures)}" + "".join(f"\n  {f}" for f in tally.failures[:20])
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,8 +527,14 @@ def main(argv: list[str] | None = None) -> int:
                 server = Server(Path(tmp)).wait_healthy()
             url = args.url or server.url
             started = time.monotonic()
-            tally, storm = run(url, raw_examples=args.batch, schema_examples=args.batch, seed=args.seed,
-                               storm_workers=args.workers, seconds=args.seconds)
+            tally, storm = run(
+                url,
+                raw_examples=args.batch,
+                schema_examples=args.batch,
+                seed=args.seed,
+                storm_workers=args.workers,
+                seconds=args.seconds,
+            )
             print(report(tally, storm))
             print(f"wall: {time.monotonic() - started:.0f} s")
             ok = not tally.failures and not storm.mismatches and not storm.health_failures

@@ -13,6 +13,7 @@ server (stories260K, the `final` arm, 16 running requests, default limits: 8 MiB
    the server's RSS, a few seconds after the storm, is within 10% of the pre-storm value.
 Results go in benchmarks/server_load.md (machine and date with them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,11 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import psutil
-
 from server_fuzz import Server, Storm, Tally, fuzz_raw, fuzz_schema, report, storm_requests
 
 MAX_BODY = 8 * 1024 * 1024  # the server's default --max-body-bytes
@@ -60,9 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big", type=int, default=2, help="8 MiB bodies sent during the storm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=100, help="fuzz examples per strategy per batch")
-    parser.add_argument("--arm", choices=["final", "ar"], default="final",
-                        help="final: the n-gram cache shared across requests (it keeps what it indexed, up to "
-                             "1M tokens); ar: no drafter, no state kept across requests")
+    parser.add_argument(
+        "--arm",
+        choices=["final", "ar"],
+        default="final",
+        help="final: the n-gram cache shared across requests (it keeps what it indexed, up to "
+        "1M tokens); ar: no drafter, no state kept across requests",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="server_load_") as tmp:
         server = Server(Path(tmp), arm=args.arm).wait_healthy()
@@ -115,24 +119,29 @@ def run(server: Server, args) -> int:
     ok_rss = abs(rss_after - rss_before) <= RSS_TOLERANCE * rss_before
     ok_fuzz = not tally.failures and server.proc.poll() is None
     print(report(tally, storm))
-    print(f"\n| date (UTC) | {datetime.now(timezone.utc):%Y-%m-%d %H:%M} |\n|---|---|\n"
-          f"| server | stories260K, arm {args.arm}, 16 running requests, --max-body-bytes 8 MiB |\n"
-          f"| machine | {platform.machine()}, {psutil.cpu_count()} CPUs, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
-          f"1-min load average {load_start:.1f} at the start, {psutil.getloadavg()[0]:.1f} at the end |\n"
-          f"| storm | {wall:.0f} s, fuzz batches {batches} x ({args.batch} raw + {args.batch} schemathesis), "
-          f"{args.big} bodies of 8 MiB + 1 over the limit |\n"
-          f"| fuzz requests | {tally.total}: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.by_source.items())) +
-          " |\n| status codes | " + ", ".join(f"{c}: {n}" for c, n in sorted(tally.statuses.items())) + " |\n"
-          f"| valid requests (16 concurrent) | {storm.sent}, differing from solo: {len(storm.mismatches)} |\n"
-          f"| /health | {len(storm.health)} probes, p50 {storm.health_percentile(0.5) * 1000:.1f} ms, "
-          f"p99 {p99 * 1000:.1f} ms, max {max(storm.health) * 1000:.1f} ms, failed {len(storm.health_failures)} |\n"
-          f"| 8 MiB bodies | " + ", ".join(f"{t:.1f} s" for t in big_times) + " each (400: context length) |\n"
-          f"| server RSS | before {rss_before:.0f} MiB, at the storm's end {rss_end:.0f} MiB, 5 s later "
-          f"{rss_after:.0f} MiB ({(rss_after / rss_before - 1) * 100:+.1f}%) |\n"
-          f"| verdict | outputs {'ok' if ok_outputs else 'FAIL'}, "
-          f"/health p99 < 250 ms {'ok' if ok_health else 'FAIL'}, "
-          f"RSS within 10% {'ok' if ok_rss else 'FAIL'}, no 5xx {'ok' if ok_fuzz else 'FAIL'} |")
+    print(
+        f"\n| date (UTC) | {datetime.now(UTC):%Y-%m-%d %H:%M} |\n|---|---|\n"
+        f"| server | stories260K, arm {args.arm}, 16 running requests, --max-body-bytes 8 MiB |\n"
+        f"| machine | {platform.machine()}, {psutil.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
+        f"1-min load average {load_start:.1f} at the start, {psutil.getloadavg()[0]:.1f} at the end |\n"
+        f"| storm | {wall:.0f} s, fuzz batches {batches} x ({args.batch} raw + {args.batch} schemathesis), "
+        f"{args.big} bodies of 8 MiB + 1 over the limit |\n"
+        f"| fuzz requests | {tally.total}: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(tally.by_source.items()))
+        + " |\n| status codes | "
+        + ", ".join(f"{c}: {n}" for c, n in sorted(tally.statuses.items()))
+        + " |\n"
+        f"| valid requests (16 concurrent) | {storm.sent}, differing from solo: {len(storm.mismatches)} |\n"
+        f"| /health | {len(storm.health)} probes, p50 {storm.health_percentile(0.5) * 1000:.1f} ms, "
+        f"p99 {p99 * 1000:.1f} ms, max {max(storm.health) * 1000:.1f} ms, failed {len(storm.health_failures)} |\n"
+        f"| 8 MiB bodies | " + ", ".join(f"{t:.1f} s" for t in big_times) + " each (400: context length) |\n"
+        f"| server RSS | before {rss_before:.0f} MiB, at the storm's end {rss_end:.0f} MiB, 5 s later "
+        f"{rss_after:.0f} MiB ({(rss_after / rss_before - 1) * 100:+.1f}%) |\n"
+        f"| verdict | outputs {'ok' if ok_outputs else 'FAIL'}, "
+        f"/health p99 < 250 ms {'ok' if ok_health else 'FAIL'}, "
+        f"RSS within 10% {'ok' if ok_rss else 'FAIL'}, no 5xx {'ok' if ok_fuzz else 'FAIL'} |"
+    )
     for line in storm.mismatches[:5] + storm.health_failures[:5]:
         print("  ", line)
     return 0 if ok_outputs and ok_health and ok_rss and ok_fuzz else 1

@@ -66,7 +66,7 @@ run_group() {
         fi
         status="bench ok"
         # the oracle by id: the host has no builder (an installed bundle carries engines, not conf/ + the runtime)
-        "${SPECPILOT[@]}" bench --engine "$id" --name "$run" --port "$PORT" --limit "$LIMIT" --datasets "$DATASETS" \
+        "${SPECPILOT[@]}" bench --engine "$id" --run "$run" --port "$PORT" --limit "$LIMIT" --datasets "$DATASETS" \
             --max-new-tokens "$MAX_NEW_TOKENS" --oracle "${arm_ids[0]}" --overwrite > "$OUT/$run.bench.txt" 2>&1 \
             || status="bench failed"
         "${SPECPILOT[@]}" stop --port "$PORT" > /dev/null 2>&1 || true
@@ -91,7 +91,7 @@ run_group() {
     done
     "${SPECPILOT[@]}" stop --port "$VERIFY_PORT" > /dev/null 2>&1 || true
     if [[ -f "$OUT/$label-stock.bench.txt" && -f "$OUT/$label-final.bench.txt" ]]; then
-        "${SPECPILOT[@]}" compare --ar "$label-ar" --stock "$label-stock" --final "$label-final" --name "compare-$label" \
+        "${SPECPILOT[@]}" compare --ar "$label-ar" --stock "$label-stock" --final "$label-final" --report "compare-$label" \
             --overwrite > "$OUT/compare-$label.txt" 2>&1 && c="compare ok" || c="compare FAILED"
         echo -e "$label\tall\tcompare\t$c" >> "$ROWS"
     fi

@@ -15,6 +15,7 @@ is on disk. What matters is whether anything the pruned engine *kept* names one 
 (run/audit.static_importers, at any depth, lazy imports included): such a file could fail on a path the served
 run did not take. Prints the audit table, that count (must be 0) with each offender, and writes
 <out>/unpruned-<id12>.json. Exit 1 when it is not 0."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,10 @@ import zipfile
 from pathlib import Path
 
 from golden_generate import golden_generate
-from specpilot_build.pins.wheels import wheel_sha256
+
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.models.checkpoints import model_dirs
+from specpilot_build.pins.wheels import wheel_sha256
 from specpilot_build.serve.audit import AUDIT_ENV, audit_env, compare_imports, module_name, static_importers
 from specpilot_build.serve.process import _terminate, _wait_healthy, launch_command
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
@@ -64,13 +66,21 @@ def serve_unpruned(engine: Engine, args) -> tuple[Path, str]:
     log = out / f"unpruned-imports-{engine.id[:12]}.log"
     log.unlink(missing_ok=True)
     os.environ[AUDIT_ENV] = str(log)
-    argv, env = launch_command(Engine(engine.id, tree), model_dirs(engine.manifest["inputs"]["checkpoints"],
-                                                                     engine.config), args.port)
+    argv, env = launch_command(
+        Engine(engine.id, tree), model_dirs(engine.manifest["inputs"]["checkpoints"], engine.config), args.port
+    )
     env = audit_env({**env, "CUDA_VISIBLE_DEVICES": "0"})
     server_log = out / f"unpruned-server-{engine.id[:12]}.log"
     with open(server_log, "wb") as sink:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=sink, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=tree, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=tree,
+            start_new_session=True,
+        )
     try:
         _wait_healthy(proc, args.port, engine.id, args.timeout, server_log)
         same, total, _, _ = golden_generate(args.port, args.golden)
@@ -111,10 +121,20 @@ def main() -> int:
     print(f"imported by the unpruned run, pruned, and named by a kept file's import (must be 0): {len(named)}")
     for module, paths in named.items():
         print(f"  {module}: imported by {', '.join(paths)}")
-    (args.out / f"unpruned-{engine.id[:12]}.json").write_text(json.dumps(
-        {"engine": engine.id, "wheel": args.wheel.name,
-         "wheel_sha256": wheel_sha256(args.wheel)[0], "golden": golden, **audit.__dict__,
-         "pruned_named_by_kept": named}, indent=1) + "\n")
+    (args.out / f"unpruned-{engine.id[:12]}.json").write_text(
+        json.dumps(
+            {
+                "engine": engine.id,
+                "wheel": args.wheel.name,
+                "wheel_sha256": wheel_sha256(args.wheel)[0],
+                "golden": golden,
+                **audit.__dict__,
+                "pruned_named_by_kept": named,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return 1 if named else 0
 
 

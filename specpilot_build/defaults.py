@@ -1,4 +1,5 @@
 """The defaults every stage and the command line share, written once."""
+
 from __future__ import annotations
 
 DEFAULT_SETTING = "cpu_c1_stories260k_ngram"

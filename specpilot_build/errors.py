@@ -1,6 +1,7 @@
 """Typed user errors: one or two lines naming the file, key, hash or hunk, and what to do.
 
 Stages raise them; only the command line (cli/) prints them and turns them into exit codes."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Where things live: the repository, the data directory, the offline mirror, the engine store."""
+
 from __future__ import annotations
 
 import os

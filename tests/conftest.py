@@ -15,6 +15,7 @@ The pinned data mirror is ../shared beside the checkout. Without it, every test 
 `shared`, `stories_dir`, `llama2c_dir`, `golden` or `w12_stories` fixtures) is skipped with the reason; collection
 never fails.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@ revision (model_info) and to download a file (HEAD + GET .../resolve/<rev>/<path
 
 Tests point HF_ENDPOINT at it, so the client code paths (URL building, metadata headers, etag → blob,
 snapshot symlinks, error mapping) are the library's own."""
+
 from __future__ import annotations
 
 import hashlib
@@ -96,8 +97,19 @@ class FakeHub:
                 sha = self.lie_about.get(name, hashlib.sha256(data).hexdigest())
                 sibling["lfs"] = {"sha256": sha, "size": len(data), "pointerSize": 134}
             siblings.append(sibling)
-        payload = json.dumps({"_id": "0" * 24, "id": repo, "modelId": repo, "sha": commit, "private": False,
-                              "siblings": siblings, "tags": [], "downloads": 0, "likes": 0}).encode()
+        payload = json.dumps(
+            {
+                "_id": "0" * 24,
+                "id": repo,
+                "modelId": repo,
+                "sha": commit,
+                "private": False,
+                "siblings": siblings,
+                "tags": [],
+                "downloads": 0,
+                "likes": 0,
+            }
+        ).encode()
         self._send(req, 200, payload, {"Content-Type": "application/json"}, body)
 
     def _resolve(self, req, repo: str, rev: str, name: str, body: bool) -> None:
@@ -116,8 +128,13 @@ class FakeHub:
 
     def _error(self, req, status: int, code: str, message: str) -> None:
         payload = json.dumps({"error": message}).encode()
-        self._send(req, status, payload, {"X-Error-Code": code, "X-Error-Message": message,
-                                          "Content-Type": "application/json"}, True)
+        self._send(
+            req,
+            status,
+            payload,
+            {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"},
+            True,
+        )
 
     @staticmethod
     def _send(req, status: int, payload: bytes, headers: dict, body: bool) -> None:

@@ -2,6 +2,7 @@
 
 Functions only: the model directory (conftest's `stories_dir` fixture) is passed in, so importing this module needs
 nothing from ../shared."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,17 @@ from pathlib import Path
 import httpx
 
 
-def engine_config(arm: str = "final", *, algorithm: str | None = None, k: int = 8, max_n: int = 6,
-                  min_n: int = 1, runtime_options: dict | None = None, max_running: int = 1,
-                  dtype: str = "float32") -> dict:
+def engine_config(
+    arm: str = "final",
+    *,
+    algorithm: str | None = None,
+    k: int = 8,
+    max_n: int = 6,
+    min_n: int = 1,
+    runtime_options: dict | None = None,
+    max_running: int = 1,
+    dtype: str = "float32",
+) -> dict:
     """A resolved config as the builder writes it (the keys the reference runtime reads)."""
     if algorithm is None:
         algorithm = "none" if arm == "ar" else "ngram"
@@ -47,8 +56,22 @@ def free_port() -> int:
 
 def launch(engine_dir: Path, engine_id: str, port: int, model_dir: Path, extra: list[str] = ()) -> subprocess.Popen:
     """Start the server exactly as `make serve` does (the launch contract), from the installed specpilot_runtime."""
-    argv = [sys.executable, "-m", "specpilot_runtime.server", "--engine", str(engine_dir), "--engine-id",
-            engine_id, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "specpilot_runtime.server",
+        "--engine",
+        str(engine_dir),
+        "--engine-id",
+        engine_id,
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -83,9 +106,10 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
 
     model = hf_model(model_dir)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=2, pad_token_id=2)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=2, pad_token_id=2
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 _HF = {}
@@ -100,9 +124,24 @@ def hf_model(model_dir: Path):
 
 
 STORY_PROMPTS = [
-    "Once upon a time", "One day, a little boy", "Lily and Tom went to the park", "The sun was shining",
-    "There was a big dog", "Tim had a red ball", "Sue liked to paint", "A little bird sat on a tree",
-    "Mom said, \"Let's go", "The cat was hungry", "Ben found a box", "Anna wanted to fly",
-    "In a small house lived", "The rain fell all day", "Max saw a frog", "Sara had a new doll",
-    "Once there was a kind king", "The boy and his dad", "A fish swam in the pond", "It was a cold night",
+    "Once upon a time",
+    "One day, a little boy",
+    "Lily and Tom went to the park",
+    "The sun was shining",
+    "There was a big dog",
+    "Tim had a red ball",
+    "Sue liked to paint",
+    "A little bird sat on a tree",
+    "Mom said, \"Let's go",
+    "The cat was hungry",
+    "Ben found a box",
+    "Anna wanted to fly",
+    "In a small house lived",
+    "The rain fell all day",
+    "Max saw a frog",
+    "Sara had a new doll",
+    "Once there was a kind king",
+    "The boy and his dad",
+    "A fish swam in the pond",
+    "It was a cold night",
 ]

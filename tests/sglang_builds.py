@@ -3,6 +3,7 @@
 Settings whose checkpoints are not pinned in lockfiles/ (the seed's six) are built with a placeholder lock
 (hub.lockfile.write_placeholder_lock): the real lock plus made-up 40-hex revisions for the missing repos.
 Settings and lock are read where the builder reads them (`conf_dir()`, `lockfiles_dir()`)."""
+
 from __future__ import annotations
 
 import os
@@ -11,16 +12,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specpilot_build.assemble.builder import build_engine
-from specpilot_build.pins.lockfile import write_placeholder_lock
 from specpilot_build.locations import conf_dir
+from specpilot_build.pins.lockfile import write_placeholder_lock
 from specpilot_build.store.engines import Engine
 
 ARMS = ("stock", "final")
 
 
 def sglang_settings() -> list[str]:
-    return sorted(p.stem for p in (conf_dir() / "setting").glob("*.yaml")
-                  if re.search(r"override /runtime: sglang\b", p.read_text()))
+    return sorted(
+        p.stem
+        for p in (conf_dir() / "setting").glob("*.yaml")
+        if re.search(r"override /runtime: sglang\b", p.read_text())
+    )
 
 
 def repos_of(setting: str) -> list[str]:

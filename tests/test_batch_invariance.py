@@ -6,14 +6,15 @@ On the real stories260K model, on CPU, in float32: every verify chunk length 1..
 the accepted ones, a second sequence beside it in the batch, and the whole engine (n-gram drafter, logprobs)
 against the oracle's forced pass. Before the fix (runtimes/reference/specpilot_runtime/model.py) the same
 positions differed by up to 1.9e-5 in logits and 1.6e-5 in logprobs (benchmarks/tolerance.md)."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-
 from reference_runtime_helpers import STORY_PROMPTS
+
 from specpilot_runtime.drafters import NoDrafter, PromptLookup, SharedNgramCache
 from specpilot_runtime.engine import Engine
 from specpilot_runtime.model import LeanLlama
@@ -29,18 +30,18 @@ def _oracle(lean: LeanLlama, ids: list[int], prompt_len: int) -> torch.Tensor:
         return lean.forward(torch.tensor([ids]), [0], [0], logit_rows=rows)[0]
 
 
-def _chunked(lean: LeanLlama, ids: list[int], prompt_len: int, width, rng: random.Random | None = None,
-             beside: bool = False) -> torch.Tensor:
+def _chunked(
+    lean: LeanLlama, ids: list[int], prompt_len: int, width, rng: random.Random | None = None, beside: bool = False
+) -> torch.Tensor:
     """The engine's way: prefill (last row only), then verify steps of `width(step)` tokens, each accepting a
     prefix (rng: a random one, the rest rejected draft tokens of random ids) and rolling the rest back."""
     with torch.inference_mode():
-        rows = [lean.forward(torch.tensor([ids[:prompt_len]]), [1], [0],
-                             logit_rows=torch.tensor([prompt_len - 1]))[0]]
+        rows = [lean.forward(torch.tensor([ids[:prompt_len]]), [1], [0], logit_rows=torch.tensor([prompt_len - 1]))[0]]
         pos, step = prompt_len, 0
         while pos < len(ids):
             w = width(step)
             accept = rng.randrange(w) + 1 if rng else w
-            chunk = ids[pos:pos + accept] + [(rng or random).randrange(3, 512) for _ in range(w - accept)]
+            chunk = ids[pos : pos + accept] + [(rng or random).randrange(3, 512) for _ in range(w - accept)]
             chunk += [0] * (w - len(chunk))
             if beside:  # another sequence in the same batch, at another position
                 logits = lean.forward(torch.tensor([chunk, chunk[::-1]]), [1, 2], [pos, 3 + step % 50])[0]
@@ -61,8 +62,9 @@ def test_position_logits_are_bitwise_equal_for_every_verify_chunk_length(hf, gol
     chunked = _chunked(lean, ids, prompt_len, lambda step: width)
     assert chunked.shape == oracle.shape
     differing = (chunked != oracle).any(-1).nonzero().flatten().tolist()
-    assert not differing, f"chunks of {width}: rows {differing[:10]} differ by up to " \
-                          f"{float((chunked - oracle).abs().max()):.3g}"
+    assert not differing, (
+        f"chunks of {width}: rows {differing[:10]} differ by up to {float((chunked - oracle).abs().max()):.3g}"
+    )
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["alone", "batched"])
@@ -102,8 +104,14 @@ def test_engine_logprobs_equal_the_oracle_forced_pass(hf, tokenizer):
         for engine in (final, lookup):
             out = engine.generate(prompt, 150, timeout=120, return_logprob=True)
             emitted = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-            forced = ar.generate(prompt + out["output_ids"], 0, timeout=120, return_logprob=True,
-                                 logprob_start_len=len(prompt) - 1, top_logprobs_num=2)["meta_info"]
+            forced = ar.generate(
+                prompt + out["output_ids"],
+                0,
+                timeout=120,
+                return_logprob=True,
+                logprob_start_len=len(prompt) - 1,
+                top_logprobs_num=2,
+            )["meta_info"]
             tops = forced["input_top_logprobs"][1:]  # entry 0 scores the last prompt token
             token_lps = forced["input_token_logprobs"][1:]
             assert len(token_lps) == len(out["output_ids"]) == len(emitted)

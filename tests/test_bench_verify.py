@@ -1,10 +1,11 @@
 """bench and verify: classification of oracle answers, and (once a reference runtime exists) end to end."""
+
 import math
 
 import pytest
 
-from specpilot_build.measure import verify as vf
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.measure import verify as vf
 
 
 def oracle_answer(prompt, emitted, top_per_position):
@@ -12,7 +13,8 @@ def oracle_answer(prompt, emitted, top_per_position):
     last prompt token, entry j+1 the emitted token j."""
     tops = [[[-0.5, prompt[-1], None], [-2.0, 0, None]]] + top_per_position
     token_lps = [[-0.5, prompt[-1], None]] + [
-        [next((lp for lp, tid, _ in top if tid == e), -9.0), e, None] for e, top in zip(emitted, top_per_position)]
+        [next((lp for lp, tid, _ in top if tid == e), -9.0), e, None] for e, top in zip(emitted, top_per_position)
+    ]
     return {"meta_info": {"input_top_logprobs": tops, "input_token_logprobs": token_lps}}
 
 
@@ -20,17 +22,23 @@ REQUEST = {"dataset": "gsm8k", "item_id": "12", "prompt_ids": [1, 2, 3], "output
 
 
 def test_all_top1_is_verified():
-    tops = [[[-0.1, 5, None], [-3, 9, None]], [[-0.2, 6, None], [-2, 9, None]],
-            [[-0.3, 7, None], [-1, 9, None]], [[-0.1, 8, None], [-4, 9, None]]]
+    tops = [
+        [[-0.1, 5, None], [-3, 9, None]],
+        [[-0.2, 6, None], [-2, 9, None]],
+        [[-0.3, 7, None], [-1, 9, None]],
+        [[-0.1, 8, None], [-4, 9, None]],
+    ]
     check = vf.check_request(REQUEST, oracle_answer([1, 2, 3], [5, 6, 7, 8], tops), tolerance=0.25)
     assert (check["verified"], check["tokens"], check["first_mismatch"], check["near_ties"]) == (4, 4, None, [])
 
 
 def test_near_tie_within_tolerance_and_real_mismatch_beyond():
-    tops = [[[-0.1, 5, None], [-3, 9, None]],
-            [[-0.60, 9, None], [-0.75, 6, None]],  # emitted 6 is top-2, 0.15 below: a near tie at bf16
-            [[-0.1, 9, None], [-3.0, 7, None]],  # emitted 7, 2.9 below: a real mismatch
-            [[-0.1, 9, None], [-3.0, 8, None]]]  # after the first real mismatch: reported, not verified
+    tops = [
+        [[-0.1, 5, None], [-3, 9, None]],
+        [[-0.60, 9, None], [-0.75, 6, None]],  # emitted 6 is top-2, 0.15 below: a near tie at bf16
+        [[-0.1, 9, None], [-3.0, 7, None]],  # emitted 7, 2.9 below: a real mismatch
+        [[-0.1, 9, None], [-3.0, 8, None]],
+    ]  # after the first real mismatch: reported, not verified
     check = vf.check_request(REQUEST, oracle_answer([1, 2, 3], [5, 6, 7, 8], tops), tolerance=0.25)
     assert [(n["position"], n["emitted_id"], n["oracle_id"]) for n in check["near_ties"]] == [(1, 6, 9)]
     assert math.isclose(check["near_ties"][0]["margin"], 0.15)
@@ -39,14 +47,19 @@ def test_near_tie_within_tolerance_and_real_mismatch_beyond():
     assert math.isclose(first["margin"], 2.9)
     assert (check["verified"], check["mismatches_after"]) == (2, 1)
     # The same near tie is real under float32's much tighter tolerance.
-    strict = vf.check_request(REQUEST, oracle_answer([1, 2, 3], [5, 6, 7, 8], tops),
-                              tolerance=vf.dtype_tolerance("float32"))
+    strict = vf.check_request(
+        REQUEST, oracle_answer([1, 2, 3], [5, 6, 7, 8], tops), tolerance=vf.dtype_tolerance("float32")
+    )
     assert strict["first_mismatch"]["position"] == 1 and strict["verified"] == 1
 
 
 def test_emitted_token_outside_top2_uses_its_forced_logprob():
-    tops = [[[-0.1, 9, None], [-0.2, 4, None]], [[-0.1, 6, None], [-3, 9, None]],
-            [[-0.1, 7, None], [-3, 9, None]], [[-0.1, 8, None], [-3, 9, None]]]
+    tops = [
+        [[-0.1, 9, None], [-0.2, 4, None]],
+        [[-0.1, 6, None], [-3, 9, None]],
+        [[-0.1, 7, None], [-3, 9, None]],
+        [[-0.1, 8, None], [-3, 9, None]],
+    ]
     answer = oracle_answer([1, 2, 3], [5, 6, 7, 8], tops)
     answer["meta_info"]["input_token_logprobs"][1][0] = -0.3  # emitted 5 ranks third, 0.2 below top-1
     check = vf.check_request(REQUEST, answer, tolerance=0.25)
@@ -55,8 +68,8 @@ def test_emitted_token_outside_top2_uses_its_forced_logprob():
 
 def test_tolerances_follow_the_dtype_rounding_step():
     assert vf.dtype_tolerance("bfloat16") == 0.25
-    assert vf.dtype_tolerance("float16") == 2.0 ** -5
-    assert vf.dtype_tolerance("float32") == 2.0 ** -18
+    assert vf.dtype_tolerance("float16") == 2.0**-5
+    assert vf.dtype_tolerance("float32") == 2.0**-18
     assert vf.dtype_tolerance("float32", "bfloat16") == 0.25  # the coarser engine decides
 
 
@@ -80,8 +93,8 @@ E2E_DATASETS = ["gsm8k", "mt-bench"]
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory, shared):
     """Engines of the embedded setting, a final run benched on the real runtime, and a running ar oracle."""
-    from specpilot_build.measure.bench import bench
     from specpilot_build.assemble.builder import build_engine
+    from specpilot_build.measure.bench import bench
     from specpilot_build.serve.process import serve, stop
 
     root = tmp_path_factory.mktemp("loop")
@@ -92,19 +105,40 @@ def loop(tmp_path_factory, shared):
         bench_port, oracle_port = free_port(), free_port()
         serve(engines["final"], bench_port, quiet=True)
         try:
-            final_run = bench(engines["final"].id, "final", limit=1, max_new_tokens=48, port=bench_port,
-                              datasets=E2E_DATASETS, progress=False, oracle_engine_id=engines["ar"].id)
+            final_run = bench(
+                engines["final"].id,
+                "final",
+                limit=1,
+                max_new_tokens=48,
+                port=bench_port,
+                datasets=E2E_DATASETS,
+                progress=False,
+                oracle_engine_id=engines["ar"].id,
+            )
         finally:
             stop(bench_port)
         # verify serves the oracle itself here (and stops it afterwards)
         first = vf.verify(str(final_run), oracle=engines["ar"].id, port=oracle_port, progress=False)
         serve(engines["ar"], oracle_port, quiet=True)
         try:
-            ar_run = bench(engines["ar"].id, "ar", limit=1, max_new_tokens=48, port=oracle_port,
-                           datasets=E2E_DATASETS, progress=False)
-            yield {"ar_run": ar_run, "engines": engines, "final_run": final_run, "first_verify": first, "oracle_port": oracle_port,
-                   "root": root, "env": dict(SPECPILOT_ENGINES=str(root / "engines"),
-                                             SPECPILOT_DATA=str(root / "data"))}
+            ar_run = bench(
+                engines["ar"].id,
+                "ar",
+                limit=1,
+                max_new_tokens=48,
+                port=oracle_port,
+                datasets=E2E_DATASETS,
+                progress=False,
+            )
+            yield {
+                "ar_run": ar_run,
+                "engines": engines,
+                "final_run": final_run,
+                "first_verify": first,
+                "oracle_port": oracle_port,
+                "root": root,
+                "env": dict(SPECPILOT_ENGINES=str(root / "engines"), SPECPILOT_DATA=str(root / "data")),
+            }
         finally:
             stop(oracle_port)
 
@@ -157,15 +191,29 @@ def test_one_changed_token_is_a_real_mismatch_at_exactly_that_place(loop):
     tampered = loop["final_run"].with_name("tampered.json")
     tampered.write_text(json.dumps(run))
     proc = subprocess.run(
-        [sys.executable, "-m", "specpilot_build.cli", "verify", str(tampered), "--oracle", loop["engines"]["ar"].id,
-         "--port", str(loop["oracle_port"])], capture_output=True, text=True, env={**_environ(), **loop["env"]},
-        timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "specpilot_build.cli",
+            "verify",
+            str(tampered),
+            "--oracle",
+            loop["engines"]["ar"].id,
+            "--port",
+            str(loop["oracle_port"]),
+        ],
+        capture_output=True,
+        text=True,
+        env={**_environ(), **loop["env"]},
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
     report = json.loads(tampered.with_name("tampered.verify.json").read_text())
     assert report["verdict"] == "not lossless" and report["real_mismatches"] == 1
     bad = [c for c in report["requests"] if c["first_mismatch"]]
-    assert [(c["dataset"], c["item_id"]) for c in bad] == [(run["requests"][request]["dataset"],
-                                                           run["requests"][request]["item_id"])]
+    assert [(c["dataset"], c["item_id"]) for c in bad] == [
+        (run["requests"][request]["dataset"], run["requests"][request]["item_id"])
+    ]
     mismatch = bad[0]["first_mismatch"]
     assert (mismatch["position"], mismatch["emitted_id"]) == (position, (original + 1) % 512)
     assert mismatch["oracle_id"] == original and mismatch["margin"] > report["tolerance"]
@@ -193,12 +241,20 @@ def test_bench_refuses_a_server_of_another_engine(loop):
     with pytest.MonkeyPatch.context() as env:
         for key, value in loop["env"].items():
             env.setenv(key, value)
-        with pytest.raises(SpecPilotError, match=f"serves engine {loop['engines']['ar'].id}, not "
-                                                 f"{loop['engines']['final'].id[:16]}"):
-            bench(loop["engines"]["final"].id, "wrong", limit=1, port=loop["oracle_port"], progress=False,
-                  oracle_engine_id=loop["engines"]["ar"].id)
+        with pytest.raises(
+            SpecPilotError, match=f"serves engine {loop['engines']['ar'].id}, not {loop['engines']['final'].id[:16]}"
+        ):
+            bench(
+                loop["engines"]["final"].id,
+                "wrong",
+                limit=1,
+                port=loop["oracle_port"],
+                progress=False,
+                oracle_engine_id=loop["engines"]["ar"].id,
+            )
 
 
 def _environ():
     import os
+
     return dict(os.environ)

@@ -1,4 +1,5 @@
 """The builder: content-addressed, deterministic, idempotent, concurrent-safe engines and clear refusals."""
+
 from __future__ import annotations
 
 import json
@@ -15,17 +16,23 @@ import pytest
 from specpilot_build.assemble.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
-from specpilot_build.store.manifest import engine_id
 from specpilot_build.store.engines import check_engine, resolve_engine
+from specpilot_build.store.manifest import engine_id
 
 EMBEDDED = "cpu_c1_stories260k_ngram"
 SOURCES = ["conf", "lockfiles", "runtimes", "specpilot_build", "kernels", "overlays"]
 
 
 def cli(*args, env=None, cwd=REPO_ROOT, umask=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout,
-                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    return subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        timeout=timeout,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
 
 
 def engine_dirs(store: Path) -> list[Path]:
@@ -81,7 +88,7 @@ def clone_sources(clone: Path) -> Path:
 
 
 def clone_env(clone: Path) -> dict:
-    return {"PYTHONPATH": str(clone), "SPECPILOT_ENGINES": ""}   # the store: <clone>/engines
+    return {"PYTHONPATH": str(clone), "SPECPILOT_ENGINES": ""}  # the store: <clone>/engines
 
 
 def test_ids_are_identical_across_clones_umasks_and_clocks(tmp_path):
@@ -91,8 +98,17 @@ def test_ids_are_identical_across_clones_umasks_and_clocks(tmp_path):
         for root, _, files in os.walk(clone):
             for f in files:
                 os.utime(Path(root) / f, (mtime, mtime))
-        out = cli("engine", "build", "--setting", EMBEDDED, "--arm", "final", env={**clone_env(clone), "TZ": tz},
-                  cwd=clone, umask=umask)
+        out = cli(
+            "engine",
+            "build",
+            "--setting",
+            EMBEDDED,
+            "--arm",
+            "final",
+            env={**clone_env(clone), "TZ": tz},
+            cwd=clone,
+            umask=umask,
+        )
         assert out.returncode == 0, out.stderr
         assert str(clone) in out.stdout.split()[1], "the build must use the clone's sources"
         ids.append(out.stdout.split()[0])
@@ -100,17 +116,26 @@ def test_ids_are_identical_across_clones_umasks_and_clocks(tmp_path):
 
 
 # Every setting served by the reference runtime: its engines are the ones whose ids a lab edit must not move.
-EMBEDDED_SETTINGS = sorted(p.stem for p in (REPO_ROOT / "conf" / "setting").glob("*.yaml")
-                           if "override /runtime: reference" in p.read_text())
-IDS_OF_EVERY_ARM = ("import json, sys\n"
-                    "from specpilot_build.assemble.builder import build_engine\n"
-                    "print(json.dumps({f'{s}/{a}': build_engine(s, a).engine.id for s in sys.argv[1:]\n"
-                    "                  for a in ('ar', 'stock', 'final')}))\n")
+EMBEDDED_SETTINGS = sorted(
+    p.stem for p in (REPO_ROOT / "conf" / "setting").glob("*.yaml") if "override /runtime: reference" in p.read_text()
+)
+IDS_OF_EVERY_ARM = (
+    "import json, sys\n"
+    "from specpilot_build.assemble.builder import build_engine\n"
+    "print(json.dumps({f'{s}/{a}': build_engine(s, a).engine.id for s in sys.argv[1:]\n"
+    "                  for a in ('ar', 'stock', 'final')}))\n"
+)
 
 
 def engine_ids(clone: Path) -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-c", IDS_OF_EVERY_ARM, *EMBEDDED_SETTINGS], capture_output=True,
-                         text=True, env={**os.environ, **clone_env(clone)}, cwd=clone, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", IDS_OF_EVERY_ARM, *EMBEDDED_SETTINGS],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **clone_env(clone)},
+        cwd=clone,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -126,8 +151,12 @@ def test_engine_ids_track_only_what_is_served(tmp_path):
     ids = engine_ids(clone)
     assert len(EMBEDDED_SETTINGS) >= 5 and len(set(ids.values())) == 3 * len(EMBEDDED_SETTINGS)
     # benchmark-only code and results: the Qwen3 research forward, W12's bench, a results page, a new result
-    for rel in ("lab/specpilot_lab/qwen3.py", "lab/specpilot_lab/fused.py", "lab/specpilot_lab/w12_bench.py",
-                "benchmarks/qwen3_e2e.py"):
+    for rel in (
+        "lab/specpilot_lab/qwen3.py",
+        "lab/specpilot_lab/fused.py",
+        "lab/specpilot_lab/w12_bench.py",
+        "benchmarks/qwen3_e2e.py",
+    ):
         append(clone / rel, "# edited by a benchmark author\n")
     append(clone / "benchmarks" / "w12_gemm.md", "one more run\n")
     (clone / "benchmarks" / "results").mkdir(exist_ok=True)
@@ -146,6 +175,7 @@ def test_engine_ids_track_only_what_is_served(tmp_path):
 
 def test_a_kernel_ships_every_file_of_its_package(tmp_path, monkeypatch):
     from specpilot_build.assemble import inputs
+
     kernel = tmp_path / "kernels" / "k"
     (kernel / "csrc").mkdir(parents=True)
     (kernel / "k.py").write_text("")
@@ -171,13 +201,13 @@ def test_flipping_one_byte_in_any_file_is_named_by_engine_verify(store):
         flipped[len(flipped) // 2] ^= 0x01
         path.write_bytes(bytes(flipped))
         try:
-            out = cli("engine", "verify", engine.id)
+            out = cli("engine", "check", engine.id)
             assert out.returncode == 1
             assert f"{entry['path']}: content differs" in out.stdout
             assert out.stdout.count("differs") == 1
         finally:
             path.write_bytes(original)
-    assert cli("engine", "verify", engine.id).returncode == 0
+    assert cli("engine", "check", engine.id).returncode == 0
 
 
 def test_an_added_or_missing_file_is_reported(store):
@@ -206,11 +236,14 @@ def test_an_unpinned_checkpoint_builds_nothing_and_says_how_to_pin_it(store):
     assert engine_dirs(store) == []
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--setting", "no_such_setting"], ["unknown setting 'no_such_setting'"]),
-    (["--setting", EMBEDDED, "hardware=tpu"], ["hardware/tpu"]),
-    (["--setting", EMBEDDED, "batching.concurrency=many"], ["batching.concurrency", "many"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--setting", "no_such_setting"], ["unknown setting 'no_such_setting'"]),
+        (["--setting", EMBEDDED, "hardware=tpu"], ["hardware/tpu"]),
+        (["--setting", EMBEDDED, "batching.concurrency=many"], ["batching.concurrency", "many"]),
+    ],
+)
 def test_bad_input_is_a_short_error_and_writes_nothing(store, args, words):
     out = cli("engine", "build", *args)
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -226,7 +259,8 @@ def _wheel_lock(tmp_path: Path, sha256: str | None = None) -> Path:
     if sha256:
         text = (lock / "runtimes.toml").read_text()
         import re
-        (lock / "runtimes.toml").write_text(re.sub(r'sha256 = "[0-9a-f]{64}"', f'sha256 = "{sha256}"', text, 1))
+
+        (lock / "runtimes.toml").write_text(re.sub(r'sha256 = "[0-9a-f]{64}"', f'sha256 = "{sha256}"', text, count=1))
     return lock
 
 
@@ -234,10 +268,18 @@ def test_a_corrupt_cached_wheel_is_refused(store, tmp_path):
     data = tmp_path / "data"
     (data / "wheels").mkdir(parents=True)
     from specpilot_build.pins.lockfile import load_lock
+
     pin = load_lock().runtimes["sglang"]
     (data / "wheels" / pin.filename).write_bytes(b"PK\x03\x04 not really a wheel")
-    out = cli("engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar",
-              env={"SPECPILOT_DATA": str(data), "SPECPILOT_MIRROR": ""})
+    out = cli(
+        "engine",
+        "build",
+        "--setting",
+        "h100_c1_qwen3-8b_dflash",
+        "--arm",
+        "ar",
+        env={"SPECPILOT_DATA": str(data), "SPECPILOT_MIRROR": ""},
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert pin.filename in out.stderr and "does not match the pin" in out.stderr
     assert engine_dirs(store) == []
@@ -249,8 +291,9 @@ def test_a_wheel_whose_hash_differs_from_the_lock_is_refused(store, tmp_path, se
 
     wheel = wheel_file(load_lock().runtimes["sglang"])  # the genuine pinned wheel, cached for the session
     lock = _wheel_lock(tmp_path, sha256="0" * 64)
-    out = cli("engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar",
-              env={"SPECPILOT_LOCKFILES": str(lock)})
+    out = cli(
+        "engine", "build", "--setting", "h100_c1_qwen3-8b_dflash", "--arm", "ar", env={"SPECPILOT_LOCKFILES": str(lock)}
+    )
     assert out.returncode == 2 and "does not match the pin" in out.stderr and wheel.name in out.stderr
     assert engine_dirs(store) == []
 
@@ -258,9 +301,26 @@ def test_a_wheel_whose_hash_differs_from_the_lock_is_refused(store, tmp_path, se
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_two_builds_at_once_give_one_engine(store):
-    procs = [subprocess.Popen([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting",
-                               "h100_c1_qwen3-8b_dflash", "--arm", "ar"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "specpilot_build.cli",
+                "engine",
+                "build",
+                "--setting",
+                "h100_c1_qwen3-8b_dflash",
+                "--arm",
+                "ar",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     ids = {o[0].split()[0] for o in outs}
@@ -274,9 +334,22 @@ def test_two_builds_at_once_give_one_engine(store):
 @pytest.mark.slow
 @pytest.mark.sglang
 def test_an_interrupted_build_leaves_no_engine(store):
-    proc = subprocess.Popen([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting",
-                             "h100_c1_qwen3-8b_dflash", "--arm", "ar"], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specpilot_build.cli",
+            "engine",
+            "build",
+            "--setting",
+            "h100_c1_qwen3-8b_dflash",
+            "--arm",
+            "ar",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 60
     while time.time() < deadline and not any((store / ".tmp").glob("*/python")):
         time.sleep(0.02)
@@ -293,8 +366,9 @@ def test_sweep_runs_a_hydra_multirun_and_prints_a_summary(store, session_data):
     assert out.returncode == 0, out.stderr
     summaries = sorted((session_data / "hydra" / "multirun").glob("*/summary.json"))
     rows = json.loads(summaries[-1].read_text())
-    assert {(r["setting"], r["arm"]) for r in rows} == {(s, a) for s in (EMBEDDED, "cpu_c16_stories260k_ngram")
-                                                        for a in ("ar", "final")}
+    assert {(r["setting"], r["arm"]) for r in rows} == {
+        (s, a) for s in (EMBEDDED, "cpu_c16_stories260k_ngram") for a in ("ar", "final")
+    }
     assert build_engine(EMBEDDED, "final").engine.id in {r["id"] for r in rows}
     for row in rows:
         assert row["id"][:12] in out.stdout

@@ -1,5 +1,6 @@
 """make bundle: the embedded default packed, split, checked and installed with the standard-library installer,
 then served from the prefix (nothing of the checkout on the path) exactly like from the store."""
+
 from __future__ import annotations
 
 import io
@@ -19,8 +20,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from reference_runtime_helpers import free_port
+
 from specpilot_build.assemble.builder import build_engine
 from specpilot_build.bundle import install as installer
 from specpilot_build.bundle.pack import INDEX_NAME, make_bundle, split_archive
@@ -48,8 +49,9 @@ def env_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bundle(engine, env_dir, tmp_path_factory) -> Path:
-    return make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir,
-                       out=tmp_path_factory.mktemp("bundles") / "b").path
+    return make_bundle(
+        [engine], part_bytes=PART_BYTES, env_dir=env_dir, out=tmp_path_factory.mktemp("bundles") / "b"
+    ).path
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +64,12 @@ def prefix(bundle, tmp_path_factory) -> Path:
 
 def run_installer(bundle: Path, target: Path) -> subprocess.CompletedProcess:
     """As on the host: the installer beside the parts, with no site-packages at all (-I -S: stdlib only)."""
-    return subprocess.run([sys.executable, "-I", "-S", str(bundle / "install.py"), str(bundle), str(target)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-I", "-S", str(bundle / "install.py"), str(bundle), str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def index_of(bundle: Path) -> dict:
@@ -75,6 +81,7 @@ def leftovers(parent: Path) -> list[str]:
 
 
 # --- pack, split, check, unpack -------------------------------------------------------------------------------
+
 
 def test_the_index_names_the_archive_and_every_part_by_size_sha256_and_blake3(bundle, engine):
     index = index_of(bundle)
@@ -92,8 +99,9 @@ def test_the_index_names_the_archive_and_every_part_by_size_sha256_and_blake3(bu
 def test_the_installed_prefix_holds_the_engine_exactly_as_stored(prefix, engine, bundle):
     installed = Engine(engine.id, prefix / "engines" / engine.id)
     assert check_engine(installed) == []
-    assert (prefix / "engines" / engine.id / "manifest.json").read_bytes() == \
-        (engine.path / "manifest.json").read_bytes()
+    assert (prefix / "engines" / engine.id / "manifest.json").read_bytes() == (
+        engine.path / "manifest.json"
+    ).read_bytes()
     converted = engine.manifest["inputs"]["checkpoints"]["model"]["converted"]
     model = next(p for p in (prefix / "data" / "converted").rglob("model.safetensors"))
     assert {f["path"]: f["size"] for f in converted} == {p.name: p.stat().st_size for p in model.parent.iterdir()}
@@ -183,15 +191,19 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "", size: 
     return info
 
 
-@pytest.mark.parametrize("member, says", [
-    (_member("../escaped"), "would land outside the prefix"),
-    (_member("engines/../../escaped"), "would land outside the prefix"),
-    (_member("/tmp/escaped-absolute"), "would land outside the prefix"),
-    (_member("engines/link", tarfile.SYMTYPE, "/etc/passwd"), "is a symbolic link"),
-    (_member("engines/inside", tarfile.SYMTYPE, "readme.txt"), "is a symbolic link"),
-    (_member("engines/hard", tarfile.LNKTYPE, "/etc/passwd"), "is a hard link"),
-    (_member("engines/fifo", tarfile.FIFOTYPE), "is a device or FIFO"),
-], ids=["dotdot", "nested-dotdot", "absolute", "symlink-out", "symlink-in", "hardlink", "fifo"])
+@pytest.mark.parametrize(
+    "member, says",
+    [
+        (_member("../escaped"), "would land outside the prefix"),
+        (_member("engines/../../escaped"), "would land outside the prefix"),
+        (_member("/tmp/escaped-absolute"), "would land outside the prefix"),
+        (_member("engines/link", tarfile.SYMTYPE, "/etc/passwd"), "is a symbolic link"),
+        (_member("engines/inside", tarfile.SYMTYPE, "readme.txt"), "is a symbolic link"),
+        (_member("engines/hard", tarfile.LNKTYPE, "/etc/passwd"), "is a hard link"),
+        (_member("engines/fifo", tarfile.FIFOTYPE), "is a device or FIFO"),
+    ],
+    ids=["dotdot", "nested-dotdot", "absolute", "symlink-out", "symlink-in", "hardlink", "fifo"],
+)
 def test_a_member_escaping_the_prefix_is_refused_and_nothing_is_written(member, says, tmp_path):
     hostile = _hostile_archive(member, b"evil", tmp_path)
     host = tmp_path / "host"
@@ -217,8 +229,13 @@ def test_an_environment_that_is_not_what_its_installer_recorded_is_refused(engin
     recorded = {"bundle_probe/__init__.py": "blake3:" + blake3.blake3(probe.read_bytes()).hexdigest()}
     assert make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir, env_files=recorded, out=tmp_path / "ok")
     with pytest.raises(IntegrityError, match="bundle_probe/other.py is missing"):
-        make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir,
-                    env_files={**recorded, "bundle_probe/other.py": recorded["bundle_probe/__init__.py"]}, out=tmp_path / "a")
+        make_bundle(
+            [engine],
+            part_bytes=PART_BYTES,
+            env_dir=env_dir,
+            env_files={**recorded, "bundle_probe/other.py": recorded["bundle_probe/__init__.py"]},
+            out=tmp_path / "a",
+        )
     with pytest.raises(IntegrityError, match="bundle_probe/__init__.py is not in its record"):
         make_bundle([engine], part_bytes=PART_BYTES, env_dir=env_dir, env_files={}, out=tmp_path / "a")
     changed = {"bundle_probe/__init__.py": "blake3:" + blake3.blake3(b"other bytes").hexdigest()}
@@ -229,6 +246,7 @@ def test_an_environment_that_is_not_what_its_installer_recorded_is_refused(engin
 
 # --- serve from the prefix ------------------------------------------------------------------------------------
 
+
 def prefix_env() -> dict:
     """The host's view: none of the test session's SpecPilot or Hugging Face variables, nothing of the checkout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECPILOT_", "HF_", "PYTHON"))}
@@ -237,17 +255,30 @@ def prefix_env() -> dict:
 
 
 def specpilot_in(prefix: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(prefix / "bin" / "specpilot"), *args], capture_output=True, text=True,
-                          env=prefix_env(), cwd=prefix.parent, timeout=timeout)
+    return subprocess.run(
+        [str(prefix / "bin" / "specpilot"), *args],
+        capture_output=True,
+        text=True,
+        env=prefix_env(),
+        cwd=prefix.parent,
+        timeout=timeout,
+    )
 
 
 def test_bin_specpilot_runs_the_prefixs_specpilot_with_the_environment_first(prefix, tmp_path):
     probe = tmp_path / "python"
-    probe.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import os, specpilot_build, bundle_probe; "
-                     f"print(specpilot_build.__file__); print(bundle_probe.WHERE); print(os.environ[\"SPECPILOT_ENGINES\"])'\n")
+    probe.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import os, specpilot_build, bundle_probe; "
+        f'print(specpilot_build.__file__); print(bundle_probe.WHERE); print(os.environ["SPECPILOT_ENGINES"])\'\n'
+    )
     probe.chmod(0o755)
-    out = subprocess.run([str(prefix / "bin" / "specpilot"), "serve"], capture_output=True, text=True,
-                         env={**prefix_env(), "PYTHON": str(probe)}, cwd=tmp_path)
+    out = subprocess.run(
+        [str(prefix / "bin" / "specpilot"), "serve"],
+        capture_output=True,
+        text=True,
+        env={**prefix_env(), "PYTHON": str(probe)},
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     where, probe_says, engines = out.stdout.splitlines()
     assert Path(where).is_relative_to(prefix / "specpilot") and not Path(where).is_relative_to(REPO_ROOT)
@@ -263,26 +294,39 @@ def test_the_engine_gets_the_environment_after_its_own_tree_on_pythonpath(prefix
 
 def generate(port: int, golden: dict) -> list[int]:
     n = len(golden["sequence_ids"]) - len(golden["prompt_ids"])
-    reply = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=120, json={
-        "input_ids": golden["prompt_ids"], "sampling_params": {"max_new_tokens": n, "temperature": 0}})
+    reply = httpx.post(
+        f"http://127.0.0.1:{port}/generate",
+        timeout=120,
+        json={"input_ids": golden["prompt_ids"], "sampling_params": {"max_new_tokens": n, "temperature": 0}},
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()["output_ids"]
 
 
 @pytest.mark.slow
-def test_served_from_the_prefix_it_answers_as_from_the_store_and_a_tampered_tree_is_refused(bundle, engine, golden,
-                                                                                           tmp_path):
+def test_served_from_the_prefix_it_answers_as_from_the_store_and_a_tampered_tree_is_refused(
+    bundle, engine, golden, tmp_path
+):
     prefix = tmp_path / "prefix"
     assert run_installer(bundle, prefix).returncode == 0
     store_port, prefix_port = free_port(), free_port()
-    store = subprocess.run([sys.executable, "-m", "specpilot_build.cli", "serve", "--engine", engine.id, "--port",
-                            str(store_port)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    store = subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", "serve", "--engine", engine.id, "--port", str(store_port)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
     assert store.returncode == 0, store.stderr
     try:
         from_store = generate(store_port, golden)
     finally:
-        subprocess.run([sys.executable, "-m", "specpilot_build.cli", "stop", "--port", str(store_port)],
-                       capture_output=True, cwd=REPO_ROOT, timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "specpilot_build.cli", "stop", "--port", str(store_port)],
+            capture_output=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+        )
     served = specpilot_in(prefix, "serve", "--engine", engine.id[:12], "--port", str(prefix_port))
     assert served.returncode == 0, served.stderr
     try:
@@ -294,7 +338,7 @@ def test_served_from_the_prefix_it_answers_as_from_the_store_and_a_tampered_tree
         stopped = specpilot_in(prefix, "stop", "--port", str(prefix_port))
     assert stopped.returncode == 0 and "stopped engine" in stopped.stdout
     assert from_prefix == from_store and len(from_prefix) > 0
-    assert golden["prompt_ids"] + from_prefix == golden["sequence_ids"][:len(golden["prompt_ids"]) + len(from_prefix)]
+    assert golden["prompt_ids"] + from_prefix == golden["sequence_ids"][: len(golden["prompt_ids"]) + len(from_prefix)]
 
     target = prefix / "engines" / engine.id / "runtime" / "specpilot_runtime" / "server.py"
     target.chmod(target.stat().st_mode | stat.S_IWUSR)
@@ -314,8 +358,8 @@ def test_the_bundle_carries_the_pinned_benchmark_files_where_bench_looks_for_the
     assert len(members) == len(BENCHMARKS)
     prefix_data = tmp_path / "data"  # as install.py lays the prefix out; no mirror on the host
     for m in members:
-        (prefix_data / m.name[len("data/"):]).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(m.source, prefix_data / m.name[len("data/"):])
+        (prefix_data / m.name[len("data/") :]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(m.source, prefix_data / m.name[len("data/") :])
     monkeypatch.setenv("SPECPILOT_DATA", str(prefix_data))
     monkeypatch.setenv("SPECPILOT_MIRROR", "")
     import specpilot_build.measure.datasets as datasets
@@ -330,6 +374,7 @@ def test_the_bundle_carries_the_pinned_benchmark_files_where_bench_looks_for_the
 
 
 # --- measure on a host with only the installed bundle ----------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def measured_prefix(engine, tmp_path_factory) -> tuple[Path, Engine]:
@@ -347,9 +392,10 @@ def without_the_builder(folder: Path) -> dict:
     for name in ("specpilot_runtime", "hydra"):
         (folder / "blocked" / name).mkdir(parents=True)
         (folder / "blocked" / name / "__init__.py").write_text(
-            f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n")
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n"
+        )
     python = folder / "python"  # bin/specpilot sets PYTHONPATH itself: the folder goes on after it, here
-    python.write_text(f"#!/bin/sh\nPYTHONPATH=\"$PYTHONPATH:{folder / 'blocked'}\" exec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="$PYTHONPATH:{folder / "blocked"}" exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     return {**prefix_env(), "PYTHON": str(python)}
 
@@ -360,21 +406,38 @@ def test_without_the_builder_bench_and_verify_take_the_ar_engine_by_id(measured_
     env = without_the_builder(tmp_path)
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(prefix / "bin" / "specpilot"), *args], capture_output=True, text=True, env=env,
-                              cwd=tmp_path, timeout=300)
+        return subprocess.run(
+            [str(prefix / "bin" / "specpilot"), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=300,
+        )
 
     port = free_port()
-    bench = ("bench", "--engine", engine.id[:12], "--port", str(port), "--limit", "1", "--max-new-tokens", "24",
-             "--datasets", "gsm8k")
+    bench = (
+        "bench",
+        "--engine",
+        engine.id[:12],
+        "--port",
+        str(port),
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "24",
+        "--datasets",
+        "gsm8k",
+    )
     served = cli("serve", "--engine", engine.id[:12], "--port", str(port))
     assert served.returncode == 0, served.stderr
     try:
         pid = json.loads((prefix / "data" / "runs" / f"{port}.json").read_text())["pid"]
         child = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
         assert "blocked" not in child["PYTHONPATH"]  # the engine imports its runtime from its own tree
-        built = cli(*bench, "--name", "no_oracle")
-        named = cli(*bench, "--name", "final", "--oracle", ar.id)
-        wrong = cli(*bench, "--name", "wrong", "--oracle", engine.id)
+        built = cli(*bench, "--run", "no_oracle")
+        named = cli(*bench, "--run", "final", "--oracle", ar.id)
+        wrong = cli(*bench, "--run", "wrong", "--oracle", engine.id)
     finally:
         stopped = cli("stop", "--port", str(port))
     assert stopped.returncode == 0, stopped.stderr
@@ -407,10 +470,11 @@ def test_each_engine_file_is_packed_beside_the_same_file_of_the_other_engines(en
 
     ar = build_engine(EMBEDDED, "ar").engine
     names = [m.name for m in bundle_members([engine, ar])]
-    assert names == [m.name for m in bundle_members([ar, engine])]          # the engines' order does not matter
+    assert names == [m.name for m in bundle_members([ar, engine])]  # the engines' order does not matter
     trees = [n for n in names if n.startswith("engines/")]
     pairs = [(a, b) for a, b in zip(trees, trees[1:]) if a.split("/", 2)[2] == b.split("/", 2)[2]]
-    common = {n.split("/", 2)[2] for n in trees if n.startswith(f"engines/{ar.id}/")} & \
-             {n.split("/", 2)[2] for n in trees if n.startswith(f"engines/{engine.id}/")}
-    assert common and len(pairs) == len(common)     # every file both trees hold: the two copies side by side
+    common = {n.split("/", 2)[2] for n in trees if n.startswith(f"engines/{ar.id}/")} & {
+        n.split("/", 2)[2] for n in trees if n.startswith(f"engines/{engine.id}/")
+    }
+    assert common and len(pairs) == len(common)  # every file both trees hold: the two copies side by side
     assert len(names) == len(set(names))

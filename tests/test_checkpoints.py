@@ -3,6 +3,7 @@
 Everything runs against the real lock (lockfiles/checkpoints.toml), the real huggingface_hub client and
 transformers, and the stories260K files in ../shared/models/stories260K/llama2c as the offline mirror.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from specpilot_build.models.checkpoints import materialize, snapshot_dir
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.models.checkpoints import materialize, snapshot_dir
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, load_lock
 
 TINY = "karpathy/tinyllamas"
@@ -77,8 +78,12 @@ def test_mirror_gives_the_converted_model_that_reproduces_golden_greedy(stories,
     assert tokenizer(golden["prompt"])["input_ids"] == golden["prompt_ids"]
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([golden["prompt_ids"]]), max_length=len(golden["sequence_ids"]),
-                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            torch.tensor([golden["prompt_ids"]]),
+            max_length=len(golden["sequence_ids"]),
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
     assert out[0].tolist() == golden["sequence_ids"]
 
 
@@ -141,7 +146,8 @@ def test_a_flipped_byte_in_the_mirror_is_refused_and_nothing_stays(hub, tiny_pin
     assert not [p for p in left if "stories260K.bin" in p.name or "incomplete" in p.name or bad_sha in p.name]
     assert all(_sha256(p) in {f.sha256 for f in tiny_pin.files} for p in left if p.is_file())
     assert not (Path(os.environ["SPECPILOT_DATA"]) / "converted").exists() or not any(
-        (Path(os.environ["SPECPILOT_DATA"]) / "converted").rglob("*.safetensors"))
+        (Path(os.environ["SPECPILOT_DATA"]) / "converted").rglob("*.safetensors")
+    )
 
 
 def test_a_corrupt_cache_entry_is_replaced_from_the_mirror(hub, tiny_pin, llama2c_dir):
@@ -164,8 +170,9 @@ def test_a_changed_converted_file_is_rebuilt(stories, tiny_pin, llama2c_dir):
 
 
 def test_a_pinned_file_missing_offline_is_one_line(hub, tmp_path):
-    pin = CheckpointPin(repo="someone/model", revision="a" * 40,
-                        files=(PinnedFile(path="model.safetensors", size=10, sha256="b" * 64),))
+    pin = CheckpointPin(
+        repo="someone/model", revision="a" * 40, files=(PinnedFile(path="model.safetensors", size=10, sha256="b" * 64),)
+    )
     with pytest.raises(SpecPilotError) as err:
         materialize("someone/model", pin, mirror=tmp_path)
     message = str(err.value)
@@ -184,8 +191,8 @@ def _pins_md(shared: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned(shared):
-    from specpilot_build.models.checkpoints import checkpoint_requests
     from specpilot_build.config.compose import compose_setting, list_settings
+    from specpilot_build.models.checkpoints import checkpoint_requests
 
     pins, known = load_lock(REPO_ROOT / "lockfiles").checkpoints, _pins_md(shared)
     pinned_gpu_settings = []
@@ -194,7 +201,7 @@ def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned(sha
             if req.repo in known:
                 assert pins[req.repo].revision == known[req.repo], (setting, req.repo)
                 pinned_gpu_settings.append(setting) if not setting.startswith("cpu") else None
-            elif req.repo.startswith("specpilot-synthetic/"):   # written by SpecPilot itself: no hub revision
+            elif req.repo.startswith("specpilot-synthetic/"):  # written by SpecPilot itself: no hub revision
                 assert pins[req.repo].files == () and pins[req.repo].converted, (setting, req.repo)
             else:
                 assert req.repo not in pins, f"{setting}: {req.repo} is pinned but not in pins.md"
@@ -208,7 +215,9 @@ def test_make_models_for_the_embedded_default(hub, tiny_pin, capsys, llama2c_dir
     (line,) = capsys.readouterr().out.strip().splitlines()
     model_dir = Path(line.split()[-1])
     assert line.startswith(f"model    {TINY}@{tiny_pin.revision[:12]}")
-    assert _sha256(model_dir / "model.safetensors") == {f.path: f.sha256 for f in tiny_pin.converted}["model.safetensors"]
+    assert (
+        _sha256(model_dir / "model.safetensors") == {f.path: f.sha256 for f in tiny_pin.converted}["model.safetensors"]
+    )
 
 
 @pytest.mark.parametrize("setting", ["h100_c1_qwen3-8b_eagle3", "h200_c1_qwen3-8b_dflash"])
@@ -216,19 +225,29 @@ def test_make_models_for_a_real_gpu_pin_fails_offline_with_one_line(tmp_path, se
     """The CLI in its own process: HF_HUB_OFFLINE=1, an empty cache, the default mirror (../shared)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "SPECPILOT_", "TRANSFORMERS_"))}
     env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), SPECPILOT_DATA=str(tmp_path / "data"))
-    done = subprocess.run([sys.executable, "-m", "specpilot_build.cli", "models", "--setting", setting],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", "models", "--setting", setting],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert lines[0].startswith("error: Qwen/Qwen3-8B@b968826d9c46dd6066d109eabc6255188de91218") and "offline" in lines[0]
+    assert (
+        lines[0].startswith("error: Qwen/Qwen3-8B@b968826d9c46dd6066d109eabc6255188de91218") and "offline" in lines[0]
+    )
     assert f"SETTING={setting}" in lines[0]
     assert not [p for p in (tmp_path / "hub").rglob("*") if p.is_file()]
 
 
 def test_a_conversion_that_differs_from_the_lock_is_refused_and_not_kept(hub, tiny_pin, llama2c_dir):
-    wrong = tuple(PinnedFile(path=f.path, size=f.size, sha256="0" * 64) if f.path == "tokenizer.json" else f
-                  for f in tiny_pin.converted)
+    wrong = tuple(
+        PinnedFile(path=f.path, size=f.size, sha256="0" * 64) if f.path == "tokenizer.json" else f
+        for f in tiny_pin.converted
+    )
     pin = CheckpointPin(repo=TINY, revision=tiny_pin.revision, files=tiny_pin.files, converted=wrong)
     with pytest.raises(SpecPilotError, match="converted tokenizer.json differs from the lock"):
         materialize(TINY, pin, source_format="llama2c", mirror=llama2c_dir)

@@ -1,4 +1,5 @@
 """The command line: one parser home, no tracebacks, output that a pipe or a file receives whole."""
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,15 @@ VERBS = ("engine", "sweep", "lock", "models", "serve", "stop", "bench", "compare
 
 
 def cli(*args, stdout=subprocess.PIPE, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], stdout=stdout,
-                          stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_help_lists_every_verb_with_a_line_each():
@@ -40,8 +47,14 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     a = build_engine("cpu_c1_stories260k_ngram", "ar").engine
     b = build_engine("cpu_c1_stories260k_ngram", "final").engine
     # `specpilot diff A B | head -1`: the reader leaves after one line
-    proc = subprocess.run(f"{sys.executable} -m specpilot_build.cli diff --files {a.id} {b.id} | head -c 1",
-                          shell=True, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    proc = subprocess.run(
+        f"{sys.executable} -m specpilot_build.cli diff --files {a.id} {b.id} | head -c 1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
 
 
@@ -76,8 +89,10 @@ def test_a_launcher_without_its_extra_names_the_extra():
 
 
 def test_a_wrong_group_option_lists_the_valid_ones_without_internal_schema_names():
-    for override, group, valid in (("hardware=h101", "hardware", ("cpu", "h100", "h200", "rtx-pro-6000")),
-                                   ("arm=fianl", "arm", ("ar", "stock", "final"))):
+    for override, group, valid in (
+        ("hardware=h101", "hardware", ("cpu", "h100", "h200", "rtx-pro-6000")),
+        ("arm=fianl", "arm", ("ar", "stock", "final")),
+    ):
         out = cli("engine", "build", override)
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) <= 2
@@ -108,11 +123,17 @@ def test_bench_takes_its_oracle_by_id_where_no_builder_runs(session_data):
     other_ar = build_engine("cpu_c16_stories260k_ngram", "ar").engine
     assert _oracle_of(final, ar.id[:12]).id == ar.id
     assert _oracle_of(ar).id == ar.id
-    with pytest.raises(SpecPilotError, match=r"is cpu_c1_stories260k_ngram/final, not the ar arm of "
-                                             r"cpu_c1_stories260k_ngram"):
+    with pytest.raises(
+        SpecPilotError,
+        match=r"is cpu_c1_stories260k_ngram/final, not the ar arm of "
+        r"cpu_c1_stories260k_ngram",
+    ):
         _oracle_of(final, final.id)
-    with pytest.raises(SpecPilotError, match=r"is cpu_c16_stories260k_ngram/ar, not the ar arm of "
-                                             r"cpu_c1_stories260k_ngram"):
+    with pytest.raises(
+        SpecPilotError,
+        match=r"is cpu_c16_stories260k_ngram/ar, not the ar arm of "
+        r"cpu_c1_stories260k_ngram",
+    ):
         _oracle_of(final, other_ar.id)
     with pytest.raises(SpecPilotError, match=r"is an ar arm: it is its own oracle"):
         _oracle_of(ar, final.id)

@@ -1,4 +1,5 @@
 """compare: paired bootstrap CIs on synthetic timings with a known ratio, identity, and refusals."""
+
 import json
 
 import numpy as np
@@ -15,11 +16,18 @@ PIN = {"repo": "karpathy/tinyllamas", "revision": "0bd21da7698eaf29a0d7de3992de8
 
 def synthetic_manifest(arm, pin=PIN, dtype="float32", setting="syn_setting"):
     """The parts of an engine manifest compare reads: arm, drafter, target pin, dtype, hardware, setting."""
-    return {"setting": setting, "arm": arm, "files": [],
-            "config": {"arm": {"name": arm, "uses_drafter": arm != "ar"},
-                       "drafter": {"algorithm": "none" if arm == "ar" else "ngram"},
-                       "model": {"dtype": dtype, "quantization": None}, "hardware": {"name": "cpu"}},
-            "inputs": {"checkpoints": {"model": dict(pin)}}}
+    return {
+        "setting": setting,
+        "arm": arm,
+        "files": [],
+        "config": {
+            "arm": {"name": arm, "uses_drafter": arm != "ar"},
+            "drafter": {"algorithm": "none" if arm == "ar" else "ngram"},
+            "model": {"dtype": dtype, "quantization": None},
+            "hardware": {"name": "cpu"},
+        },
+        "inputs": {"checkpoints": {"model": dict(pin)}},
+    }
 
 
 def synthetic_run(arm, rng, n=60, slowdown=1.0, datasets=("gsm8k", "mbpp"), concurrency=1, pin=PIN):
@@ -32,27 +40,50 @@ def synthetic_run(arm, rng, n=60, slowdown=1.0, datasets=("gsm8k", "mbpp"), conc
         noise = rng.lognormal(-0.02, 0.2, n)  # mean-one multiplicative noise (mean of lognormal = 1)
         latency = tokens * tpt * slowdown * noise
         for i in range(n):
-            requests.append({"dataset": dataset, "item_id": str(i), "prompt_digest": prompt_digest([1, i]),
-                             "prompt_ids": [1, i], "output_ids": list(range(int(tokens[i]))),
-                             "completion_tokens": int(tokens[i]), "latency_s": float(latency[i]),
-                             "accept_length": None if arm == "ar" else 2.0, "finish_reason": "length"})
-        per_dataset[dataset] = {"completion_tokens": int(tokens.sum()),
-                                "wall_s": float(latency.sum()) / concurrency}
+            requests.append(
+                {
+                    "dataset": dataset,
+                    "item_id": str(i),
+                    "prompt_digest": prompt_digest([1, i]),
+                    "prompt_ids": [1, i],
+                    "output_ids": list(range(int(tokens[i]))),
+                    "completion_tokens": int(tokens[i]),
+                    "latency_s": float(latency[i]),
+                    "accept_length": None if arm == "ar" else 2.0,
+                    "finish_reason": "length",
+                }
+            )
+        per_dataset[dataset] = {"completion_tokens": int(tokens.sum()), "wall_s": float(latency.sum()) / concurrency}
     manifest = synthetic_manifest(arm, pin)
     engine_id = manifest_digest(manifest)
-    return {"schema": SCHEMA, "name": f"syn-{arm}", "engine_id": engine_id, "manifest_digest": f"blake3:{engine_id}",
-            "engine_manifest": manifest, "server_info": {"engine_id": engine_id}, "setting": manifest["setting"],
-            "arm": arm, "date_utc": "2026-11-29",
-            "target_pin": pin, "max_new_tokens": 512, "concurrency": concurrency, "requests": requests,
-            "prompts_digest": prompts_digest(requests), "per_dataset": per_dataset}
+    return {
+        "schema": SCHEMA,
+        "name": f"syn-{arm}",
+        "engine_id": engine_id,
+        "manifest_digest": f"blake3:{engine_id}",
+        "engine_manifest": manifest,
+        "server_info": {"engine_id": engine_id},
+        "setting": manifest["setting"],
+        "arm": arm,
+        "date_utc": "2026-11-29",
+        "target_pin": pin,
+        "max_new_tokens": 512,
+        "concurrency": concurrency,
+        "requests": requests,
+        "prompts_digest": prompts_digest(requests),
+        "per_dataset": per_dataset,
+    }
 
 
 def test_bootstrap_ci_covers_a_known_ratio_in_most_trials():
     covered, widths = 0, []
     for trial in range(40):
         rng = np.random.default_rng(1000 + trial)
-        runs = {"ar": synthetic_run("ar", rng), "stock": synthetic_run("stock", rng, slowdown=1 / 1.5),
-                "final": synthetic_run("final", rng, slowdown=1 / 2.0)}
+        runs = {
+            "ar": synthetic_run("ar", rng),
+            "stock": synthetic_run("stock", rng, slowdown=1 / 1.5),
+            "final": synthetic_run("final", rng, slowdown=1 / 2.0),
+        }
         s = cmp.speed_report(runs)["speedups"]["final/ar"]["overall"]
         covered += s["ci95"][0] <= 2.0 <= s["ci95"][1]
         widths.append(s["ci95"][1] - s["ci95"][0])
@@ -62,8 +93,11 @@ def test_bootstrap_ci_covers_a_known_ratio_in_most_trials():
 
 def test_ci_brackets_the_point_and_excludes_a_wrong_ratio():
     rng = np.random.default_rng(3)
-    runs = {"ar": synthetic_run("ar", rng, n=200), "stock": synthetic_run("stock", rng, n=200, slowdown=1 / 1.5),
-            "final": synthetic_run("final", rng, n=200, slowdown=1 / 2.0)}
+    runs = {
+        "ar": synthetic_run("ar", rng, n=200),
+        "stock": synthetic_run("stock", rng, n=200, slowdown=1 / 1.5),
+        "final": synthetic_run("final", rng, n=200, slowdown=1 / 2.0),
+    }
     report = cmp.speed_report(runs)
     for pair, truth in (("final/ar", 2.0), ("stock/ar", 1.5), ("final/stock", 2.0 / 1.5)):
         for dataset in ("gsm8k", "mbpp", "overall"):
@@ -74,8 +108,10 @@ def test_ci_brackets_the_point_and_excludes_a_wrong_ratio():
 
 def test_c16_uses_throughput_for_the_point_estimate():
     rng = np.random.default_rng(4)
-    runs = {arm: synthetic_run(arm, rng, concurrency=16, slowdown=f) for arm, f in
-            (("ar", 1.0), ("stock", 1.0), ("final", 1.0))}
+    runs = {
+        arm: synthetic_run(arm, rng, concurrency=16, slowdown=f)
+        for arm, f in (("ar", 1.0), ("stock", 1.0), ("final", 1.0))
+    }
     runs["final"]["per_dataset"]["gsm8k"]["wall_s"] = runs["ar"]["per_dataset"]["gsm8k"]["wall_s"] / 3
     s = cmp.speed_report(runs)["speedups"]["final/ar"]["gsm8k"]
     assert s["speedup"] == pytest.approx(3.0)

@@ -1,4 +1,5 @@
 """Every setting × arm composes and validates; bad configs fail at compose time naming the key."""
+
 from __future__ import annotations
 
 import shutil
@@ -10,9 +11,14 @@ from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import conf_dir
 
-SEED = ["h100_c1_qwen38-27b_dflash2", "h100_c1_qwen38-27b_dspark", "h100_c16_qwen38-27b-fp8_dflash2",
-        "h100_c16_qwen38-27b-fp8_dspark", "rtx-pro-6000_c1_muse-glimmer-30b_dflash2",
-        "rtx-pro-6000_c16_qwen38-27b-fp8_dflash2"]
+SEED = [
+    "h100_c1_qwen38-27b_dflash2",
+    "h100_c1_qwen38-27b_dspark",
+    "h100_c16_qwen38-27b-fp8_dflash2",
+    "h100_c16_qwen38-27b-fp8_dspark",
+    "rtx-pro-6000_c1_muse-glimmer-30b_dflash2",
+    "rtx-pro-6000_c16_qwen38-27b-fp8_dflash2",
+]
 
 
 def test_the_seed_deployments_and_the_embedded_default_are_defined():
@@ -55,11 +61,14 @@ def test_final_mechanisms_are_named_and_change_only_the_final_arm():
     assert final["drafter"]["num_draft_tokens"] == 10
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["model.bogus=1"], ["model.bogus"]),
-    (["batching.concurrency=abc"], ["batching.concurrency", "abc"]),
-    (["hardware=tpu"], ["hardware/tpu"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["model.bogus=1"], ["model.bogus"]),
+        (["batching.concurrency=abc"], ["batching.concurrency", "abc"]),
+        (["hardware=tpu"], ["hardware/tpu"]),
+    ],
+)
 def test_bad_overrides_fail_naming_the_key(overrides, words):
     with pytest.raises(SpecPilotError) as err:
         compose_setting("h100_c1_qwen3-8b_dflash", "stock", overrides)
@@ -74,13 +83,17 @@ def test_unknown_setting_and_arm():
         compose_setting("cpu_c1_stories260k_ngram", "fast")
 
 
-@pytest.mark.parametrize("old, new, words", [
-    ("memory_gib: 80", "memory_gib: 80\nspeed: 3", ["speed", "Hardware", "hardware/h100"]),
-    ("memory_gib: 80", "memory_gib: lots", ["memory_gib", "lots"]),
-    ("memory_gib: 80", "memory_gib: [80", ["hardware/h100.yaml"]),
-])
-def test_a_group_file_with_an_unknown_key_or_wrong_type_fails_naming_file_and_key(tmp_path, monkeypatch, old, new,
-                                                                                   words):
+@pytest.mark.parametrize(
+    "old, new, words",
+    [
+        ("memory_gib: 80", "memory_gib: 80\nspeed: 3", ["speed", "Hardware", "hardware/h100"]),
+        ("memory_gib: 80", "memory_gib: lots", ["memory_gib", "lots"]),
+        ("memory_gib: 80", "memory_gib: [80", ["hardware/h100.yaml"]),
+    ],
+)
+def test_a_group_file_with_an_unknown_key_or_wrong_type_fails_naming_file_and_key(
+    tmp_path, monkeypatch, old, new, words
+):
     conf = tmp_path / "conf"
     shutil.copytree(conf_dir(), conf)
     path = conf / "hardware" / "h100.yaml"

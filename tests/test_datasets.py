@@ -1,4 +1,5 @@
 """Pinned benchmark files: mirror, cache, download from a loopback server, hash refusal, the dev split."""
+
 import functools
 import hashlib
 import http.server
@@ -7,8 +8,8 @@ import threading
 
 import pytest
 
-from specpilot_build.measure import datasets
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.measure import datasets
 
 
 @pytest.fixture
@@ -18,8 +19,9 @@ def mirror(monkeypatch, tmp_path, shared):
     monkeypatch.delenv("SPECPILOT_LOCKFILES", raising=False)
 
 
-@pytest.mark.parametrize("name,rows", [("gsm8k", 1319), ("humaneval", 164), ("math500", 500),
-                                       ("mbpp", 500), ("mt-bench", 80)])
+@pytest.mark.parametrize(
+    "name,rows", [("gsm8k", 1319), ("humaneval", 164), ("math500", 500), ("mbpp", 500), ("mt-bench", 80)]
+)
 def test_full_split_sizes_match_the_upstream_row_counts(mirror, name, rows):
     items = datasets.load_split(name)
     assert len(items) == rows
@@ -82,7 +84,8 @@ def _test_lock(tmp_path, url, sha256):
     locks = tmp_path / "locks"
     locks.mkdir()
     (locks / "datasets.toml").write_text(
-        f'[mt-bench]\nfile = "mt-bench/question.jsonl"\nurl = "{url}"\nsha256 = "{sha256}"\n')
+        f'[mt-bench]\nfile = "mt-bench/question.jsonl"\nurl = "{url}"\nsha256 = "{sha256}"\n'
+    )
     return locks
 
 
@@ -90,8 +93,9 @@ def test_download_from_the_pinned_url_fills_the_cache(monkeypatch, tmp_path, loo
     root, base = loopback_server
     content = (shared / "datasets/mt-bench/question.jsonl").read_bytes()
     (root / "q.jsonl").write_bytes(content)
-    monkeypatch.setenv("SPECPILOT_LOCKFILES", str(_test_lock(tmp_path, f"{base}/q.jsonl",
-                                                              hashlib.sha256(content).hexdigest())))
+    monkeypatch.setenv(
+        "SPECPILOT_LOCKFILES", str(_test_lock(tmp_path, f"{base}/q.jsonl", hashlib.sha256(content).hexdigest()))
+    )
     monkeypatch.setenv("SPECPILOT_MIRROR", "")
     monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
     items = datasets.load_split("mt-bench")

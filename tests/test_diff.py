@@ -1,4 +1,5 @@
 """`specpilot diff A B`: the auditor's answer to "why did the hash change", from two real SGLang engines."""
+
 from __future__ import annotations
 
 import json
@@ -45,23 +46,30 @@ def test_stock_vs_final_names_exactly_the_overlays_and_arguments_that_differ(sto
         assert added["hunks"] and all(h.startswith("patches/") for h in added["hunks"])
     stock_args = json.loads((stock.path / "launch.json").read_bytes())["argv"]
     tuned = {f"--{k}": str(v) for m in mechanisms for k, v in m.get("launch_args", {}).items()}
-    tuned.update({"--quantization": m["model"]["quantization"] for m in mechanisms
-                  if m.get("model", {}).get("quantization")})
-    expected = {flag: (stock_args[stock_args.index(flag) + 1] if flag in stock_args else "(absent)", value)
-                for flag, value in tuned.items()}
+    for m in mechanisms:  # a later mechanism's quantization wins, as the arm applies them in order
+        if m.get("model", {}).get("quantization"):
+            tuned["--quantization"] = m["model"]["quantization"]
+    expected = {
+        flag: (stock_args[stock_args.index(flag) + 1] if flag in stock_args else "(absent)", value)
+        for flag, value in tuned.items()
+    }
     args = {c["key"]: (c["old"], c["new"]) for c in report["launch"] if c["key"].startswith("--")}
     assert args == {flag: change for flag, change in expected.items() if change[0] != change[1]} and args
     modified = {f["path"] for f in report["files"]["modified"]}
     touched = {f for o in report["overlays"] for f in o["files"]}
     assert {"config.json", "launch.json"} <= modified
-    changed_python = {f["path"] for k in ("added", "modified", "removed") for f in report["files"][k]
-                      if f["path"].startswith("python/")}
+    changed_python = {
+        f["path"]
+        for k in ("added", "modified", "removed")
+        for f in report["files"][k]
+        if f["path"].startswith("python/")
+    }
     assert changed_python == touched
 
     code, text, _ = run(capsys, stock.id[:10], final.id[:10])
     lines = text.splitlines()
     assert code == 1 and lines[2] == "why the id differs:"
-    why = "\n".join(lines[3:lines.index("")])
+    why = "\n".join(lines[3 : lines.index("")])
     assert all(f"overlay added: {name}" in why for name in overlays)
     assert all(f"{flag} {old} → {new}" in why for flag, (old, new) in args.items())
 
@@ -95,7 +103,7 @@ def test_files_shows_unified_diffs_of_changed_text_files(store, capsys):
     code, text, _ = run(capsys, stock.id, final.id, "--files")
     assert code == 1
     assert "--- a/python/sglang/srt/layers/quantization/__init__.py" in text  # the w12 mechanism's patch
-    assert '+from sglang.srt.layers.quantization.w12 import W12Config' in text
+    assert "+from sglang.srt.layers.quantization.w12 import W12Config" in text
     assert '-  "name": "stock",' in text and '+  "name": "final",' in text  # config.json, indented
 
 

@@ -2,6 +2,7 @@
 resolver against a host profile (what the host has at a satisfying version does not travel), the lock's own and
 its profile's digests checked on load, native prune rules, and install_environment refusing a wheel that is not
 what the lock pins."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,29 +12,40 @@ from pathlib import Path
 
 import pytest
 
+from specpilot_build.assemble.inputs import resolve_inputs
+from specpilot_build.config.compose import compose_setting
+from specpilot_build.config.effective import effective_config
+from specpilot_build.errors import ConfigError, PinError
 from specpilot_build.hosts.install import (
     install_environment,
     native_rules,
     select_distributions,
 )
-from specpilot_build.assemble.inputs import resolve_inputs
-from specpilot_build.config.compose import compose_setting
-from specpilot_build.config.effective import effective_config
-from specpilot_build.errors import ConfigError, PinError
-from specpilot_build.hosts.profiles import digest_of, lock_body, load_env_lock, load_host_profile
+from specpilot_build.hosts.profiles import digest_of, load_env_lock, load_host_profile, lock_body
 from specpilot_build.hosts.resolve import resolve_env_lock, to_toml, write_env_lock, write_host_profile
-from specpilot_build.pins.lockfile import WheelPin, load_lock
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.pins.lockfile import WheelPin, load_lock
 
 LOCKS = REPO_ROOT / "lockfiles"
 PADDED = "h200_c1_stories260k-padded_ngram"
 OLD = ["runtime=sglang-0.5.17"]
-KERNEL_FILES = ["sgl_kernel/__init__.py", "sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm90/common_ops.abi3.so",
-                "sgl_kernel/sm100/common_ops.abi3.so", "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so",
-                "sgl_kernel/infllm_v2/__init__.py", "sgl_kernel/infllm_v2/attention.py",
-                "sgl_kernel/flashmla_ops.abi3.so", "sglang_kernel-0.4.5.dist-info/METADATA"]
-DROPPED_BY_RULES = {"sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/common_ops.abi3.so",
-                    "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so", "sgl_kernel/flashmla_ops.abi3.so"}
+KERNEL_FILES = [
+    "sgl_kernel/__init__.py",
+    "sgl_kernel/flash_ops.abi3.so",
+    "sgl_kernel/sm90/common_ops.abi3.so",
+    "sgl_kernel/sm100/common_ops.abi3.so",
+    "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so",
+    "sgl_kernel/infllm_v2/__init__.py",
+    "sgl_kernel/infllm_v2/attention.py",
+    "sgl_kernel/flashmla_ops.abi3.so",
+    "sglang_kernel-0.4.5.dist-info/METADATA",
+]
+DROPPED_BY_RULES = {
+    "sgl_kernel/flash_ops.abi3.so",
+    "sgl_kernel/sm100/common_ops.abi3.so",
+    "sgl_kernel/infllm_ops.cpython-310-x86_64-linux-gnu.so",
+    "sgl_kernel/flashmla_ops.abi3.so",
+}
 
 
 def _profile(directory: Path, packages: dict[str, str]) -> None:
@@ -47,6 +59,7 @@ def _padded_cfg() -> dict:
 
 
 # --- resolution against a host profile (real pip, real PyPI, a small package) ---------------------------------
+
 
 @pytest.mark.slow
 def test_what_the_host_has_does_not_travel_and_a_too_old_copy_does(tmp_path):
@@ -70,6 +83,7 @@ def test_what_the_host_has_does_not_travel_and_a_too_old_copy_does(tmp_path):
 
 
 # --- loading: shape, own digest, profile digest ---------------------------------------------------------------
+
 
 @pytest.fixture
 def lock_copy(tmp_path) -> Path:
@@ -95,10 +109,13 @@ def test_a_tampered_entry_is_refused(lock_copy):
     text = path.read_text()
     sha = "fb4cba478a5dca5ee146550b39f33add1c4e475d21ee11810b86ed1c58068093"
     path.write_text(text.replace(sha, "0" * 64))
-    with pytest.raises(PinError, match=r"sglang-0.5.17@h200.toml: its entries do not hash to its digest .*"
-                                       r"`make env-lock RUNTIME=sglang-0.5.17 HOST=h200`"):
+    with pytest.raises(
+        PinError,
+        match=r"sglang-0.5.17@h200.toml: its entries do not hash to its digest .*"
+        r"`make env-lock RUNTIME=sglang-0.5.17 HOST=h200`",
+    ):
         load_env_lock("sglang-0.5.17", "h200", lock_copy)
-    path.write_text(text.replace('size = ', 'size = -', 1))
+    path.write_text(text.replace("size = ", "size = -", 1))
     with pytest.raises(PinError, match="size must be a positive integer"):
         load_env_lock("sglang-0.5.17", "h200", lock_copy)
 
@@ -106,8 +123,11 @@ def test_a_tampered_entry_is_refused(lock_copy):
 def test_a_lock_resolved_against_another_profile_is_stale(lock_copy):
     profile = lock_copy / "hosts" / "h200.toml"
     profile.write_text(profile.read_text().replace('"numpy" = "2.5.2"', '"numpy" = "2.3.5"'))
-    with pytest.raises(PinError, match=r"was resolved against host profile blake3:.*\(stale lock\); run "
-                                       r"`make env-lock RUNTIME=sglang-0.5.17 HOST=h200`"):
+    with pytest.raises(
+        PinError,
+        match=r"was resolved against host profile blake3:.*\(stale lock\); run "
+        r"`make env-lock RUNTIME=sglang-0.5.17 HOST=h200`",
+    ):
         load_env_lock("sglang-0.5.17", "h200", lock_copy)
     # comments do not move a profile's digest
     profile = lock_copy / "hosts" / "h200.toml"
@@ -120,16 +140,23 @@ def test_the_manifest_records_the_environment_and_cpu_engines_have_none():
     inputs = resolve_inputs(compose_setting(PADDED, "final", OLD), load_lock(LOCKS))
     env = inputs.record()["environment"]
     lock = load_env_lock("sglang-0.5.17", "h200", LOCKS)
-    assert (env["host"], env["lock"], env["digest"], env["profile_digest"]) == \
-        ("h200", "envs/sglang-0.5.17@h200.toml", lock.digest, lock.profile_digest)
-    assert "FlashAttention-3 kernels (sgl_kernel/flash_ops, 1.1 GB), loaded only by the fa3 attention backend" \
+    assert (env["host"], env["lock"], env["digest"], env["profile_digest"]) == (
+        "h200",
+        "envs/sglang-0.5.17@h200.toml",
+        lock.digest,
+        lock.profile_digest,
+    )
+    assert (
+        "FlashAttention-3 kernels (sgl_kernel/flash_ops, 1.1 GB), loaded only by the fa3 attention backend"
         in env["native_prune"]
+    )
     assert "host" not in inputs.config["hardware"]
     cpu = resolve_inputs(compose_setting("cpu_c1_stories260k_ngram", "final"), load_lock(LOCKS))
     assert "environment" not in cpu.record() and "host" not in cpu.config["hardware"]
 
 
 # --- native prune rules ----------------------------------------------------------------------------------------
+
 
 def test_distribution_rules_drop_the_lazy_packages_and_what_only_they_need():
     lock = load_env_lock("sglang-0.5.17", "h200", LOCKS)
@@ -141,8 +168,9 @@ def test_distribution_rules_drop_the_lazy_packages_and_what_only_they_need():
     assert dropped["nvidia-cutlass-dsl-libs-cu12"] == "needed only by dropped distributions"
     assert not names & {"nvidia-cutlass-dsl", "tilelang", "datasets", "pyarrow"}
     # with FA3 attention the rule does not apply: the lazy packages are kept
-    fa3 = dict(cfg, runtime=dict(cfg["runtime"], launch_args={**cfg["runtime"]["launch_args"],
-                                                              "attention-backend": "fa3"}))
+    fa3 = dict(
+        cfg, runtime=dict(cfg["runtime"], launch_args={**cfg["runtime"]["launch_args"], "attention-backend": "fa3"})
+    )
     kept_fa3, _ = select_distributions(lock, native_rules(fa3), fa3)
     assert "flash-attn-4" in {w.name for w in kept_fa3}
 
@@ -163,15 +191,30 @@ def _kernel_lock(tmp_path: Path, data_dir: Path, tamper: bool = False):
         for name in KERNEL_FILES:
             zf.writestr(name, f"contents of {name}\n" * 10)
     data = wheel.read_bytes()
-    entry = {"name": "sglang-kernel", "version": "0.4.5", "filename": filename, "requires": [],
-             "url": f"https://example.invalid/{filename}", "sha256": hashlib.sha256(data).hexdigest(),
-             "size": len(data)}
+    entry = {
+        "name": "sglang-kernel",
+        "version": "0.4.5",
+        "filename": filename,
+        "requires": [],
+        "url": f"https://example.invalid/{filename}",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+    }
     if tamper:  # the cached wheel differs from what the lock pins (one byte)
         wheel.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     _profile(tmp_path, {"torch": "2.11.0+cu130"})
     profile = load_host_profile("testhost", tmp_path)
-    body = lock_body("sglang-0.5.17", "testhost", profile.digest, profile.python, profile.platforms, 13,
-                     ["sglang-kernel==0.4.5"], {}, [entry])
+    body = lock_body(
+        "sglang-0.5.17",
+        "testhost",
+        profile.digest,
+        profile.python,
+        profile.platforms,
+        13,
+        ["sglang-kernel==0.4.5"],
+        {},
+        [entry],
+    )
     (tmp_path / "envs").mkdir()
     (tmp_path / "envs" / "sglang-0.5.17@testhost.toml").write_text(to_toml(dict(body, digest=digest_of(body))))
     return load_env_lock("sglang-0.5.17", "testhost", tmp_path)
@@ -200,8 +243,11 @@ def test_install_refuses_a_wheel_whose_sha256_differs(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPILOT_MIRROR", "")
     lock = _kernel_lock(tmp_path, tmp_path / "data", tamper=True)
     cfg = _padded_cfg()
-    with pytest.raises(PinError, match=r"wheel sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl: sha256 "
-                                       r"[0-9a-f]{16}… \(\d+ bytes\) does not match the lock's [0-9a-f]{16}…"):
+    with pytest.raises(
+        PinError,
+        match=r"wheel sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl: sha256 "
+        r"[0-9a-f]{16}… \(\d+ bytes\) does not match the lock's [0-9a-f]{16}…",
+    ):
         install_environment(lock, [], cfg, tmp_path / "prefix")
     assert not (tmp_path / "prefix").exists()
 

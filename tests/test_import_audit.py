@@ -1,6 +1,7 @@
 """The import audit (serve/audit.py, benchmarks/import_audit.py) on a real served engine: with
 SPECPILOT_IMPORT_AUDIT set, the server process (not serve's) logs the files it imports, and the comparison with
 the engine's manifest counts imported-and-kept, imported-but-pruned and kept-but-never-imported correctly."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,8 @@ import sys
 
 import httpx
 import pytest
-
 from reference_runtime_helpers import free_port
+
 from specpilot_build.assemble.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
@@ -31,8 +32,11 @@ def served_log(tmp_path_factory, session_data, golden):
     try:
         serve(engine, port, quiet=True)
         pid = read_record(port)["pid"]
-        reply = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60, json={
-            "input_ids": golden["prompt_ids"], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/generate",
+            timeout=60,
+            json={"input_ids": golden["prompt_ids"], "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        )
         assert reply.status_code == 200
     finally:
         stop(port)
@@ -56,7 +60,7 @@ def test_the_served_process_logs_the_engine_files_it_imports(served_log):
 def test_the_comparison_counts_kept_pruned_and_never_imported(served_log, tmp_path):
     engine, log, _ = served_log
     manifest = [f["path"] for f in engine.manifest["files"]]
-    kept = {p[len("runtime/"):] for p in manifest if p.startswith("runtime/specpilot_runtime/")}
+    kept = {p[len("runtime/") :] for p in manifest if p.startswith("runtime/specpilot_runtime/")}
     imported = {package_path(line.split("\t")[2], "specpilot_runtime") for line in log.read_text().splitlines()}
     imported.discard(None)
     audit = compare_imports(log, manifest, "specpilot_runtime")
@@ -70,8 +74,12 @@ def test_the_comparison_counts_kept_pruned_and_never_imported(served_log, tmp_pa
     pruned = compare_imports(log, [p for p in manifest if p != dropped], "specpilot_runtime")
     assert pruned.imported_pruned == ("specpilot_runtime/model.py",)
     assert len(pruned.imported_kept) == len(audit.imported_kept) - 1
-    script = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks/import_audit.py"), engine.id, str(log)],
-                            capture_output=True, text=True, timeout=120)
+    script = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks/import_audit.py"), engine.id, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert script.returncode == 0, script.stderr
     assert "imported and kept  " in script.stdout
     assert [ln.split()[-1] for ln in script.stdout.splitlines() if ln.startswith("imported and pruned")] == ["0"]
@@ -100,9 +108,11 @@ def test_another_distributions_subpackage_of_the_same_name_is_not_counted(tmp_pa
     """Seen on the H200: smg_grpc_servicer ships smg_grpc_servicer/sglang/zmq_plugin.py; judged by its path alone it
     read as SGLang's own sglang/zmq_plugin.py, 'imported but pruned'. Membership is by module name."""
     log = tmp_path / "imports.log"
-    log.write_text("7\tsglang.srt.utils\t/p/engine/python/sglang/srt/utils.py\n"
-                   "7\tsmg_grpc_servicer.sglang.zmq_plugin\t/p/env/smg_grpc_servicer/sglang/zmq_plugin.py\n"
-                   "7\tsglang\t/p/engine/python/sglang/__init__.py\n")
+    log.write_text(
+        "7\tsglang.srt.utils\t/p/engine/python/sglang/srt/utils.py\n"
+        "7\tsmg_grpc_servicer.sglang.zmq_plugin\t/p/env/smg_grpc_servicer/sglang/zmq_plugin.py\n"
+        "7\tsglang\t/p/engine/python/sglang/__init__.py\n"
+    )
     audit = compare_imports(log, ["python/sglang/__init__.py", "python/sglang/srt/utils.py"], "sglang")
     assert audit.imported == ("sglang/__init__.py", "sglang/srt/utils.py")
     assert audit.imported_pruned == ()
@@ -128,14 +138,26 @@ def test_static_importers_name_the_files_whose_imports_reach_a_module(tmp_path):
     for path, text in files.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
-    modules = {"pkg.layers.linear", "pkg.layers.quant", "pkg.layers.router", "pkg.kernels.fused", "pkg.models.grok",
-               "pkg.kernels.extra"}
+    modules = {
+        "pkg.layers.linear",
+        "pkg.layers.quant",
+        "pkg.layers.router",
+        "pkg.kernels.fused",
+        "pkg.models.grok",
+        "pkg.kernels.extra",
+    }
     found = static_importers(tmp_path, [p for p in files if p != "pkg/models/grok.py"], modules)
-    assert found == {"pkg.layers.linear": ["pkg/models/llama.py"], "pkg.layers.quant": ["pkg/layers/linear.py"],
-                     "pkg.layers.router": [], "pkg.kernels.fused": ["pkg/runner.py"], "pkg.models.grok": [],
-                     "pkg.kernels.extra": ["pkg/plugins.py"]}
+    assert found == {
+        "pkg.layers.linear": ["pkg/models/llama.py"],
+        "pkg.layers.quant": ["pkg/layers/linear.py"],
+        "pkg.layers.router": [],
+        "pkg.kernels.fused": ["pkg/runner.py"],
+        "pkg.models.grok": [],
+        "pkg.kernels.extra": ["pkg/plugins.py"],
+    }
     assert static_importers(tmp_path, list(files), {"pkg.layers.router"}) == {
-        "pkg.layers.router": ["pkg/models/grok.py"]}
+        "pkg.layers.router": ["pkg/models/grok.py"]
+    }
     assert module_name("pkg/models/__init__.py") == "pkg.models"
     (tmp_path / "pkg/broken.py").write_text("def f(:\n")
     with pytest.raises(SpecPilotError, match="pkg/broken.py"):

@@ -1,6 +1,7 @@
 """The layout holds: stage packages import one way, no import cycles, no `sys.path` edits, benchmarks import no
 tests, every sub-package says what it owns. Static (ast over the source files), so it sees imports inside
 functions too, and runs in well under a second."""
+
 from __future__ import annotations
 
 import ast
@@ -54,7 +55,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[tuple[str, int]]:
             found |= {(a.name, node.lineno) for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -136,8 +137,12 @@ def layering_violations(repo: Path) -> list[str]:
 
 
 def _is_sys_path(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
-            and node.value.id == "sys")
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+    )
 
 
 def sys_path_edits(path: Path) -> list[int]:
@@ -165,9 +170,12 @@ def test_the_package_has_modules_in_every_stage(repo):
 
 
 def test_serve_and_measure_import_neither_the_assembler_nor_the_config(repo):
-    bad = [f"{modules(repo)[s].relative_to(repo)}:{line} imports {t}"
-           for s, targets in graph(repo).items() for t, line in targets.items()
-           if stage(t) in NEVER.get(stage(s), ())]
+    bad = [
+        f"{modules(repo)[s].relative_to(repo)}:{line} imports {t}"
+        for s, targets in graph(repo).items()
+        for t, line in targets.items()
+        if stage(t) in NEVER.get(stage(s), ())
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -182,8 +190,12 @@ def test_stage_imports_flow_one_way(repo):
 
 
 def test_no_sys_path_edits(repo):
-    bad = [f"{path.relative_to(repo)}:{line}" for top in NO_SYS_PATH for path in python_files(repo, top)
-           for line in sys_path_edits(path)]
+    bad = [
+        f"{path.relative_to(repo)}:{line}"
+        for top in NO_SYS_PATH
+        for path in python_files(repo, top)
+        for line in sys_path_edits(path)
+    ]
     assert not bad, "sys.path edited (install the package in pyproject.toml instead): " + ", ".join(bad)
 
 
@@ -192,20 +204,30 @@ def test_benchmarks_import_no_tests(repo):
     bad = []
     for path in python_files(repo, "benchmarks"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            bad += [f"{path.relative_to(repo)}:{node.lineno} imports {n}" for n in names
-                    if n.split(".")[0] in test_modules]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            bad += [
+                f"{path.relative_to(repo)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in test_modules
+            ]
     assert not bad, "\n".join(bad)
 
 
 def test_every_sub_package_opens_with_a_docstring(repo):
-    missing = [str(p.relative_to(repo)) for p in sorted((repo / PACKAGE).rglob("__init__.py"))
-               if ast.get_docstring(ast.parse(p.read_text())) is None]
+    missing = [
+        str(p.relative_to(repo))
+        for p in sorted((repo / PACKAGE).rglob("__init__.py"))
+        if ast.get_docstring(ast.parse(p.read_text())) is None
+    ]
     assert not missing, "no docstring: " + ", ".join(missing)
 
 
 # --- the checks can fail: each one run on a small made-up package -----------------------------------------
+
 
 def _package(root: Path, files: dict[str, str]) -> Path:
     for rel, text in {"specpilot_build/__init__.py": '"""x"""\n', **files}.items():
@@ -213,24 +235,31 @@ def _package(root: Path, files: dict[str, str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     for sub in {Path(rel).parent for rel in files}:
-        if sub != Path("specpilot_build") and sub.parts[0] == "specpilot_build" and not (root / sub / "__init__.py").exists():
+        if (
+            sub != Path("specpilot_build")
+            and sub.parts[0] == "specpilot_build"
+            and not (root / sub / "__init__.py").exists()
+        ):
             (root / sub / "__init__.py").write_text('"""x"""\n')
     return root
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path):
-    repo = _package(tmp_path, {
-        "specpilot_build/errors.py": "",
-        "specpilot_build/store/engines.py": "from specpilot_build.errors import X\n",
-        "specpilot_build/serve/process.py": "def f():\n    from ..config import compose\n",
-        "specpilot_build/config/compose.py": "from specpilot_build.store import engines\n",
-        "specpilot_build/pins/a.py": "from . import b\n",
-        "specpilot_build/pins/b.py": "import specpilot_build.pins.a\n",
-        "specpilot_build/cli/main.py": "import sys\nsys.path.insert(0, 'x')\n",
-        "specpilot_build/measure/__init__.py": "import specpilot_build.cli.main\n",
-        "benchmarks/bench.py": "from sglang_builds import ARMS\n",
-        "tests/sglang_builds.py": "",
-    })
+    repo = _package(
+        tmp_path,
+        {
+            "specpilot_build/errors.py": "",
+            "specpilot_build/store/engines.py": "from specpilot_build.errors import X\n",
+            "specpilot_build/serve/process.py": "def f():\n    from ..config import compose\n",
+            "specpilot_build/config/compose.py": "from specpilot_build.store import engines\n",
+            "specpilot_build/pins/a.py": "from . import b\n",
+            "specpilot_build/pins/b.py": "import specpilot_build.pins.a\n",
+            "specpilot_build/cli/main.py": "import sys\nsys.path.insert(0, 'x')\n",
+            "specpilot_build/measure/__init__.py": "import specpilot_build.cli.main\n",
+            "benchmarks/bench.py": "from sglang_builds import ARMS\n",
+            "tests/sglang_builds.py": "",
+        },
+    )
     assert graph(repo)["specpilot_build.serve.process"] == {"specpilot_build.config.compose": 2}
     assert cycles(graph(repo)) == [["specpilot_build.pins.a", "specpilot_build.pins.b"]]
     assert layering_violations(repo) == [
@@ -239,7 +268,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
         "specpilot_build/serve/process.py:2 imports specpilot_build.config.compose (serve/ reads engines only through the store)",
     ]
     assert sys_path_edits(repo / "specpilot_build/cli/main.py") == [2]
-    for line, code in enumerate(["sys.path.append(p)", "sys.path = []", "sys.path[0:0] = [p]", "sys.path += [p]"]):
+    for code in ["sys.path.append(p)", "sys.path = []", "sys.path[0:0] = [p]", "sys.path += [p]"]:
         (repo / "x.py").write_text(f"import sys\n{code}\n")
         assert sys_path_edits(repo / "x.py") == [2], code
     with pytest.raises(AssertionError):

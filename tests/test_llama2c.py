@@ -1,4 +1,5 @@
 """The llama2.c converter against the independent reference conversion in ../shared/models/stories260K/."""
+
 from __future__ import annotations
 
 import gzip
@@ -46,8 +47,16 @@ def test_conversion_is_byte_identical_across_runs(converted, tmp_path, llama2c_d
 
 
 def _texts(shared: Path) -> list[str]:
-    texts = ["Once upon a time", " Once upon a time", "Lily's mom said, \"Lily, let's go to the park.\"",
-             "line one\nline two\n\n\ttabbed", "café naïve — “quotes” … 日本語 🙂", "x" * 50, "a  b", "12345 + 67 = 890"]
+    texts = [
+        "Once upon a time",
+        " Once upon a time",
+        "Lily's mom said, \"Lily, let's go to the park.\"",
+        "line one\nline two\n\n\ttabbed",
+        "café naïve — “quotes” … 日本語 🙂",
+        "x" * 50,
+        "a  b",
+        "12345 + 67 = 890",
+    ]
     for line in (shared / "datasets" / "mt-bench" / "question.jsonl").read_text().splitlines()[:40]:
         texts.extend(json.loads(line)["turns"])
     for line in (shared / "datasets" / "gsm8k" / "test.jsonl").read_text().splitlines()[:40]:
@@ -84,7 +93,10 @@ def test_rotate_half_rows_preserves_attention_scores():
     heads, head_dim, width = 2, 8, 16
     wq, x_q, x_k = rng.normal(size=(heads * head_dim, width)), rng.normal(size=width), rng.normal(size=width)
     wk = rng.normal(size=(heads * head_dim, width))
-    angles_q, angles_k = 3 * 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim), 7 * 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim)
+    angles_q, angles_k = (
+        3 * 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim),
+        7 * 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim),
+    )
 
     def llama2c_rope(v, angles):
         v = v.reshape(heads, head_dim // 2, 2)
@@ -94,7 +106,7 @@ def test_rotate_half_rows_preserves_attention_scores():
     def hf_rope(v, angles):
         v = v.reshape(heads, head_dim)
         c, s = np.cos(np.concatenate([angles, angles])), np.sin(np.concatenate([angles, angles]))
-        rotated = np.concatenate([-v[:, head_dim // 2:], v[:, :head_dim // 2]], -1)
+        rotated = np.concatenate([-v[:, head_dim // 2 :], v[:, : head_dim // 2]], -1)
         return v * c + rotated * s
 
     scores_llama2c = (llama2c_rope(wq @ x_q, angles_q) * llama2c_rope(wk @ x_k, angles_k)).sum(-1)
@@ -114,6 +126,6 @@ def test_truncated_checkpoint_is_refused_naming_it(tmp_path, llama2c_dir):
 def test_tokenizer_of_another_vocab_is_refused(tmp_path, llama2c_dir):
     raw = (llama2c_dir / "tok512.bin").read_bytes()
     cut = tmp_path / "tok_cut.bin"
-    cut.write_bytes(raw[:len(raw) // 2])
+    cut.write_bytes(raw[: len(raw) // 2])
     with pytest.raises(SpecPilotError, match="tok_cut.bin"):
         convert(llama2c_dir / "stories260K.bin", cut, tmp_path / "out")

@@ -1,18 +1,19 @@
 """`make lock` (lock_repos) and hub downloads against a loopback hub, through huggingface_hub's real client."""
+
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-from huggingface_hub import constants as hub_constants
 import pytest
 from fake_hub import FakeHub
+from huggingface_hub import constants as hub_constants
 
-from specpilot_build.models.checkpoints import materialize, snapshot_dir
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import REPO_ROOT
+from specpilot_build.models.checkpoints import materialize, snapshot_dir
 from specpilot_build.models.lock import lock_repos, write_lockfile
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
-from specpilot_build.locations import REPO_ROOT
 
 C1, C2 = "1" * 40, "2" * 40
 BIN, TOK = "stories260K/stories260K.bin", "stories260K/tok512.bin"
@@ -25,8 +26,11 @@ def sha256(data: bytes) -> str:
 
 @pytest.fixture
 def files(llama2c_dir) -> dict[str, bytes]:
-    return {BIN: (llama2c_dir / "stories260K.bin").read_bytes(), TOK: (llama2c_dir / "tok512.bin").read_bytes(),
-            "README.md": README}
+    return {
+        BIN: (llama2c_dir / "stories260K.bin").read_bytes(),
+        TOK: (llama2c_dir / "tok512.bin").read_bytes(),
+        "README.md": README,
+    }
 
 
 @pytest.fixture
@@ -115,12 +119,14 @@ def test_lock_records_the_llama2c_conversion(hub, lockfile):
 
 
 def test_download_is_verified_and_a_lying_pin_is_refused_and_removed(hub, files, tmp_path):
-    good = CheckpointPin(repo="tester/tiny", revision=C1,
-                         files=(PinnedFile(path=TOK, size=len(files[TOK]), sha256=sha256(files[TOK])),))
+    good = CheckpointPin(
+        repo="tester/tiny", revision=C1, files=(PinnedFile(path=TOK, size=len(files[TOK]), sha256=sha256(files[TOK])),)
+    )
     snapshot = materialize("tester/tiny", good)
     assert (snapshot / TOK).read_bytes() == files[TOK]
-    bad = CheckpointPin(repo="tester/tiny", revision=C1,
-                        files=(PinnedFile(path=BIN, size=len(files[BIN]), sha256="0" * 64),))
+    bad = CheckpointPin(
+        repo="tester/tiny", revision=C1, files=(PinnedFile(path=BIN, size=len(files[BIN]), sha256="0" * 64),)
+    )
     with pytest.raises(SpecPilotError, match=f"downloaded {BIN} does not match its pin"):
         materialize("tester/tiny", bad)
     cache = tmp_path / "hub"
@@ -129,8 +135,9 @@ def test_download_is_verified_and_a_lying_pin_is_refused_and_removed(hub, files,
 
 
 def test_a_revision_only_pin_is_checked_against_the_hub_metadata(hub, files):
-    snapshot = materialize("tester/tiny", CheckpointPin(repo="tester/tiny", revision=C1), files=[BIN, TOK],
-                           source_format="llama2c")
+    snapshot = materialize(
+        "tester/tiny", CheckpointPin(repo="tester/tiny", revision=C1), files=[BIN, TOK], source_format="llama2c"
+    )
     assert (snapshot / "model.safetensors").is_file()
     hub.lie_about[TOK] = "0" * 64
     with pytest.raises(SpecPilotError, match=TOK):

@@ -1,5 +1,6 @@
 """Mechanisms as a Hydra group (conf/mechanism/): presets list them, in order; every key a mechanism or an
 override sets is checked at compose time, and each mistake is one line naming the key and the file."""
+
 from __future__ import annotations
 
 import os
@@ -70,7 +71,7 @@ def test_presets_list_mechanisms_from_the_group_and_are_named_by_their_file(sett
     assert set(composed.choices) == {"setting", "hardware", "model", "drafter", "batching", "runtime", "arm"}
 
 
-ADD_ONS = {"w12-dense-fallback"}     # mechanisms no preset lists, added from the command line (tested below)
+ADD_ONS = {"w12-dense-fallback"}  # mechanisms no preset lists, added from the command line (tested below)
 
 
 def test_every_mechanism_file_is_used_and_every_group_file_opens_with_a_comment():
@@ -92,11 +93,22 @@ def test_a_mechanism_shared_by_every_sglang_preset_is_one_file_and_sets_the_same
 
 def test_the_embedded_default_composes_as_before():
     cfg = effective_config(compose_setting(CPU, "final").config)
-    assert cfg["mechanisms"] == [{"name": "shared-ngram-cache", "overlay": None},
-                                 {"name": "tuned-ngram", "overlay": None}]
-    assert cfg["drafter"] == {"name": "ngram", "algorithm": "ngram", "repo": None, "files": [],
-                              "num_draft_tokens": 10, "ngram_max_n": 8, "ngram_min_n": 1, "block_size": None,
-                              "num_steps": None, "eagle_topk": None}
+    assert cfg["mechanisms"] == [
+        {"name": "shared-ngram-cache", "overlay": None},
+        {"name": "tuned-ngram", "overlay": None},
+    ]
+    assert cfg["drafter"] == {
+        "name": "ngram",
+        "algorithm": "ngram",
+        "repo": None,
+        "files": [],
+        "num_draft_tokens": 10,
+        "ngram_max_n": 8,
+        "ngram_min_n": 1,
+        "block_size": None,
+        "num_steps": None,
+        "eagle_topk": None,
+    }
     assert cfg["runtime_options"] == {"shared_ngram_cache": True} and cfg["kernels"] == []
 
 
@@ -112,10 +124,14 @@ def test_the_w12_dense_fallback_is_a_mechanism_added_from_the_command_line_to_re
 
 def test_a_typo_in_the_w12_dense_fallback_mechanism_is_refused_where_it_is_added(conf):
     edit(conf / "mechanism" / "w12-dense-fallback.yaml", "w12_dense_fallback: true", "w12_dense_fallbak: true")
-    refused("cpu_c1_stories260k-bf16_ngram", "final",
-            ["+mechanism@final.mechanisms.w12-dense-fallback=w12-dense-fallback"],
-            "mechanism/w12-dense-fallback.yaml", "'runtime_options.w12_dense_fallbak'",
-            "runtime_options.w12_dense_fallback")
+    refused(
+        "cpu_c1_stories260k-bf16_ngram",
+        "final",
+        ["+mechanism@final.mechanisms.w12-dense-fallback=w12-dense-fallback"],
+        "mechanism/w12-dense-fallback.yaml",
+        "'runtime_options.w12_dense_fallbak'",
+        "runtime_options.w12_dense_fallback",
+    )
 
 
 def test_later_mechanisms_win_and_a_mechanism_can_be_swapped_or_dropped_from_the_command_line():
@@ -144,19 +160,30 @@ def test_a_setting_is_named_by_its_file(conf):
 # typos and ranges: each refused in one line naming the key and the file ------------------------------------
 
 
-@pytest.mark.parametrize("file, old, new, words", [
-    ("tuned-ngram-k10-n8", "ngram_max_n: 8", "ngram_max_m: 8", ["'drafter.ngram_max_m'", "drafter.ngram_max_n"]),
-    ("tuned-ngram-k10-n8", "num_draft_tokens: 10", "num_draft_tokns: 10",
-     ["'drafter.num_draft_tokns'", "drafter.num_draft_tokens"]),
-    ("shared-ngram-cache", "shared_ngram_cache:", "shared_ngram_cach:",
-     ["'runtime_options.shared_ngram_cach'", "runtime_options.shared_ngram_cache"]),
-    ("tuned-ngram-k10-n8", "drafter:", "drafterz:", ["drafterz", "Mechanism", "did you mean 'drafter'"]),
-    ("tuned-ngram-k10-n8", "num_draft_tokens: 10", "num_draft_tokens: 0", ["num_draft_tokens", ">= 1"]),
-    ("tuned-ngram-k10-n8", "num_draft_tokens: 10", "num_draft_tokens: ten", ["num_draft_tokens", "'ten'", "int"]),
-    ("tuned-ngram-k10-n8", "ngram_max_n: 8", "quantization: w12", ["drafter.quantization"]),
-    ("shared-ngram-cache", "shared_ngram_cache: true", "shared_ngram_cache: 1", ["shared_ngram_cache", "bool"]),
-    ("shared-ngram-cache", "shared_ngram_cache: true", "num_threads: 0", ["num_threads", ">= 1"]),
-])
+@pytest.mark.parametrize(
+    "file, old, new, words",
+    [
+        ("tuned-ngram-k10-n8", "ngram_max_n: 8", "ngram_max_m: 8", ["'drafter.ngram_max_m'", "drafter.ngram_max_n"]),
+        (
+            "tuned-ngram-k10-n8",
+            "num_draft_tokens: 10",
+            "num_draft_tokns: 10",
+            ["'drafter.num_draft_tokns'", "drafter.num_draft_tokens"],
+        ),
+        (
+            "shared-ngram-cache",
+            "shared_ngram_cache:",
+            "shared_ngram_cach:",
+            ["'runtime_options.shared_ngram_cach'", "runtime_options.shared_ngram_cache"],
+        ),
+        ("tuned-ngram-k10-n8", "drafter:", "drafterz:", ["drafterz", "Mechanism", "did you mean 'drafter'"]),
+        ("tuned-ngram-k10-n8", "num_draft_tokens: 10", "num_draft_tokens: 0", ["num_draft_tokens", ">= 1"]),
+        ("tuned-ngram-k10-n8", "num_draft_tokens: 10", "num_draft_tokens: ten", ["num_draft_tokens", "'ten'", "int"]),
+        ("tuned-ngram-k10-n8", "ngram_max_n: 8", "quantization: w12", ["drafter.quantization"]),
+        ("shared-ngram-cache", "shared_ngram_cache: true", "shared_ngram_cache: 1", ["shared_ngram_cache", "bool"]),
+        ("shared-ngram-cache", "shared_ngram_cache: true", "num_threads: 0", ["num_threads", ">= 1"]),
+    ],
+)
 def test_a_typo_or_bad_value_in_a_mechanism_file_is_refused_naming_key_and_file(conf, file, old, new, words):
     edit(conf / "mechanism" / f"{file}.yaml", old, new)
     refused(CPU, "final", (), f"mechanism/{file}.yaml", *words)
@@ -166,23 +193,35 @@ def test_a_mechanism_is_checked_on_every_arm_and_against_its_runtime(conf):
     edit(conf / "mechanism" / "tuned-ngram-k10-n8.yaml", "ngram_max_n: 8", "ngram_max_m: 8")
     refused(CPU, "ar", (), "ngram_max_m", "tuned-ngram-k10-n8.yaml")  # a broken preset is broken for every arm
     edit(conf / "mechanism" / "tuned-ngram-k10-n8.yaml", "ngram_max_m: 8", "ngram_max_n: 8")
-    refused(SGLANG, "final", ["+mechanism@final.mechanisms.x=shared-ngram-cache"],
-            "runtime_options", "shared-ngram-cache.yaml", "sglang")
-    refused(CPU, "final", ["+mechanism@final.mechanisms.x=cuda-graph-bs"], "launch_args", "cuda-graph-bs.yaml",
-            "reference")
+    refused(
+        SGLANG,
+        "final",
+        ["+mechanism@final.mechanisms.x=shared-ngram-cache"],
+        "runtime_options",
+        "shared-ngram-cache.yaml",
+        "sglang",
+    )
+    refused(
+        CPU, "final", ["+mechanism@final.mechanisms.x=cuda-graph-bs"], "launch_args", "cuda-graph-bs.yaml", "reference"
+    )
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["+foo=1"], ["unknown key 'foo'", "+foo=1", "nearest valid key"]),
-    (["+drafter.num_draft_tokenz=6"], ["'drafter.num_draft_tokenz'", "did you mean 'drafter.num_draft_tokens'"]),
-    (["+model.quantisation=w12"], ["'model.quantisation'", "did you mean 'model.quantization'"]),
-    (["+final.mechanisms.tuned-ngram.drafter.ngram_max_m=4"], ["ngram_max_m", "did you mean",
-                                                              "final.mechanisms.tuned-ngram.drafter.ngram_max_n"]),
-    (["drafter.num_draft_tokens=-3"], ["drafter.num_draft_tokens", "-3", ">= 1", "override"]),
-    (["drafter.ngram_max_n=0"], ["drafter.ngram_max_n", ">= 1"]),
-    (["batching.concurrency=0"], ["batching.concurrency", ">= 1"]),
-    (["final.mechanisms.tuned-ngram.drafter.num_draft_tokens=abc"], ["num_draft_tokens", "'abc'", "override"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["+foo=1"], ["unknown key 'foo'", "+foo=1", "nearest valid key"]),
+        (["+drafter.num_draft_tokenz=6"], ["'drafter.num_draft_tokenz'", "did you mean 'drafter.num_draft_tokens'"]),
+        (["+model.quantisation=w12"], ["'model.quantisation'", "did you mean 'model.quantization'"]),
+        (
+            ["+final.mechanisms.tuned-ngram.drafter.ngram_max_m=4"],
+            ["ngram_max_m", "did you mean", "final.mechanisms.tuned-ngram.drafter.ngram_max_n"],
+        ),
+        (["drafter.num_draft_tokens=-3"], ["drafter.num_draft_tokens", "-3", ">= 1", "override"]),
+        (["drafter.ngram_max_n=0"], ["drafter.ngram_max_n", ">= 1"]),
+        (["batching.concurrency=0"], ["batching.concurrency", ">= 1"]),
+        (["final.mechanisms.tuned-ngram.drafter.num_draft_tokens=abc"], ["num_draft_tokens", "'abc'", "override"]),
+    ],
+)
 def test_a_bad_override_is_refused_naming_the_key(overrides, words):
     for arm in ("stock", "final"):
         refused(CPU, arm, overrides, *words)
@@ -198,15 +237,30 @@ def test_a_bad_value_in_a_drafter_group_file_names_the_file(conf):
 # an override of what a final-arm mechanism sets ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("setting, override, mechanism, file", [
-    (CPU, "drafter.num_draft_tokens=6", "tuned-ngram", "tuned-ngram-k10-n8.yaml"),
-    (CPU, "drafter.ngram_max_n=5", "tuned-ngram", "tuned-ngram-k10-n8.yaml"),
-    (SGLANG, "model.quantization=fp8", "w12-weights", "w12-weights-sglang.yaml"),
-    (SGLANG, "+runtime.launch_args.speculative-dflash-block-size=4", "tuned-dflash-block", "tuned-dflash-block-16.yaml"),
-])
+@pytest.mark.parametrize(
+    "setting, override, mechanism, file",
+    [
+        (CPU, "drafter.num_draft_tokens=6", "tuned-ngram", "tuned-ngram-k10-n8.yaml"),
+        (CPU, "drafter.ngram_max_n=5", "tuned-ngram", "tuned-ngram-k10-n8.yaml"),
+        (SGLANG, "model.quantization=fp8", "w12-weights", "w12-weights-sglang.yaml"),
+        (
+            SGLANG,
+            "+runtime.launch_args.speculative-dflash-block-size=4",
+            "tuned-dflash-block",
+            "tuned-dflash-block-16.yaml",
+        ),
+    ],
+)
 def test_an_override_a_final_mechanism_also_sets_is_an_error_naming_both(setting, override, mechanism, file):
-    refused(setting, "final", [override], f"override {override}", f"mechanism '{mechanism}'", file,
-            f"final.mechanisms.{mechanism}.")
+    refused(
+        setting,
+        "final",
+        [override],
+        f"override {override}",
+        f"mechanism '{mechanism}'",
+        file,
+        f"final.mechanisms.{mechanism}.",
+    )
     compose_setting(setting, "stock", [override])  # stock applies no mechanisms: nothing to collide with
 
 
@@ -218,20 +272,29 @@ def test_the_mechanism_itself_is_the_place_to_change_its_value():
 # the command line: one line, no traceback -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("override, words", [
-    ("+drafter.num_draft_tokenz=6", ["drafter.num_draft_tokens"]),
-    ("drafter.num_draft_tokens=6", ["tuned-ngram", "tuned-ngram-k10-n8.yaml"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("+drafter.num_draft_tokenz=6", ["drafter.num_draft_tokens"]),
+        ("drafter.num_draft_tokens=6", ["tuned-ngram", "tuned-ngram-k10-n8.yaml"]),
+    ],
+)
 def test_the_cli_prints_one_line_and_exits_2(tmp_path, override, words):
-    out = subprocess.run([sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting", CPU,
-                          "--arm", "final", override], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
-                         env={**os.environ, "SPECPILOT_ENGINES": str(tmp_path / "engines")})
+    out = subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", "engine", "build", "--setting", CPU, "--arm", "final", override],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+        env={**os.environ, "SPECPILOT_ENGINES": str(tmp_path / "engines")},
+    )
     assert out.returncode == 2 and out.stdout == "", out
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and out.stderr.startswith("error: ")
     for word in words:
         assert word in out.stderr
-    assert not (tmp_path / "engines").exists() or not any(p for p in (tmp_path / "engines").iterdir()
-                                                          if len(p.name) == 64)
+    assert not (tmp_path / "engines").exists() or not any(
+        p for p in (tmp_path / "engines").iterdir() if len(p.name) == 64
+    )
 
 
 def test_runtime_option_ranges_name_real_reference_runtime_options():
@@ -253,8 +316,11 @@ def test_a_sweep_job_is_checked_as_compose_setting_checks_it():
         register()
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[f"setting@_global_={CPU}", "arm=final", *overrides],
-                          return_hydra_config=True)
+            cfg = compose(
+                config_name="config",
+                overrides=[f"setting@_global_={CPU}", "arm=final", *overrides],
+                return_hydra_config=True,
+            )
         GlobalHydra.instance().clear()
         choices = dict(cfg.hydra.runtime.choices)
         with open_dict(cfg):

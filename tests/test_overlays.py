@@ -1,5 +1,6 @@
 """Overlays: strict patches (a hunk that no longer matches fails naming overlay, file and hunk), files on top,
 and paths confined to the engine tree (nothing is ever written outside it)."""
+
 from __future__ import annotations
 
 import os
@@ -41,15 +42,22 @@ def workspace(tmp_path, monkeypatch):
     return tmp_path
 
 
-def make_overlay(root: Path, name: str, patches: dict[str, str] = {}, files: dict[str, str] = {},
-                 versions: str = ">=0.5.23,<0.5.24", runtime: str = "sglang") -> None:
+def make_overlay(
+    root: Path,
+    name: str,
+    patches: dict[str, str] | None = None,
+    files: dict[str, str] | None = None,
+    versions: str = ">=0.5.23,<0.5.24",
+    runtime: str = "sglang",
+) -> None:
     directory = root / "overlays" / name
     (directory / "patches").mkdir(parents=True)
     (directory / "overlay.toml").write_text(
-        f'description = "test overlay"\nruntime = "{runtime}"\nversions = "{versions}"\n')
-    for fname, text in patches.items():
+        f'description = "test overlay"\nruntime = "{runtime}"\nversions = "{versions}"\n'
+    )
+    for fname, text in (patches or {}).items():
         (directory / "patches" / fname).write_text(text)
-    for rel, text in files.items():
+    for rel, text in (files or {}).items():
         (directory / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
         (directory / "files" / rel).write_text(text)
 
@@ -66,9 +74,13 @@ def test_a_patch_applies_exactly_and_the_record_has_digests_before_and_after(wor
     assert (workspace / "tree/python/pkg/new.py").read_text() == "x = 1\n"
     assert record["name"] == "fix" and record["digest"].startswith("blake3:")
     assert record["files"] == [
-        {"path": "python/pkg/mod.py", "before": digest_bytes(ORIGINAL.encode()),
-         "after": digest_bytes((workspace / "tree/python/pkg/mod.py").read_bytes())},
-        {"path": "python/pkg/new.py", "before": None, "after": digest_bytes(b"x = 1\n")}]
+        {
+            "path": "python/pkg/mod.py",
+            "before": digest_bytes(ORIGINAL.encode()),
+            "after": digest_bytes((workspace / "tree/python/pkg/mod.py").read_bytes()),
+        },
+        {"path": "python/pkg/new.py", "before": None, "after": digest_bytes(b"x = 1\n")},
+    ]
 
 
 def test_a_hunk_whose_context_no_longer_matches_fails_naming_overlay_file_and_hunk(workspace):
@@ -138,8 +150,13 @@ def test_overlays_apply_in_the_composed_order_and_later_layers_see_earlier_ones(
     assert (workspace / "tree/python/pkg/mod.py").read_text() == "patched\n"
     with pytest.raises(SpecPilotError, match="hunk #1"):
         overlay.apply_overlays(workspace / "tree", overlay.overlay_inputs(["second"], CFG), CFG)
-    cfg = {"hardware": {"overlays": ["h"]}, "model": {}, "drafter": {"overlays": ["d"]},
-           "batching": {}, "mechanisms": [{"name": "m1", "overlay": "m"}, {"name": "m2", "overlay": None}]}
+    cfg = {
+        "hardware": {"overlays": ["h"]},
+        "model": {},
+        "drafter": {"overlays": ["d"]},
+        "batching": {},
+        "mechanisms": [{"name": "m1", "overlay": "m"}, {"name": "m2", "overlay": None}],
+    }
     assert overlays_in_order(cfg) == ["h", "d", "m"]
 
 

@@ -3,6 +3,7 @@ intermediate 172 → 176), deterministic, pinned in the lock (`converted_padded`
 unpadded conversion — checked with transformers on CPU against the unpadded logits (float64; greedy tokens in
 float32) and llama2.c's golden greedy continuation — and the h200 SGLang settings that use it compose, build and
 pass SGLang's own argument check."""
+
 from __future__ import annotations
 
 import copy
@@ -12,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_hub import FakeHub
 from huggingface_hub import constants as hub_constants
 
-from fake_hub import FakeHub
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import REPO_ROOT
 from specpilot_build.models.checkpoints import PADDED_KEY, converted_files, materialize, padded_pins
 from specpilot_build.models.llama2c import OUTPUT_FILES, ROPE_THETA, convert, spread_head_rows
 from specpilot_build.models.lock import lock_repos, write_lockfile
 from specpilot_build.pins.lockfile import CheckpointPin, load_checkpoint_pins, load_lock
-from specpilot_build.locations import REPO_ROOT
 
 TINY = "karpathy/tinyllamas"
 BIN, TOK = "stories260K/stories260K.bin", "stories260K/tok512.bin"
@@ -52,6 +53,7 @@ def models(plain, padded):
 
 # --- the conversion -------------------------------------------------------------------------------------------
 
+
 def test_padded_conversion_is_byte_identical_across_runs(padded, tmp_path, llama2c_dir):
     again = tmp_path / "again"
     convert(llama2c_dir / "stories260K.bin", llama2c_dir / "tok512.bin", again, padded=True)
@@ -73,8 +75,9 @@ def test_padded_config_differs_from_the_plain_one_in_the_two_sizes_only(plain, p
     a, b = (json.loads((d / "config.json").read_text()) for d in (plain, padded))
     assert (a["head_dim"], a["intermediate_size"]) == (8, 172)
     assert (b["head_dim"], b["intermediate_size"]) == (16, 176)
-    assert {k: v for k, v in a.items() if k not in ("head_dim", "intermediate_size")} == \
-        {k: v for k, v in b.items() if k not in ("head_dim", "intermediate_size")}
+    assert {k: v for k, v in a.items() if k not in ("head_dim", "intermediate_size")} == {
+        k: v for k, v in b.items() if k not in ("head_dim", "intermediate_size")
+    }
     for name in OUTPUT_FILES:
         if name not in ("config.json", "model.safetensors"):
             assert (plain / name).read_bytes() == (padded / name).read_bytes(), name
@@ -86,7 +89,10 @@ def test_padded_tensors_hold_the_plain_ones_and_zeros_elsewhere(plain, padded):
     a, b = load_file(plain / "model.safetensors"), load_file(padded / "model.safetensors")
     assert sorted(a) == sorted(b)
     layer = "model.layers.0."
-    q, k = b[layer + "self_attn.q_proj.weight"].reshape(8, 16, 64), b[layer + "self_attn.k_proj.weight"].reshape(4, 16, 64)
+    q, k = (
+        b[layer + "self_attn.q_proj.weight"].reshape(8, 16, 64),
+        b[layer + "self_attn.k_proj.weight"].reshape(4, 16, 64),
+    )
     assert not q[:, 1::2].any() and not k[:, 1::2].any()  # odd dims of every head are zero
     assert np.array_equal(k[:, ::2].reshape(32, 64), a[layer + "self_attn.k_proj.weight"])
     scaled = (a[layer + "self_attn.q_proj.weight"].astype(np.float64) * math.sqrt(2)).astype(np.float32)
@@ -108,7 +114,7 @@ def test_spreading_head_dims_keeps_hf_rotary_scores():
         inv = ROPE_THETA ** (-np.arange(0, head_dim, 2) / head_dim)
         angles = np.concatenate([pos * inv, pos * inv])
         v = v.reshape(heads, head_dim)
-        rotated = np.concatenate([-v[:, head_dim // 2:], v[:, :head_dim // 2]], -1)
+        rotated = np.concatenate([-v[:, head_dim // 2 :], v[:, : head_dim // 2]], -1)
         return v * np.cos(angles) + rotated * np.sin(angles)
 
     wq, wk = rng.normal(size=(heads * d, width)), rng.normal(size=(heads * d, width))
@@ -122,11 +128,14 @@ def test_spreading_head_dims_keeps_hf_rotary_scores():
     wrong = np.zeros((heads, 2 * d, width))
     wrong[:, list(range(d // 2)) + list(range(d, d + d // 2))] = (wq * math.sqrt(2)).reshape(heads, d, width)
     pk = spread_head_rows(wk, heads, 2)
-    assert not np.allclose((hf_rope(wq @ x_q, 3, d) * hf_rope(wk @ x_k, 7, d)).sum(-1) / math.sqrt(d),
-                           (hf_rope(wrong.reshape(-1, width) @ x_q, 3, 2 * d) * hf_rope(pk @ x_k, 7, 2 * d)).sum(-1) / 4)
+    assert not np.allclose(
+        (hf_rope(wq @ x_q, 3, d) * hf_rope(wk @ x_k, 7, d)).sum(-1) / math.sqrt(d),
+        (hf_rope(wrong.reshape(-1, width) @ x_q, 3, 2 * d) * hf_rope(pk @ x_k, 7, 2 * d)).sum(-1) / 4,
+    )
 
 
 # --- equivalence with transformers on CPU: float64 logits, float32 greedy tokens ------------------------------
+
 
 def test_padded_logits_equal_the_unpadded_ones(models, golden):
     import torch
@@ -152,7 +161,7 @@ def test_padded_model_predicts_the_golden_continuation_at_every_position(models,
     ids, start = golden["sequence_ids"], len(golden["prompt_ids"])
     with torch.no_grad():
         logits = padded(torch.tensor([ids])).logits[0]
-    assert logits[start - 1:-1].argmax(-1).tolist() == ids[start:]
+    assert logits[start - 1 : -1].argmax(-1).tolist() == ids[start:]
 
 
 @pytest.mark.slow
@@ -164,12 +173,17 @@ def test_padded_model_generates_llama2cs_golden_greedy_output(models, padded, go
     tokenizer = AutoTokenizer.from_pretrained(padded)
     assert tokenizer(golden["prompt"])["input_ids"] == golden["prompt_ids"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([golden["prompt_ids"]]), max_length=len(golden["sequence_ids"]),
-                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            torch.tensor([golden["prompt_ids"]]),
+            max_length=len(golden["sequence_ids"]),
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
     assert out[0].tolist() == golden["sequence_ids"]
 
 
 # --- fetch and lock -------------------------------------------------------------------------------------------
+
 
 def _offline(mp: pytest.MonkeyPatch, root: Path) -> None:
     mp.setenv("SPECPILOT_DATA", str(root / "data"))
@@ -190,7 +204,9 @@ def test_materialize_padded_from_the_mirror_is_checked_against_the_lock(monkeypa
     lock = tmp_path / "lock"
     lock.mkdir()
     text = (REPO_ROOT / "lockfiles" / "checkpoints.toml").read_text()
-    [entry] = [f for f in padded_pins(REPO_ROOT / "lockfiles" / "checkpoints.toml")[TINY][1] if f.path == "model.safetensors"]
+    [entry] = [
+        f for f in padded_pins(REPO_ROOT / "lockfiles" / "checkpoints.toml")[TINY][1] if f.path == "model.safetensors"
+    ]
     (lock / "checkpoints.toml").write_text(text.replace(entry.sha256, "0" * 64))
     assert text.count(entry.sha256) == 1
     monkeypatch.setenv("SPECPILOT_LOCKFILES", str(lock))
@@ -216,13 +232,16 @@ def test_lock_records_and_keeps_the_padded_conversion(monkeypatch, tmp_path, lla
         lock_repos({"tester/tiny": [BIN, TOK]}, lockfile, source_formats={"tester/tiny": "llama2c-padded"})
         real = padded_pins(REPO_ROOT / "lockfiles" / "checkpoints.toml")[TINY][1]
         assert padded_pins(lockfile)["tester/tiny"] == ("1" * 40, real)  # same bytes in, same converter
-        assert load_checkpoint_pins(lockfile)["tester/tiny"].converted == \
-            load_checkpoint_pins(REPO_ROOT / "lockfiles" / "checkpoints.toml")[TINY].converted
+        assert (
+            load_checkpoint_pins(lockfile)["tester/tiny"].converted
+            == load_checkpoint_pins(REPO_ROOT / "lockfiles" / "checkpoints.toml")[TINY].converted
+        )
         lock_repos({"tester/other": []}, lockfile)  # locking another repo keeps the padded hashes
     assert padded_pins(lockfile)["tester/tiny"] == ("1" * 40, real)
 
 
 # --- the h200 settings ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def padded_engines(session_data):
@@ -248,8 +267,11 @@ def test_padded_h200_settings_build_with_sglangs_ngram(padded_engines):
         for engine in (ar, stock, final):
             argv = _argv(engine)
             assert engine.manifest["config"]["model"]["source_format"] == "llama2c-padded"
-            assert (_flag(argv, "--dtype"), _flag(argv, "--attention-backend"), _flag(argv, "--sampling-backend")) == \
-                (dtype, "triton", "pytorch")
+            assert (_flag(argv, "--dtype"), _flag(argv, "--attention-backend"), _flag(argv, "--sampling-backend")) == (
+                dtype,
+                "triton",
+                "pytorch",
+            )
             # the engine-id patch cut for the engine's SGLang (0.5.17: its own cut)
             runtime = engine.manifest["config"]["runtime"]["name"]
             assert runtime == "sglang-0.5.17"
@@ -260,9 +282,11 @@ def test_padded_h200_settings_build_with_sglangs_ngram(padded_engines):
         assert "--speculative-num-draft-tokens" not in _argv(stock)  # SGLang's defaults
         assert "python/sglang/srt/speculative/ngram_worker.py" in {f["path"] for f in stock.manifest["files"]}
         final_argv = _argv(final)
-        assert (_flag(final_argv, "--speculative-algorithm"), _flag(final_argv, "--speculative-num-draft-tokens"),
-                _flag(final_argv, "--speculative-ngram-max-bfs-breadth")) == \
-            ("NGRAM", "10", "1")
+        assert (
+            _flag(final_argv, "--speculative-algorithm"),
+            _flag(final_argv, "--speculative-num-draft-tokens"),
+            _flag(final_argv, "--speculative-ngram-max-bfs-breadth"),
+        ) == ("NGRAM", "10", "1")
         assert (_flag(final_argv, "--quantization") == "w12") == ("-bf16" in setting)
         assert (final.path / "kernels" / "w12").is_dir() == ("-bf16" in setting)
     ids = {e.id for e in padded_engines.values()}
@@ -279,6 +303,8 @@ def test_padded_engines_launch_arguments_pass_sglangs_own_check(padded_engines, 
     monkeypatch.setenv("SPECPILOT_MIRROR", str(llama2c_dir))
     engine = padded_engines[SETTINGS[0], "final"]
     model_dir = model_dirs(engine.manifest["inputs"]["checkpoints"], engine.manifest["config"])["model"]
-    assert model_dir.name == "stories260K-padded" and json.loads((model_dir / "config.json").read_text())["head_dim"] == 16
+    assert (
+        model_dir.name == "stories260K-padded" and json.loads((model_dir / "config.json").read_text())["head_dim"] == 16
+    )
     results = check_launch_args(list(padded_engines.values()), model_dir)
     assert results == {e.id: None for e in padded_engines.values()}

@@ -1,4 +1,5 @@
 """Prompt rendering on the client: plain text for models without a chat template, the template otherwise."""
+
 import json
 import shutil
 
@@ -16,8 +17,10 @@ def test_chat_template_is_applied_once_without_a_second_bos(tmp_path, stories_di
     model = tmp_path / "model"
     shutil.copytree(stories_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
-                               "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     renderer = PromptRenderer(model)
     assert renderer.uses_chat_template

@@ -1,18 +1,19 @@
 """Pruning a wheel: the launcher's static import closure plus what the setting's rules keep, on a small wheel
 written by the test (the real SGLang wheel is covered by test_sglang_engines.py)."""
+
 from __future__ import annotations
 
 import zipfile
 
 import pytest
 
-from specpilot_build.errors import SpecPilotError
 from specpilot_build.assemble.prune import select_members
+from specpilot_build.errors import SpecPilotError
 
 SOURCES = {
     "app/__init__.py": "",
     "app/launch.py": "import os\nfrom app.core import run\nfrom . import util\n"
-                     "def main():\n    from app.lazy import later\n",
+    "def main():\n    from app.lazy import later\n",
     "app/core/__init__.py": "from .engine import Engine\n",
     "app/core/engine.py": "from ..plugins import (\n    alpha,  # used\n    beta,\n)\n",
     "app/util.py": "import app.deep.leaf as leaf\n",
@@ -54,24 +55,41 @@ def select(wheel, rules, cfg=None):
 
 def test_the_closure_follows_function_relative_and_submodule_imports_but_not_type_checking(wheel):
     kept, record = select(wheel, [])
-    assert kept == {"app/__init__.py", "app/launch.py", "app/core/__init__.py", "app/core/engine.py",
-                    "app/util.py", "app/deep/__init__.py", "app/deep/leaf.py", "app/lazy.py",
-                    "app/plugins/__init__.py", "app/plugins/alpha.py", "app/plugins/beta.py"}
+    assert kept == {
+        "app/__init__.py",
+        "app/launch.py",
+        "app/core/__init__.py",
+        "app/core/engine.py",
+        "app/util.py",
+        "app/deep/__init__.py",
+        "app/deep/leaf.py",
+        "app/lazy.py",
+        "app/plugins/__init__.py",
+        "app/plugins/alpha.py",
+        "app/plugins/beta.py",
+    }
     assert record["kept_files"] == len(kept) and record["total_files"] == len(SOURCES)
     assert record["dropped_files"] == len(SOURCES) - len(kept)
     assert record["kept_bytes"] + record["dropped_bytes"] == sum(len(t) for t in SOURCES.values())
 
 
 def test_rules_keep_modules_and_globs_only_when_the_setting_matches(wheel):
-    rules = [{"why": "metadata", "files": ["*.dist-info/*"]},
-             {"why": "qwen", "when": {"model.architecture": "Qwen"}, "modules": ["app.models.qwen"]},
-             {"why": "llama", "when": {"model.architecture": "Llama"}, "modules": ["app.models.llama"]},
-             {"why": "all plugins", "modules": ["app.plugins.*"]},
-             {"why": "h100", "when": {"hardware.name": "h100"}, "files": ["app/tables/h100*"],
-              "drop": ["*_old.json"]}]
+    rules = [
+        {"why": "metadata", "files": ["*.dist-info/*"]},
+        {"why": "qwen", "when": {"model.architecture": "Qwen"}, "modules": ["app.models.qwen"]},
+        {"why": "llama", "when": {"model.architecture": "Llama"}, "modules": ["app.models.llama"]},
+        {"why": "all plugins", "modules": ["app.plugins.*"]},
+        {"why": "h100", "when": {"hardware.name": "h100"}, "files": ["app/tables/h100*"], "drop": ["*_old.json"]},
+    ]
     kept, record = select(wheel, rules, {"model": {"architecture": "Qwen"}, "hardware": {"name": "h100"}})
-    assert {"app/models/qwen.py", "app/models/__init__.py", "app/plugins/gamma.py", "app/tables/h100.json",
-            "app-1.0.dist-info/METADATA", "app-1.0.dist-info/licenses/LICENSE"} <= kept
+    assert {
+        "app/models/qwen.py",
+        "app/models/__init__.py",
+        "app/plugins/gamma.py",
+        "app/tables/h100.json",
+        "app-1.0.dist-info/METADATA",
+        "app-1.0.dist-info/licenses/LICENSE",
+    } <= kept
     assert not kept & {"app/models/llama.py", "app/tables/b200.json", "app/tables/h100_old.json"}
     assert record["rules"] == ["metadata", "qwen", "all plugins", "h100"]
 

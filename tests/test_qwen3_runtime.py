@@ -1,5 +1,6 @@
 """The reference runtime's Qwen3 forward (specpilot_lab.qwen3) and greedy decoding over its static cache
 (specpilot_lab.decode), at tiny shapes on CPU, against transformers' own Qwen3ForCausalLM."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,9 +18,18 @@ def tiny_qwen3(dtype=torch.float32, seed=0) -> Qwen3ForCausalLM:
     norm weights drawn too, so a q/k norm left out or misplaced shows."""
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attn_implementation="eager")
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        attn_implementation="eager",
+    )
     model = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -51,7 +61,7 @@ def test_forward_equals_transformers_logits_prefill_and_cached_steps():
     # The first 9 tokens as a prefill, then one token at a time through the cache.
     got = [model(tokens[:, :9], positions[:, :9], cache)]
     for t in range(9, 12):
-        got.append(model(tokens[:, t:t + 1], positions[:, t:t + 1], cache))
+        got.append(model(tokens[:, t : t + 1], positions[:, t : t + 1], cache))
     got = torch.cat(got, dim=1)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -102,7 +112,7 @@ def test_w12_dense_fallback_keeps_the_exact_bf16_weights_beside_the_encoding():
     model.to_w12(lm_head=True, dense_fallback=True)
     converted = dict(model.projections(), lm_head=model.lm_head)
     assert converted.keys() == weights.keys()
-    for name, layer in converted.items():   # tiny shapes are unmeasured: each falls back at some M, so keeps its copy
+    for name, layer in converted.items():  # tiny shapes are unmeasured: each falls back at some M, so keeps its copy
         assert isinstance(layer, W12Linear) and layer.packed.dense is not None, name
         assert torch.equal(layer.packed.dense.view(torch.int16), weights[name].view(torch.int16)), name
     kept = greedy_decode(model, tokens, new_tokens=10)
@@ -127,17 +137,28 @@ def test_divergences_are_found_at_the_first_differing_token_and_classified_as_ve
     margin and counts as real."""
     tokens = torch.tensor([[1, 2, 3]] * 5)
     reference = Decoded(tokens, torch.zeros(5, 3, 3), torch.zeros(5, 3, 3, dtype=torch.long), 1.0, False)
-    kept = {1: ([4.0, 3.75, 3.5], [2, 5, 6]),   # the other run took the runner-up, 0.25 below: a near tie
-            2: ([4.0, 3.5, 3.0], [2, 7, 6]),    # 0.5 below: real
-            3: ([4.0, 4.0, 4.0], [2, 6, 9]),    # a three-way tie, the other run took the third: margin 0
-            4: ([4.0, 4.0, 3.0], [2, 6, 9])}    # the other run's token is not kept: real, margin unknown
+    kept = {
+        1: ([4.0, 3.75, 3.5], [2, 5, 6]),  # the other run took the runner-up, 0.25 below: a near tie
+        2: ([4.0, 3.5, 3.0], [2, 7, 6]),  # 0.5 below: real
+        3: ([4.0, 4.0, 4.0], [2, 6, 9]),  # a three-way tie, the other run took the third: margin 0
+        4: ([4.0, 4.0, 3.0], [2, 6, 9]),
+    }  # the other run's token is not kept: real, margin unknown
     for b, (values, ids) in kept.items():
         reference.top[b, 1], reference.top_ids[b, 1] = torch.tensor(values), torch.tensor(ids)
-    other = Decoded(torch.tensor([[1, 2, 3], [1, 5, 9], [1, 7, 3], [1, 9, 3], [1, 8, 3]]), torch.zeros(5, 3, 3),
-                    torch.zeros(5, 3, 3, dtype=torch.long), 1.0, False)
+    other = Decoded(
+        torch.tensor([[1, 2, 3], [1, 5, 9], [1, 7, 3], [1, 9, 3], [1, 8, 3]]),
+        torch.zeros(5, 3, 3),
+        torch.zeros(5, 3, 3, dtype=torch.long),
+        1.0,
+        False,
+    )
     found = divergences(reference, other)
     assert [(d["sequence"], d["token"], d["emitted"], d["margin"], d["near_tie"]) for d in found] == [
-        (1, 1, 5, 0.25, True), (2, 1, 7, 0.5, False), (3, 1, 9, 0.0, True), (4, 1, 8, None, False)]
+        (1, 1, 5, 0.25, True),
+        (2, 1, 7, 0.5, False),
+        (3, 1, 9, 0.0, True),
+        (4, 1, 8, None, False),
+    ]
     assert found[0]["gap_ulps"] == 8.0  # 4.0's bf16 ulp is 1/32
 
 

@@ -1,4 +1,5 @@
 """The reference runtime in process: the lean forward, the engine's speculative loop, drafters, config."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +8,8 @@ import threading
 
 import pytest
 import torch
-
 from reference_runtime_helpers import STORY_PROMPTS, engine_config, hf_greedy, write_engine
+
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
 from specpilot_runtime.drafters import DraftModelDrafter, NgramIndex, NoDrafter, PromptLookup, SharedNgramCache
 from specpilot_runtime.engine import Engine
@@ -23,7 +24,7 @@ def test_lean_forward_matches_transformers_logits(hf, golden):
         reference = hf(torch.tensor([ids])).logits
     lean = LeanLlama(hf, num_slots=1, max_tokens_per_step=4, device="cpu")
     prefill = lean.forward(torch.tensor([ids[:150]]), [0], [0])
-    steps = [lean.forward(torch.tensor([ids[p:p + 3]]), [0], [p]) for p in range(150, 201 - 3, 3)]
+    steps = [lean.forward(torch.tensor([ids[p : p + 3]]), [0], [p]) for p in range(150, 201 - 3, 3)]
     assert torch.allclose(prefill[0], reference[0, :150], atol=1e-4)
     assert torch.allclose(torch.cat(steps, dim=1)[0], reference[0, 150:198], atol=1e-4)
 
@@ -37,7 +38,7 @@ def test_batched_forward_equals_one_sequence_at_a_time(hf, golden):
     with torch.no_grad():
         reference = hf(torch.tensor([ids[:94]])).logits[0]
     for row, start in enumerate((40, 7, 90)):
-        assert torch.allclose(batch[row], reference[start:start + 4], atol=1e-4)
+        assert torch.allclose(batch[row], reference[start : start + 4], atol=1e-4)
 
 
 def _run(engine: Engine, prompt: list[int], max_new: int, **kw) -> dict:
@@ -63,7 +64,7 @@ def test_every_drafter_reproduces_llama2c_golden_output(hf, tokenizer, name, gol
     prompt = golden["prompt_ids"]
     result = _run(engine, prompt, len(golden["sequence_ids"]) - len(prompt))
     assert prompt + result["output_ids"] == golden["sequence_ids"]
-    assert result["text"] == golden["decoded_text_without_bos"][len(golden["prompt"]):]
+    assert result["text"] == golden["decoded_text_without_bos"][len(golden["prompt"]) :]
 
 
 def test_target_as_its_own_draft_model_accepts_every_proposal(hf, tokenizer, golden):
@@ -158,9 +159,24 @@ def test_config_reads_builder_keys():
 def test_server_refuses_bad_config_in_one_line(tmp_path, stories_dir):
     engine = write_engine(tmp_path / "eng", engine_config("final", runtime_options={"warp_drive": 1}))
     proc = subprocess.run(
-        [sys.executable, "-m", "specpilot_runtime.server", "--engine", str(engine), "--engine-id", "x",
-         "--model", str(stories_dir), "--port", "1"],
-        env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "specpilot_runtime.server",
+            "--engine",
+            str(engine),
+            "--engine-id",
+            "x",
+            "--model",
+            str(stories_dir),
+            "--port",
+            "1",
+        ],
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "runtime_options.warp_drive" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -185,8 +201,11 @@ def test_runtime_starts_a_draft_model_engine_from_an_engine_dir(tmp_path, golden
     result = _run(runtime.engine, golden["prompt_ids"], 41)
     assert golden["prompt_ids"] + result["output_ids"] == golden["sequence_ids"][:46]
     info = runtime.server_info()
-    assert (info["engine_id"], info["speculative_algorithm"], info["avg_spec_accept_length"]) == \
-        ("id-draft", "draft_model", 4.0)  # its own draft: every step accepts all 3 proposals + 1
+    assert (info["engine_id"], info["speculative_algorithm"], info["avg_spec_accept_length"]) == (
+        "id-draft",
+        "draft_model",
+        4.0,
+    )  # its own draft: every step accepts all 3 proposals + 1
 
 
 def test_runtime_refuses_draft_model_without_its_checkpoint(tmp_path, stories_dir):

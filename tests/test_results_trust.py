@@ -3,6 +3,7 @@ and the field or position), compare refuses what is not three honest arms of one
 results file fails `specpilot attest check`. End to end on the reference runtime serving the real stories260K:
 two bench runs (final and ar, each cut at the model's context), one ar oracle server for every verify; those
 tests are `slow`."""
+
 import json
 import subprocess
 import sys
@@ -39,18 +40,39 @@ def trust(tmp_path_factory, shared):
         bench_port, oracle_port = free_port(), free_port()
         serve(engines["final"], bench_port, quiet=True)
         try:
-            final_run = bench(engines["final"].id, "trust_final", limit=1, max_new_tokens=MAX_NEW, port=bench_port,
-                              datasets=DATASETS, progress=False, oracle_engine_id=engines["ar"].id)
+            final_run = bench(
+                engines["final"].id,
+                "trust_final",
+                limit=1,
+                max_new_tokens=MAX_NEW,
+                port=bench_port,
+                datasets=DATASETS,
+                progress=False,
+                oracle_engine_id=engines["ar"].id,
+            )
         finally:
             stop(bench_port)
         serve(engines["ar"], oracle_port, quiet=True)
         try:
-            ar_run = bench(engines["ar"].id, "trust_ar", limit=1, max_new_tokens=MAX_NEW, port=oracle_port,
-                           datasets=DATASETS, progress=False)
+            ar_run = bench(
+                engines["ar"].id,
+                "trust_ar",
+                limit=1,
+                max_new_tokens=MAX_NEW,
+                port=oracle_port,
+                datasets=DATASETS,
+                progress=False,
+            )
             first = vf.verify(str(final_run), oracle=engines["ar"].id, port=oracle_port, progress=False)
-            yield {"engines": engines, "final_run": final_run, "ar_run": ar_run, "first_verify": first,
-                   "oracle_port": oracle_port, "results": final_run.parent,
-                   "env": {"SPECPILOT_ENGINES": str(root / "engines"), "SPECPILOT_DATA": str(root / "data")}}
+            yield {
+                "engines": engines,
+                "final_run": final_run,
+                "ar_run": ar_run,
+                "first_verify": first,
+                "oracle_port": oracle_port,
+                "results": final_run.parent,
+                "env": {"SPECPILOT_ENGINES": str(root / "engines"), "SPECPILOT_DATA": str(root / "data")},
+            }
         finally:
             stop(oracle_port)
 
@@ -72,17 +94,27 @@ def _verify(trust, path):
 
 
 def _failures(report, dataset=None, field=None):
-    return [f for f in report["failures"] if (dataset is None or f["dataset"] == dataset)
-            and (field is None or f["field"] == field)]
+    return [
+        f
+        for f in report["failures"]
+        if (dataset is None or f["dataset"] == dataset) and (field is None or f["field"] == field)
+    ]
 
 
 def _run_cli(trust, *args):
     import os
-    return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **trust["env"]}, timeout=300)
+
+    return subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **trust["env"]},
+        timeout=300,
+    )
 
 
 # --- what a run records ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_bench_records_server_manifest_oracle_and_every_request_field(trust):
@@ -126,10 +158,12 @@ def test_prompts_too_long_for_the_context_are_listed_with_the_reason(shared):
 
 # --- verify: every field it can recompute -----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_changed_output_text_fails_verify_naming_request_and_field(trust):
     def edit(data):
         data["requests"][0]["output_text"] = data["requests"][0]["output_text"].replace("He", "She", 1)
+
     path, data = _tampered(trust, "t_text", edit)
     report = _verify(trust, path)
     assert vf.exit_status(report) == 1 and report["verdict"] == "not verified"
@@ -142,6 +176,7 @@ def test_a_changed_output_text_fails_verify_naming_request_and_field(trust):
 def test_a_dropped_last_token_fails_verify_naming_the_position(trust):
     def edit(data):
         data["requests"][1]["output_ids"].pop()
+
     path, data = _tampered(trust, "t_drop", edit)
     report = _verify(trust, path)
     assert vf.exit_status(report) == 1
@@ -157,6 +192,7 @@ def test_a_rewritten_engine_id_fails_verify(trust):
 
     def edit(data):
         data["engine_id"] = ar  # claim the ar engine produced the final run
+
     path, _ = _tampered(trust, "t_engine", edit)
     report = _verify(trust, path)
     assert vf.exit_status(report) == 1
@@ -169,6 +205,7 @@ def test_a_rewritten_engine_id_fails_verify(trust):
 def test_a_rewritten_prompt_digest_fails_verify_naming_the_request(trust):
     def edit(data):
         data["requests"][0]["prompt_digest"] = prompt_digest([1, 2, 3])
+
     path, data = _tampered(trust, "t_digest", edit)
     report = _verify(trust, path)
     assert vf.exit_status(report) == 1
@@ -183,6 +220,7 @@ def test_a_changed_prompt_token_fails_the_re_rendering_check(trust):
         r["prompt_ids"][5] += 1  # digests recomputed: only the dataset item rendered again tells
         r["prompt_digest"] = prompt_digest(r["prompt_ids"])
         data["prompts_digest"] = prompts_digest(data["requests"])
+
     path, _ = _tampered(trust, "t_prompt", edit)
     report = _verify(trust, path)
     [failure] = _failures(report, "mt-bench", "prompt_ids")
@@ -195,6 +233,7 @@ def test_a_token_appended_at_the_context_limit_fails_that_request_only(trust):
         r = data["requests"][0]
         r["output_ids"].append(r["output_ids"][-1])
         r["completion_tokens"] += 1  # even with the count kept consistent
+
     path, data = _tampered(trust, "t_append", edit)
     request = data["requests"][0]
     budget = request["max_new_tokens"]
@@ -230,6 +269,7 @@ def test_the_default_oracle_is_the_recorded_id_or_names_the_pin_that_differs(tru
     def edit(data):
         data["oracle"]["manifest"]["inputs"]["checkpoints"]["model"]["revision"] = "f" * 40
         data["oracle_engine_id"] = data["oracle"]["engine_id"] = manifest_digest(data["oracle"]["manifest"])
+
     path, _ = _tampered(trust, "t_oracle", edit)
     assert _default_oracle(str(trust["final_run"])).id == trust["engines"]["ar"].id
     with pytest.raises(SpecPilotError, match=r"not in the store.*pin checkpoint\.model: karpathy/tinyllamas@f{12}"):
@@ -238,13 +278,20 @@ def test_the_default_oracle_is_the_recorded_id_or_names_the_pin_that_differs(tru
 
 # --- compare: arms checked against their manifests --------------------------------------------------------------
 
+
 def _as_engine(data, engine, name):
     """A results record re-labelled as another engine's (what compare must judge by the manifest)."""
     record = manifest_record(engine)
-    data.update(name=name, engine_id=engine.id, manifest_digest=record["digest"], engine_manifest=record["manifest"],
-                arm=record["manifest"]["arm"], setting=record["manifest"]["setting"],
-                server_info=dict(data["server_info"], engine_id=engine.id),
-                served=dict(data["served"], engine_id=engine.id))
+    data.update(
+        name=name,
+        engine_id=engine.id,
+        manifest_digest=record["digest"],
+        engine_manifest=record["manifest"],
+        arm=record["manifest"]["arm"],
+        setting=record["manifest"]["setting"],
+        server_info=dict(data["server_info"], engine_id=engine.id),
+        served=dict(data["served"], engine_id=engine.id),
+    )
     return data
 
 
@@ -273,6 +320,7 @@ def test_compare_refuses_a_changed_prompt_token(trust, arms):
     def edit(data):
         _as_engine(data, trust["engines"]["stock"], "c_stock_prompt")
         data["requests"][0]["prompt_ids"][3] += 1
+
     path, _ = _tampered(trust, "c_stock_prompt", edit)
     with pytest.raises(SpecPilotError, match=r"gsm8k item .*: prompt_digest .* is not the sha256 of its prompt_ids"):
         cmp.compare(arms["ar"], str(path), arms["final"], name="c_prompt", chart=False)
@@ -282,8 +330,13 @@ def test_compare_refuses_a_changed_prompt_token(trust, arms):
 def test_compare_refuses_a_record_relabelled_without_its_server(trust, arms):
     def edit(data):
         record = manifest_record(trust["engines"]["stock"])  # manifest and id swapped in, server_info left
-        data.update(engine_id=trust["engines"]["stock"].id, manifest_digest=record["digest"],
-                    engine_manifest=record["manifest"], arm="stock")
+        data.update(
+            engine_id=trust["engines"]["stock"].id,
+            manifest_digest=record["digest"],
+            engine_manifest=record["manifest"],
+            arm="stock",
+        )
+
     path, _ = _tampered(trust, "c_relabel", edit)
     with pytest.raises(SpecPilotError, match="its server reported .* in server_info; the record was altered"):
         cmp.compare(arms["ar"], str(path), arms["final"], name="c_relabel", chart=False)
@@ -310,6 +363,7 @@ def test_compare_refuses_mixed_dtypes(trust, arms):
 
 # --- attestations -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_statements_bind_verdicts_and_speedups_to_the_files(trust, arms):
     from specpilot_build.cli.main import main
@@ -330,8 +384,13 @@ def test_statements_bind_verdicts_and_speedups_to_the_files(trust, arms):
     compare_statement = report["statement"]
     assert main(["attest", "check", compare_statement]) == 0
     statement = _load(Path(compare_statement))
-    assert {s["name"] for s in statement["subject"]} == {"a_ar.json", "a_stock.json", "a_final.json",
-                                                          "c_attest.json", "c_attest.png"}
+    assert {s["name"] for s in statement["subject"]} == {
+        "a_ar.json",
+        "a_stock.json",
+        "a_final.json",
+        "c_attest.json",
+        "c_attest.png",
+    }
     predicate = statement["predicate"]
     assert predicate["engine_ids"]["final"] == trust["engines"]["final"].id
     assert predicate["speedups"]["final/ar"]["overall"]["speedup"] > 0

@@ -2,6 +2,7 @@
 rotary embedding and the cache writes, and the attention of the Qwen3 forward. On CPU (what CI runs) they are the
 torch expressions the forward had, bit for bit; on CUDA the Triton kernels against those expressions (and the
 attention against float64 attention), called eagerly and replayed from a CUDA graph."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,11 +13,13 @@ from torch.nn.attention import sdpa_kernel
 from specpilot_lab import fused
 
 EPS = 1e-6
-HIDDEN, INTERMEDIATE = 5120, 17408   # the 27B shapes of benchmarks/qwen3_e2e.py
+HIDDEN, INTERMEDIATE = 5120, 17408  # the 27B shapes of benchmarks/qwen3_e2e.py
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or fused.triton is None,
-                          reason="the Triton kernels run on a CUDA device with Triton installed")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or fused.triton is None,
+    reason="the Triton kernels run on a CUDA device with Triton installed",
+)
 
 
 def torch_rms_norm(x, weight, eps=EPS):
@@ -39,10 +42,10 @@ def torch_attention_inputs(qkv, weight, cos, signed_sin, positions, k_cache, v_c
     """The forward's code before fused.attention_inputs: the q/k norm with the rotation, then the cache writes by
     index."""
     kv_heads = k_cache.shape[1]
-    qk = torch_norm_rotate(qkv[:, :, :heads + kv_heads], weight, cos, signed_sin)
+    qk = torch_norm_rotate(qkv[:, :, : heads + kv_heads], weight, cos, signed_sin)
     rows = torch.arange(qkv.shape[0], device=qkv.device)[:, None]
     k_cache[rows, :, positions] = qk[:, :, heads:]
-    v_cache[rows, :, positions] = qkv[:, :, heads + kv_heads:]
+    v_cache[rows, :, positions] = qkv[:, :, heads + kv_heads :]
     return qk[:, :, :heads]
 
 
@@ -64,7 +67,7 @@ def torch_attention(q, k_cache, v_cache, positions):
 def float64_attention(q, k_cache, v_cache, positions):
     """The exact attention of the same bf16 values, in float64."""
     group = q.shape[2] // k_cache.shape[1]
-    k, v = (c.double().repeat_interleave(group, 1) for c in (k_cache, v_cache))   # [B, heads, length, dim]
+    k, v = (c.double().repeat_interleave(group, 1) for c in (k_cache, v_cache))  # [B, heads, length, dim]
     scores = torch.einsum("bthd,bhld->bthl", q.double(), k) / q.shape[-1] ** 0.5
     later = torch.arange(k.shape[2], device=q.device) > positions[:, :, None, None]
     return torch.einsum("bthl,bhld->bthd", scores.masked_fill(later, float("-inf")).softmax(-1), v)
@@ -74,8 +77,10 @@ def attention_case(batch, steps, length, dtype, device="cpu", heads=64, kv_heads
     """Queries, caches of keys with a spread of magnitudes (peaked and flat softmaxes), random positions
     (position 0 and the cache's last among them)."""
     q = draw((batch, steps, heads, dim), dtype, device, seed=seed)
-    k = draw((batch, kv_heads, length, dim), torch.float32, device, seed=seed + 1) * \
-        draw((batch, kv_heads, length, 1), torch.float32, device, scale=1.5, seed=seed + 2).exp()
+    k = (
+        draw((batch, kv_heads, length, dim), torch.float32, device, seed=seed + 1)
+        * draw((batch, kv_heads, length, 1), torch.float32, device, scale=1.5, seed=seed + 2).exp()
+    )
     v = draw((batch, kv_heads, length, dim), dtype, device, seed=seed + 3)
     positions = torch.randint(0, length, (batch, steps), generator=torch.Generator().manual_seed(seed)).to(device)
     positions[0, 0], positions[-1, -1] = 0, length - 1
@@ -154,7 +159,7 @@ def test_attention_inputs_on_cpu_are_the_torch_expressions(batch, steps, dtype):
     expected = torch_attention_inputs(qkv, weight, cos, sin, positions, k_expected, v_expected, 4)
     assert torch.equal(fused.attention_inputs(qkv, weight, cos, sin, EPS, positions, k, v, 4), expected)
     assert torch.equal(k, k_expected) and torch.equal(v, v_expected)
-    assert not torch.equal(k, caches(batch, 2, 12, 16, dtype)[0])   # it wrote
+    assert not torch.equal(k, caches(batch, 2, 12, 16, dtype)[0])  # it wrote
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -163,7 +168,7 @@ def test_attention_on_cpu_is_the_sdpa_expression(batch, steps, dtype):
     q, k, v, positions = attention_case(batch, steps, 12, dtype, heads=4, kv_heads=2, dim=16)
     got = fused.attention(q, k, v, positions)
     assert torch.equal(got, torch_attention(q, k, v, positions))
-    assert (got.double() - float64_attention(q, k, v, positions)).abs().max() <= 0.02   # and it is attention
+    assert (got.double() - float64_attention(q, k, v, positions)).abs().max() <= 0.02  # and it is attention
 
 
 def test_cpu_tensors_take_the_torch_path_under_the_triton_interpreter(monkeypatch):
@@ -174,8 +179,7 @@ def test_cpu_tensors_take_the_torch_path_under_the_triton_interpreter(monkeypatc
 
 
 @cuda
-@pytest.mark.parametrize("shape", [(1, HIDDEN), (5, HIDDEN), (16, HIDDEN), (32, HIDDEN), (4, 8, HIDDEN),
-                                   (3, 16384)])
+@pytest.mark.parametrize("shape", [(1, HIDDEN), (5, HIDDEN), (16, HIDDEN), (32, HIDDEN), (4, 8, HIDDEN), (3, 16384)])
 def test_rms_norm_kernel_is_within_one_bf16_step_of_torch(shape):
     """The kernel sums the squares in another order than torch's mean, so a rare element rounds the other way:
     with unit weights (where the output is the normalised x itself) every element is within one bf16 step of
@@ -213,7 +217,7 @@ def test_add_rms_norm_kernel_sums_as_torch_and_norms_within_one_bf16_step(shape)
     steps = ulps(normed, torch_rms_norm(x + delta, ones))
     assert steps.max() <= 1
     assert (steps == 0).float().mean() >= 0.999, f"{int((steps != 0).sum())} of {steps.numel()} differ"
-    assert torch.equal(normed, fused.rms_norm(x + delta, ones, EPS))   # the norm kernel's own bits
+    assert torch.equal(normed, fused.rms_norm(x + delta, ones, EPS))  # the norm kernel's own bits
 
 
 @cuda
@@ -244,13 +248,13 @@ def test_attention_inputs_kernel_matches_torch_but_for_the_norms_summation_order
 
     ones, zeros = torch.ones_like(weight), torch.zeros_like(sin)
     got, _ = both(ones, torch.ones_like(cos), zeros)
-    steps_off = ulps(got, torch_rms_norm(qkv[:, :, :heads + kv_heads], ones))
+    steps_off = ulps(got, torch_rms_norm(qkv[:, :, : heads + kv_heads], ones))
     assert steps_off.max() <= 1
     assert (steps_off == 0).float().mean() >= 0.999, f"{int((steps_off != 0).sum())} of {steps_off.numel()} differ"
     got, expected = both(weight, cos, sin)
-    normed = torch_rms_norm(qkv[:, :, :heads + kv_heads], weight)
+    normed = torch_rms_norm(qkv[:, :, : heads + kv_heads], weight)
     terms = (normed * cos).float().abs() + (normed.roll(dim // 2, dims=-1) * sin).float().abs()
-    assert torch.all((got.float() - expected.float()).abs() <= 2.0 ** -6 * terms)
+    assert torch.all((got.float() - expected.float()).abs() <= 2.0**-6 * terms)
     assert (got == expected).float().mean() >= 0.999
 
 
@@ -265,8 +269,9 @@ def test_attention_inputs_kernel_writes_no_position_outside_the_cache():
 
 @cuda
 @pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("batch,steps,length", [(1, 1, 192), (8, 1, 192), (32, 1, 192), (2, 16, 192), (1, 1, 4096),
-                                                (3, 2, 100)])
+@pytest.mark.parametrize(
+    "batch,steps,length", [(1, 1, 192), (8, 1, 192), (32, 1, 192), (2, 16, 192), (1, 1, 4096), (3, 2, 100)]
+)
 def test_attention_kernel_is_as_close_to_exact_attention_as_sdpa(batch, steps, length, splits):
     """Against float64 attention of the same bf16 values: the kernel's largest error is within that of torch's
     memory-efficient attention (the torch path on CUDA) plus a quarter of a bf16 step at the output's scale, with
@@ -277,7 +282,7 @@ def test_attention_kernel_is_as_close_to_exact_attention_as_sdpa(batch, steps, l
     got = fused.attention(q, k, v, positions, splits=splits)
     assert got.shape == q.shape and got.is_contiguous()
     error, sdpa_error = ((o.double() - exact).abs().max() for o in (got, torch_attention(q, k, v, positions)))
-    assert error <= sdpa_error + 2.0 ** -10 * exact.abs().max(), f"{error:.3e} against SDPA's {sdpa_error:.3e}"
+    assert error <= sdpa_error + 2.0**-10 * exact.abs().max(), f"{error:.3e} against SDPA's {sdpa_error:.3e}"
 
 
 @cuda
@@ -285,7 +290,7 @@ def test_attention_kernel_reads_no_key_after_a_sequences_positions():
     """Keys after every position of a sequence (the cache's unwritten rest) do not reach its output, even NaN."""
     q, k, v, positions = attention_case(4, 2, 256, torch.bfloat16, "cuda")
     before = {splits: fused.attention(q, k, v, positions, splits=splits) for splits in (1, 4)}
-    after = torch.arange(256, device="cuda")[None, :] > positions.max(1).values[:, None]   # [B, length]
+    after = torch.arange(256, device="cuda")[None, :] > positions.max(1).values[:, None]  # [B, length]
     assert after.any()
     for cache in (k, v):
         cache.masked_fill_(after[:, None, :, None], float("nan"))
@@ -305,10 +310,16 @@ def test_kernels_replay_from_a_cuda_graph():
 
     def run():
         q = fused.attention_inputs(qkv, qk_weight, cos, sin, EPS, positions, k, v, 64)
-        return (fused.rms_norm(x, weight, EPS), fused.add_rms_norm(x, delta, weight, EPS), fused.silu_mul(gate_up),
-                q, fused.attention(q, k, v, positions), fused.attention(q, k, v, positions, splits=4))
+        return (
+            fused.rms_norm(x, weight, EPS),
+            fused.add_rms_norm(x, delta, weight, EPS),
+            fused.silu_mul(gate_up),
+            q,
+            fused.attention(q, k, v, positions),
+            fused.attention(q, k, v, positions, splits=4),
+        )
 
-    side = torch.cuda.Stream()   # an eager call first, off the capture stream: compiles the kernels
+    side = torch.cuda.Stream()  # an eager call first, off the capture stream: compiles the kernels
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
@@ -338,14 +349,25 @@ def test_qwen3_forward_on_the_kernels_matches_its_torch_path_and_its_own_cache()
     of the longer prompt, both on the kernels (the cache written and read at the right positions)."""
     from specpilot_lab.qwen3 import Qwen3, Qwen3Shape
 
-    shape = Qwen3Shape(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=64, max_positions=256)
+    shape = Qwen3Shape(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_positions=256,
+    )
     model = Qwen3(shape, torch.bfloat16, "cuda")
     generator = torch.Generator("cuda").manual_seed(0)
     for name, param in model.named_parameters():
         norm = "norm" in name and "layers" in name or name == "norm"
-        param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator, device="cuda") if norm else
-                    0.08 * torch.randn(param.shape, generator=generator, device="cuda"))
+        param.copy_(
+            1 + 0.3 * torch.randn(param.shape, generator=generator, device="cuda")
+            if norm
+            else 0.08 * torch.randn(param.shape, generator=generator, device="cuda")
+        )
     tokens = torch.randint(0, 512, (3, 9), generator=torch.Generator().manual_seed(1)).cuda()
     positions = torch.arange(9, device="cuda").expand(3, 9)
 
@@ -365,5 +387,5 @@ def test_qwen3_forward_on_the_kernels_matches_its_torch_path_and_its_own_cache()
     difference = (step - full).abs().max()
     assert difference <= 0.05 * full.abs().max()
     top2 = full.topk(2, dim=-1).values
-    clear = top2[:, 0] - top2[:, 1] > 2 * difference     # no near tie the difference could flip
+    clear = top2[:, 0] - top2[:, 1] > 2 * difference  # no near tie the difference could flip
     assert torch.equal(step.argmax(-1)[clear], full.argmax(-1)[clear])

@@ -1,4 +1,5 @@
 """The sandbox contains hostile programs, scores them as failures, and leaves the machine healthy."""
+
 from __future__ import annotations
 
 import os
@@ -51,7 +52,8 @@ def test_runs_in_a_fresh_directory_with_a_minimal_environment(monkeypatch):
         "assert 'SPECPILOT_TEST_SECRET' not in os.environ, os.environ\n"
         "assert os.environ['HOME'] == os.environ['TMPDIR'] == os.getcwd()\n"
         "assert sorted(os.listdir('.')) == ['program.py'], os.listdir('.')\n"
-        "open('scratch.txt', 'w').write('allowed')\n")
+        "open('scratch.txt', 'w').write('allowed')\n"
+    )
     assert outcome.passed, outcome.stderr
 
 
@@ -81,7 +83,8 @@ def test_fork_bomb_is_contained_and_leaves_no_process():
         "        if os.fork() == 0:\n"
         "            os.setsid()  # try to leave the process group\n"
         "    except OSError:\n"
-        "        time.sleep(0.01)\n")
+        "        time.sleep(0.01)\n"
+    )
     limits = sandbox.Limits(wall_s=3.0, cpu_s=2)
     started = time.monotonic()
     outcome = sandbox.run_python(bomb, limits)
@@ -92,8 +95,7 @@ def test_fork_bomb_is_contained_and_leaves_no_process():
 
 def test_escaped_child_does_not_outlive_the_run():
     marker = f"{300 + (time.monotonic_ns() % 10**6) / 10**7:.7f}"  # a sleep length no other process has
-    program = ("import subprocess\n"
-               f"subprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n")
+    program = f"import subprocess\nsubprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
     outcome = sandbox.run_python(program, ROOMY)
     assert outcome.passed, outcome.stderr  # it exited 0, but the child it left in a new session must be gone
     time.sleep(0.1)
@@ -155,15 +157,15 @@ def test_socket_to_a_loopback_server_gets_no_connection():
         while not stop.is_set():
             try:
                 accepted.append(server.accept())
-            except socket.timeout:
+            except TimeoutError:
                 continue
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        program = ("import socket\n"
-                   f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                   "s.sendall(b'exfiltrate')\n")
+        program = (
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'exfiltrate')\n"
+        )
         outcome = sandbox.run_python(program, ROOMY)
         time.sleep(0.3)
         refused = list(accepted)
@@ -196,8 +198,9 @@ def test_isolation_is_reported():
 
 # --- the fresh root: nothing of the host but the runtime ----------------------------------------------
 
-needs_fresh_root = pytest.mark.skipif(not sandbox.isolation().fresh_root,
-                                      reason=f"no fresh root here: {sandbox.isolation().describe()}")
+needs_fresh_root = pytest.mark.skipif(
+    not sandbox.isolation().fresh_root, reason=f"no fresh root here: {sandbox.isolation().describe()}"
+)
 
 
 @needs_fresh_root
@@ -211,7 +214,8 @@ def test_proc_shows_only_the_sandbox_processes():
         "for pid in pids:\n"
         "    line = open('/proc/%d/cmdline' % pid, 'rb').read()\n"
         "    assert b'pytest' not in line, line\n"
-        "child.kill()\n")
+        "child.kill()\n"
+    )
     outcome = sandbox.run_python(program, ROOMY)
     assert outcome.passed, outcome.stderr
     _machine_healthy(outcome)
@@ -254,7 +258,8 @@ def test_host_files_are_not_reachable(world_readable_data_dir):
         "        continue\n"
         "    raise AssertionError('read ' + path)\n"
         "assert 'sandbox:x:' in open('/etc/passwd').read()  # the sandbox's own passwd, not the host's\n"
-        "assert not os.path.exists('/root') and not os.path.exists('/home') and not os.path.exists('/work')\n")
+        "assert not os.path.exists('/root') and not os.path.exists('/home') and not os.path.exists('/work')\n"
+    )
     outcome = sandbox.run_python(program, ROOMY)
     assert outcome.passed, outcome.stderr
 
@@ -273,7 +278,8 @@ def test_the_runtime_is_read_only_and_works():
         "status = dict(line.split(':\\t', 1) for line in open('/proc/self/status').read().splitlines()"
         " if ':\\t' in line)\n"
         "assert int(status['CapEff'], 16) == int(status['CapBnd'], 16) == 0, status\n"
-        "assert status['NoNewPrivs'].strip() == '1'\n")
+        "assert status['NoNewPrivs'].strip() == '1'\n"
+    )
     outcome = sandbox.run_python(program, ROOMY)
     assert outcome.passed, outcome.stderr
 
@@ -289,8 +295,13 @@ def test_isolation_names_what_is_missing():
 
 # --- run_tested: the verdict comes from a process that never runs candidate code -----------------------
 
-def _tested(candidate: str, call: str = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n",
-            tests: str = "", remote: tuple[str, ...] = ("add",)) -> sandbox.Outcome:
+
+def _tested(
+    candidate: str,
+    call: str = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n",
+    tests: str = "",
+    remote: tuple[str, ...] = ("add",),
+) -> sandbox.Outcome:
     return sandbox.run_tested(sandbox.Tested(candidate=candidate, tests=tests, call=call, remote=remote), ROOMY)
 
 
@@ -304,17 +315,29 @@ def test_tested_candidate_passes_only_on_right_answers():
     assert not broken.passed and "SyntaxError" in broken.stderr
 
 
-@pytest.mark.parametrize("candidate", [
-    "import sys\nsys.exit(0)\n",
-    "import os\nos._exit(0)\n",
-    "exit()\n",
-    "def add(a, b):\n    raise SystemExit(0)\n",
-    "def add(a, b):\n    import os\n    os._exit(0)\n",
-    "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    raise SystemExit(0)\n",
-    "def add(a, b):\n    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n",
-    "import os\nprint('ok')\nos.close(1)\nos._exit(0)\n",
-], ids=["sys.exit", "os._exit", "exit()", "SystemExit-in-call", "os._exit-in-call", "atexit", "kill-self",
-        "print-and-exit"])
+@pytest.mark.parametrize(
+    "candidate",
+    [
+        "import sys\nsys.exit(0)\n",
+        "import os\nos._exit(0)\n",
+        "exit()\n",
+        "def add(a, b):\n    raise SystemExit(0)\n",
+        "def add(a, b):\n    import os\n    os._exit(0)\n",
+        "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    raise SystemExit(0)\n",
+        "def add(a, b):\n    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+        "import os\nprint('ok')\nos.close(1)\nos._exit(0)\n",
+    ],
+    ids=[
+        "sys.exit",
+        "os._exit",
+        "exit()",
+        "SystemExit-in-call",
+        "os._exit-in-call",
+        "atexit",
+        "kill-self",
+        "print-and-exit",
+    ],
+)
 def test_exiting_early_with_status_zero_fails(candidate):
     outcome = _tested(candidate)
     assert not outcome.passed
@@ -330,9 +353,11 @@ def test_a_test_that_swallows_the_candidates_exit_still_fails():
 
 
 def test_an_always_equal_answer_does_not_cross_the_boundary():
-    candidate = ("class Anything:\n    def __eq__(self, other):\n        return True\n"
-                 "    __ne__ = lambda self, other: False\n    __hash__ = object.__hash__\n"
-                 "def add(a, b):\n    return Anything()\n")
+    candidate = (
+        "class Anything:\n    def __eq__(self, other):\n        return True\n"
+        "    __ne__ = lambda self, other: False\n    __hash__ = object.__hash__\n"
+        "def add(a, b):\n    return Anything()\n"
+    )
     outcome = _tested(candidate)
     assert not outcome.passed and "AssertionError" in outcome.stderr
 
@@ -349,7 +374,8 @@ def test_values_exceptions_and_handles_cross_faithfully():
         "def numbers():\n    return (n for n in range(3))\n"
         "def fail(kind):\n    raise {'value': ValueError, 'own': type('Own', (Exception,), {})}[kind]('no')\n"
         "def box(v):\n    return Box(v)\n"
-        "def unbox(b):\n    return b.v\n")
+        "def unbox(b):\n    return b.v\n"
+    )
     call = (
         "import collections, decimal, fractions\n"
         "expected = [None, True, 2**5000 + 1, -7, 1.5, float('inf'), 1j, 'é\\ud800', b'\\x00', bytearray(b'x'),\n"
@@ -362,19 +388,22 @@ def test_values_exceptions_and_handles_cross_faithfully():
         "assert list(numbers()) == [0, 1, 2]\n"
         "try:\n    fail('value')\nexcept ValueError as error:\n    assert str(error) == 'no'\nelse:\n    raise AssertionError\n"
         "try:\n    fail('own')\nexcept Exception as error:\n    assert 'Own: no' in str(error)\nelse:\n    raise AssertionError\n"
-        "b = box([1, 2])\nassert b != box([1, 2]) and b == b and unbox(b) == [1, 2]\n")
+        "b = box([1, 2])\nassert b != box([1, 2]) and b == b and unbox(b) == [1, 2]\n"
+    )
     outcome = _tested(candidate, call=call, remote=("value", "numbers", "fail", "box", "unbox"))
     assert outcome.passed, outcome.stderr + outcome.candidate.stderr
 
 
 def test_malformed_replies_fail():
-    junk = ("import os\n"
-            "for fd in range(3, 64):\n"
-            "    try:\n"
-            "        os.write(fd, b'\\x00\\x00\\x00\\x05ready' + b'\\xff' * 64)\n"
-            "    except OSError:\n"
-            "        pass\n"
-            "def add(a, b):\n    return a + b\n")
+    junk = (
+        "import os\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, b'\\x00\\x00\\x00\\x05ready' + b'\\xff' * 64)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def add(a, b):\n    return a + b\n"
+    )
     outcome = _tested(junk)
     assert not outcome.passed and "the candidate" in outcome.stderr
 
@@ -385,7 +414,7 @@ CANARY = "canary-" + "7f3a9c1e5b2d4086"  # assembled, so that this file's text a
 def test_the_tests_never_enter_the_candidates_reach():
     """The candidate hunts for the expected answer everywhere it can look — its own file, code objects,
     frames, the gc, /proc (cmdlines, environments, fds, memory), the filesystem — and answers with it."""
-    hunter = r'''
+    hunter = r"""
 import gc, os, re, sys, types
 OWN = "canary-0123456789abcdef"  # its own, which it must find: the hunt works
 found = set()
@@ -448,7 +477,7 @@ for root in ("/tmp", "/var/tmp", "/dev/shm", "/run", "/etc", "/proc/self/fd"):
 sys.stderr.write("found: %r\n" % sorted(found))
 def answer():
     return sorted(found)[0] if found else "nothing"
-'''
+"""
     outcome = _tested(hunter, call=f"assert answer() == {CANARY!r}\n", remote=("answer",))
     assert "found: ['canary-0123456789abcdef']" in outcome.candidate.stderr, outcome.candidate.stderr
     assert not outcome.passed and "AssertionError" in outcome.stderr
@@ -456,11 +485,14 @@ def answer():
 
 @pytest.mark.slow
 def test_tested_runs_leave_nothing_behind():
-    program = ("import subprocess\n"
-               "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
-               "def add(a, b):\n    while True:\n        pass\n")
-    outcome = sandbox.run_tested(sandbox.Tested(program, "", "assert add(1, 2) == 3\n", ("add",)),
-                                 sandbox.Limits(wall_s=10.0, cpu_s=1))
+    program = (
+        "import subprocess\n"
+        "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "def add(a, b):\n    while True:\n        pass\n"
+    )
+    outcome = sandbox.run_tested(
+        sandbox.Tested(program, "", "assert add(1, 2) == 3\n", ("add",)), sandbox.Limits(wall_s=10.0, cpu_s=1)
+    )
     assert not outcome.passed
     _machine_healthy(outcome)
     _machine_healthy(outcome.candidate)

@@ -1,4 +1,5 @@
 """Scoring: reference answers and canonical solutions score 100%, wrong and hostile ones score 0."""
+
 from __future__ import annotations
 
 import json
@@ -6,21 +7,38 @@ from pathlib import Path
 
 import pytest
 
+from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import sandbox, score
 from specpilot_build.measure.datasets import load_split
-from specpilot_build.errors import SpecPilotError
 
 
 def _request(dataset: str, item_id: str, text: str, finish: str = "stop", tokens: int = 10) -> dict:
-    return {"dataset": dataset, "item_id": item_id, "prompt_ids": [1, 2, 3], "output_ids": list(range(tokens)),
-            "output_text": text, "completion_tokens": tokens, "max_new_tokens": 64,
-            "finish_reason": finish}
+    return {
+        "dataset": dataset,
+        "item_id": item_id,
+        "prompt_ids": [1, 2, 3],
+        "output_ids": list(range(tokens)),
+        "output_text": text,
+        "completion_tokens": tokens,
+        "max_new_tokens": 64,
+        "finish_reason": finish,
+    }
 
 
 def _write_run(path: Path, requests: list[dict]) -> Path:
-    path.write_text(json.dumps({"schema": "specpilot.results/1", "name": path.stem, "engine_id": "e" * 64,
-                                "setting": "test", "arm": "final", "max_new_tokens": 64,
-                                "requests": requests}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": "specpilot.results/1",
+                "name": path.stem,
+                "engine_id": "e" * 64,
+                "setting": "test",
+                "arm": "final",
+                "max_new_tokens": 64,
+                "requests": requests,
+            }
+        )
+    )
     return path
 
 
@@ -52,8 +70,13 @@ def test_every_canonical_code_solution_passes_in_the_sandbox(canonical):
     _, result = canonical
     failures = [(g["item_id"], g["detail"]) for g in result["items"] if not g["correct"]]
     assert failures == []
-    assert result["datasets"]["humaneval"] == {"n": 164, "scored": True, "correct": 164, "accuracy": 1.0,
-                                               "truncated": 0}
+    assert result["datasets"]["humaneval"] == {
+        "n": 164,
+        "scored": True,
+        "correct": 164,
+        "accuracy": 1.0,
+        "truncated": 0,
+    }
     assert result["datasets"]["mbpp"]["n"] == 500 and result["datasets"]["mbpp"]["accuracy"] == 1.0
 
 
@@ -100,13 +123,20 @@ def mixed(tmp_path_factory, shared):
         _request("humaneval", "HumanEval/0", humaneval["HumanEval/0"]["canonical_solution"]),
         _request("humaneval", "HumanEval/2", "    return 0.5\n"),
         _request("humaneval", "HumanEval/4", "    while True:\n        pass\n"),
-        _request("humaneval", "HumanEval/7", "```python\nfrom typing import List\ndef filter_by_substring(",
-                 finish="length", tokens=64),
+        _request(
+            "humaneval",
+            "HumanEval/7",
+            "```python\nfrom typing import List\ndef filter_by_substring(",
+            finish="length",
+            tokens=64,
+        ),
         _request("mbpp", mbpp[0].id, mbpp[0].record["code"]),
         _request("mbpp", mbpp[1].id, _fenced("import sys\nsys.exit(0)  # skip the tests\n")),
         _request("mbpp", mbpp[2].id, "I am not sure how to do this."),
-        *[_request("mt-bench", it.id, "A thoughtful essay.", finish=f, tokens=n)
-          for it, f, n in zip(mt_bench, ("stop", "length"), (10, 64))],
+        *[
+            _request("mt-bench", it.id, "A thoughtful essay.", finish=f, tokens=n)
+            for it, f, n in zip(mt_bench, ("stop", "length"), (10, 64))
+        ],
     ]
     path = _write_run(tmp_path_factory.mktemp("runs") / "mixed.json", requests)
     return score.score_run(path, workers=2, limits=sandbox.Limits(wall_s=30.0, cpu_s=2))
@@ -129,8 +159,10 @@ def test_cli_prints_the_table_and_writes_the_score(tmp_path, capsys, shared):
     from specpilot_build.cli.main import main
 
     item = load_split("gsm8k", 1)[0]
-    path = _write_run(tmp_path / "tiny.json", [_request("gsm8k", item.id, item.record["answer"]),
-                                               _request("mt-bench", "81", "Hello.")])
+    path = _write_run(
+        tmp_path / "tiny.json",
+        [_request("gsm8k", item.id, item.record["answer"]), _request("mt-bench", "81", "Hello.")],
+    )
     assert main(["score", str(path)]) == 0
     out = capsys.readouterr().out
     assert "gsm8k" in out and "100.0%" in out and "not auto-scored" in out
@@ -152,6 +184,7 @@ def test_missing_run_exits_with_a_one_line_error(tmp_path, capsys):
 
 # --- answer extraction -------------------------------------------------------------------------------
 
+
 def test_gsm8k_final_number_from_every_reference_solution(shared):
     wrong = []
     for item in load_split("gsm8k"):
@@ -159,22 +192,29 @@ def test_gsm8k_final_number_from_every_reference_solution(shared):
         reference = score.gsm8k_reference(answer)
         body, final = answer.split("####")
         final = final.strip()
-        for text in (answer, f"{body}The answer is {final}.", f"{body}So the total is $\\boxed{{{final}}}$.",
-                     f"{body}{final}"):
+        for text in (
+            answer,
+            f"{body}The answer is {final}.",
+            f"{body}So the total is $\\boxed{{{final}}}$.",
+            f"{body}{final}",
+        ):
             if score.extract_final_number(text) != reference:
                 wrong.append((item.id, text[-40:]))
     assert wrong == []
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("She pays $1,250.50 in total.\n#### 1,250.50", "2501/2"),
-    ("so \\boxed{\\$18} dollars", "18"),
-    ("The answer is: -7 degrees", "-7"),
-    ("\\boxed{\\frac{3}{4}} of the cake", "3/4"),
-    ("First 12, then 30, finally 42 apples.", "42"),
-    ("12 eggs \\boxed{36}. Later we note 5 other things.", "36"),
-    ("no digits here", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("She pays $1,250.50 in total.\n#### 1,250.50", "2501/2"),
+        ("so \\boxed{\\$18} dollars", "18"),
+        ("The answer is: -7 degrees", "-7"),
+        ("\\boxed{\\frac{3}{4}} of the cake", "3/4"),
+        ("First 12, then 30, finally 42 apples.", "42"),
+        ("12 eggs \\boxed{36}. Later we note 5 other things.", "36"),
+        ("no digits here", None),
+    ],
+)
 def test_gsm8k_extraction_cases(text, expected):
     value = score.extract_final_number(text)
     assert (None if value is None else str(value)) == expected
@@ -185,8 +225,12 @@ def test_gsm8k_reference_numbers():
     assert score.gsm8k_reference("#### 1,000") == 1000
 
 
-EQUIVALENT_FORMS = [("so $\\boxed{0.5}$", "\\frac{1}{2}", True), ("thus \\boxed{\\dfrac{1}{2}}", "\\frac12", True),
-                    ("x = \\boxed{3}", "3", True), ("I give up", "3", False)]
+EQUIVALENT_FORMS = [
+    ("so $\\boxed{0.5}$", "\\frac{1}{2}", True),
+    ("thus \\boxed{\\dfrac{1}{2}}", "\\frac12", True),
+    ("x = \\boxed{3}", "3", True),
+    ("I give up", "3", False),
+]
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +272,9 @@ def test_last_boxed_balances_braces():
 
 
 def test_code_extraction_prefers_the_block_defining_the_function():
-    text = ("Example use:\n```python\nprint(add(1, 2))\n```\nThe function:\n```py\ndef add(a, b):\n"
-            "    return a + b\n```\n")
+    text = (
+        "Example use:\n```python\nprint(add(1, 2))\n```\nThe function:\n```py\ndef add(a, b):\n    return a + b\n```\n"
+    )
     assert score.extract_code(text, "add") == "def add(a, b):\n    return a + b\n"
     assert score.extract_code("def add(a, b): return a + b", "add") == "def add(a, b): return a + b"
     assert score.extract_code("```python\ndef add(a, b):\n    return a", "add") == "def add(a, b):\n    return a"
@@ -255,7 +300,8 @@ STEAL = {
         "    for value in list(values):\n"
         "        code = getattr(value, '__code__', value)\n"
         "        if isinstance(code, types.CodeType):\n"
-        "            consts(code)\n"),
+        "            consts(code)\n"
+    ),
     "frames": (
         "import inspect\n"
         "found = set()\n"
@@ -264,7 +310,8 @@ STEAL = {
         "    for value in [*frame.f_locals.values(), *frame.f_globals.values(), *frame.f_code.co_consts]:\n"
         "        if hasattr(value, 'co_consts'):\n"
         "            value = repr(value.co_consts)\n"
-        "        found.update(re.findall(r'[0-9a-f]{32}', str(value)))\n"),
+        "        found.update(re.findall(r'[0-9a-f]{32}', str(value)))\n"
+    ),
     "own-memory": (
         "import ctypes\n"
         "ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: its /proc/self/mem becomes its own\n"
@@ -278,7 +325,8 @@ STEAL = {
         "                mem.seek(low)\n"
         "                found.update(m.decode() for m in re.findall(rb'[0-9a-f]{32}', mem.read(high - low)))\n"
         "            except (OSError, ValueError, OverflowError):\n"
-        "                pass\n"),
+        "                pass\n"
+    ),
     "proc-cmdline-environ": (
         "found = set()\n"
         "for pid in ['self'] + [p for p in os.listdir('/proc') if p.isdigit()]:\n"
@@ -287,13 +335,15 @@ STEAL = {
         "            found.update(re.findall(r'[0-9a-f]{32}', open(f'/proc/{pid}/{name}', 'rb').read()"
         ".decode('latin-1')))\n"
         "        except OSError:\n"
-        "            pass\n"),
+        "            pass\n"
+    ),
 }
 
 
 def _thief(function: str, vector: str) -> str:
-    return _fenced(f"import os, re, sys\n{function}\n{STEAL[vector]}"
-                   "print('\\n'.join(sorted(found)), flush=True)\nos._exit(0)\n")
+    return _fenced(
+        f"import os, re, sys\n{function}\n{STEAL[vector]}print('\\n'.join(sorted(found)), flush=True)\nos._exit(0)\n"
+    )
 
 
 @pytest.mark.parametrize("vector", sorted(STEAL))
@@ -309,24 +359,37 @@ def test_a_completion_that_prints_what_it_can_read_and_exits_0_fails(vector, sha
     assert [r["detail"] for r in results] == ["exited before its tests finished"] * 2
 
 
-@pytest.mark.parametrize("exit_code", ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "exit(0)",
-                                       "raise SystemExit", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)"])
+@pytest.mark.parametrize(
+    "exit_code",
+    [
+        "import sys\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        "exit(0)",
+        "raise SystemExit",
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)",
+    ],
+)
 def test_exiting_early_with_status_0_fails(exit_code, shared):
     humaneval = {item.id: item.record for item in load_split("humaneval")}["HumanEval/0"]
     at_module_level = _fenced(f"def has_close_elements(numbers, threshold):\n    return None\n{exit_code}\n")
-    in_the_function = _fenced("def has_close_elements(numbers, threshold):\n"
-                              + "".join(f"    {line}\n" for line in exit_code.splitlines()))
+    in_the_function = _fenced(
+        "def has_close_elements(numbers, threshold):\n" + "".join(f"    {line}\n" for line in exit_code.splitlines())
+    )
     results = score.grade("humaneval", [at_module_level, in_the_function], [humaneval, humaneval])
     assert [r["correct"] for r in results] == [False, False], results
 
 
 def test_an_answer_equal_to_everything_fails(shared):
     records = {item.id: item.record for item in load_split("humaneval")}
-    always_equal = ("class Anything(list):\n    def __eq__(self, other):\n        return True\n"
-                    "    def __ne__(self, other):\n        return False\n    __bool__ = lambda self: True\n"
-                    "    __hash__ = object.__hash__\n")
-    completions = [_fenced(f"{always_equal}def has_close_elements(numbers, threshold):\n    return Anything()\n"),
-                   _fenced(f"{always_equal}def separate_paren_groups(paren_string):\n    return Anything()\n")]
+    always_equal = (
+        "class Anything(list):\n    def __eq__(self, other):\n        return True\n"
+        "    def __ne__(self, other):\n        return False\n    __bool__ = lambda self: True\n"
+        "    __hash__ = object.__hash__\n"
+    )
+    completions = [
+        _fenced(f"{always_equal}def has_close_elements(numbers, threshold):\n    return Anything()\n"),
+        _fenced(f"{always_equal}def separate_paren_groups(paren_string):\n    return Anything()\n"),
+    ]
     results = score.grade("humaneval", completions, [records["HumanEval/0"], records["HumanEval/1"]])
     assert [r["correct"] for r in results] == [False, False], results
 
@@ -340,6 +403,8 @@ def test_correct_answers_that_need_helpers_and_setup_code_pass(shared):
     assert score.grade("humaneval", [_fenced(h32["prompt"] + h32["canonical_solution"])], [h32])[0]["correct"]
     assert not score.grade("humaneval", ["    return 0.0\n"], [h32])[0]["correct"]
     assert score.grade("mbpp", [_fenced(m367["code"].replace("\r\n", "\n") + "\n")], [m367])[0]["correct"]
-    wrong = "class Node:\n    def __init__(self, data):\n        self.data, self.left, self.right = data, None, None\n" \
-            "def is_tree_balanced(root):\n    return root.data == 1\n"
+    wrong = (
+        "class Node:\n    def __init__(self, data):\n        self.data, self.left, self.right = data, None, None\n"
+        "def is_tree_balanced(root):\n    return root.data == 1\n"
+    )
     assert not score.grade("mbpp", [wrong], [m367])[0]["correct"]

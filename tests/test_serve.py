@@ -1,4 +1,5 @@
 """make serve / make stop: exactly the engine given, exactly the process recorded."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from reference_runtime_helpers import free_port
+
 from specpilot_build.assemble.builder import build_engine
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
@@ -22,8 +23,13 @@ EMBEDDED = "cpu_c1_stories260k_ngram"
 
 
 def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
 
 
 def record(session_data: Path, port: int) -> dict | None:
@@ -52,9 +58,12 @@ def test_serve_runs_exactly_the_engine_and_stop_is_idempotent(session_data, gold
         assert info["engine_id"] == engine.id and info["arm"] == "ar"
         prompt = golden["prompt_ids"]
         n = len(golden["sequence_ids"]) - len(prompt)
-        got = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60, json={
-            "input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0}}).json()
-        assert prompt + got["output_ids"] == golden["sequence_ids"][:len(prompt) + len(got["output_ids"])]
+        got = httpx.post(
+            f"http://127.0.0.1:{port}/generate",
+            timeout=60,
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0}},
+        ).json()
+        assert prompt + got["output_ids"] == golden["sequence_ids"][: len(prompt) + len(got["output_ids"])]
         assert len(got["output_ids"]) > 0
     finally:
         first = cli("stop", "--port", str(port))

@@ -3,6 +3,7 @@
 Three servers start once for the module (in parallel): the `ar` and `final` arms of the c1 setting, and the
 `final` arm with continuous batching (max_running_requests 16).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
-from reference_runtime_helpers import (STORY_PROMPTS, engine_config, free_port, launch, stop, wait_healthy,
-                                       write_engine)
+from reference_runtime_helpers import STORY_PROMPTS, engine_config, free_port, launch, stop, wait_healthy, write_engine
 
 pytestmark = pytest.mark.slow  # every test talks to the three servers the module starts
 
@@ -55,11 +54,14 @@ def greedy_ids(url: str, prompt: str | list[int], max_new_tokens: int) -> list[i
 @pytest.mark.parametrize("name", list(SERVERS))
 def test_golden_prompt_ids_give_llama2c_continuation(servers, name, golden):
     prompt, sequence = golden["prompt_ids"], golden["sequence_ids"]
-    r = generate(servers[name], input_ids=prompt,
-                 sampling_params={"max_new_tokens": len(sequence) - len(prompt), "temperature": 0})
+    r = generate(
+        servers[name],
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": len(sequence) - len(prompt), "temperature": 0},
+    )
     body = r.json()
     assert prompt + body["output_ids"] == sequence
-    assert body["text"] == golden["decoded_text_without_bos"][len(golden["prompt"]):]
+    assert body["text"] == golden["decoded_text_without_bos"][len(golden["prompt"]) :]
     meta = body["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": len(sequence) - len(prompt)}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), len(sequence) - len(prompt))
@@ -81,10 +83,15 @@ def test_sixteen_concurrent_requests_all_correct(servers):
 
     async def all_at_once():
         async with httpx.AsyncClient(timeout=300) as client:
-            replies = await asyncio.gather(*[
-                client.post(servers["final_c16"] + "/generate",
-                            json={"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0}})
-                for p, n in zip(prompts, lengths)])
+            replies = await asyncio.gather(
+                *[
+                    client.post(
+                        servers["final_c16"] + "/generate",
+                        json={"text": p, "sampling_params": {"max_new_tokens": n, "temperature": 0}},
+                    )
+                    for p, n in zip(prompts, lengths)
+                ]
+            )
         return [r.json()["output_ids"] for r in replies]
 
     assert asyncio.run(all_at_once()) == expected
@@ -93,29 +100,51 @@ def test_sixteen_concurrent_requests_all_correct(servers):
 def test_token_forcing_recipe_scores_every_forced_token(servers, golden):
     """verify's recipe: input = prompt + continuation, no new tokens, top-2 logprobs from the last prompt token."""
     prompt, sequence = golden["prompt_ids"], golden["sequence_ids"][:60]
-    r = generate(servers["final"], input_ids=sequence, sampling_params={"max_new_tokens": 0, "temperature": 0},
-                 return_logprob=True, logprob_start_len=len(prompt) - 1, top_logprobs_num=2)
+    r = generate(
+        servers["final"],
+        input_ids=sequence,
+        sampling_params={"max_new_tokens": 0, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=len(prompt) - 1,
+        top_logprobs_num=2,
+    )
     meta = r.json()["meta_info"]
     assert r.json()["output_ids"] == [] and meta["completion_tokens"] == 0
     tokens = meta["input_token_logprobs"]
     tops = meta["input_top_logprobs"]
-    assert [t[1] for t in tokens] == sequence[len(prompt) - 1:]
+    assert [t[1] for t in tokens] == sequence[len(prompt) - 1 :]
     for (logprob, token, _), top in zip(tokens[1:], tops[1:]):  # the continuation positions
         assert len(top) == 2 and top[0][1] == token  # greedy continuation: the forced id is the top-1
         assert top[0][0] == pytest.approx(logprob, abs=1e-6) and top[0][0] >= top[1][0]
     # From position 0 the first entry has no logprob, as in SGLang.
-    whole = generate(servers["ar"], input_ids=sequence[:8], sampling_params={"max_new_tokens": 0},
-                     return_logprob=True, logprob_start_len=0, top_logprobs_num=2).json()["meta_info"]
+    whole = generate(
+        servers["ar"],
+        input_ids=sequence[:8],
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+    ).json()["meta_info"]
     assert whole["input_token_logprobs"][0] == [None, sequence[0], None]
     assert whole["input_top_logprobs"][0] is None and len(whole["input_token_logprobs"]) == 8
 
 
 def test_output_logprobs_agree_with_forced_scoring(servers, golden):
     prompt = golden["prompt_ids"]
-    out = generate(servers["final"], input_ids=prompt, sampling_params={"max_new_tokens": 20, "temperature": 0},
-                   return_logprob=True, top_logprobs_num=2).json()
-    forced = generate(servers["ar"], input_ids=prompt + out["output_ids"], sampling_params={"max_new_tokens": 0},
-                      return_logprob=True, logprob_start_len=len(prompt)).json()["meta_info"]
+    out = generate(
+        servers["final"],
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": 20, "temperature": 0},
+        return_logprob=True,
+        top_logprobs_num=2,
+    ).json()
+    forced = generate(
+        servers["ar"],
+        input_ids=prompt + out["output_ids"],
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=len(prompt),
+    ).json()["meta_info"]
     ours = out["meta_info"]["output_token_logprobs"]
     assert [t[1] for t in ours] == out["output_ids"] == golden["sequence_ids"][5:25]
     assert [t[0] for t in ours] == pytest.approx([t[0] for t in forced["input_token_logprobs"]], abs=1e-4)
@@ -124,12 +153,13 @@ def test_output_logprobs_agree_with_forced_scoring(servers, golden):
 def test_stop_token_ids_and_stop_strings(servers, golden):
     prompt, sequence = golden["prompt_ids"], golden["sequence_ids"]
     newline_at = sequence.index(13)
-    body = generate(servers["final"], input_ids=prompt,
-                    sampling_params={"max_new_tokens": 150, "stop_token_ids": [13]}).json()
+    body = generate(
+        servers["final"], input_ids=prompt, sampling_params={"max_new_tokens": 150, "stop_token_ids": [13]}
+    ).json()
     assert prompt + body["output_ids"] == sequence[: newline_at + 1]
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": 13}
     body = generate(servers["ar"], input_ids=prompt, sampling_params={"max_new_tokens": 150, "stop": ["ball"]}).json()
-    golden_text = golden["decoded_text_without_bos"][len(golden["prompt"]):]
+    golden_text = golden["decoded_text_without_bos"][len(golden["prompt"]) :]
     assert body["text"] == golden_text[: golden_text.index("ball")]
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": "ball"}
 
@@ -137,14 +167,19 @@ def test_stop_token_ids_and_stop_strings(servers, golden):
 def test_openai_completions_and_chat(servers):
     url = servers["final"]
     native = generate(url, text="Once upon a time", sampling_params={"max_new_tokens": 40}).json()["text"]
-    r = httpx.post(url + "/v1/completions", json={"model": "stories260K", "prompt": "Once upon a time",
-                                                   "max_tokens": 40, "temperature": 0}, timeout=60).json()
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0},
+        timeout=60,
+    ).json()
     assert r["object"] == "text_completion" and r["choices"][0]["text"] == native
     assert r["choices"][0]["finish_reason"] == "length"
     assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 40, "total_tokens": 45}
-    chat = httpx.post(url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 40, "temperature": 0},
-        timeout=60).json()
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 40, "temperature": 0},
+        timeout=60,
+    ).json()
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": native}  # no template: plain text
     models = httpx.get(url + "/v1/models").json()
     assert models["data"][0]["id"] == "stories260K"
@@ -165,7 +200,7 @@ def test_streaming_concatenates_to_the_full_answer(servers, path):
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert len(chunks) > 3
@@ -239,8 +274,9 @@ def test_max_new_tokens_zero_returns_no_tokens(servers):
 
 
 def test_per_request_accept_statistics(servers, golden):
-    meta = generate(servers["final"], input_ids=golden["prompt_ids"],
-                    sampling_params={"max_new_tokens": 196}).json()["meta_info"]
+    meta = generate(servers["final"], input_ids=golden["prompt_ids"], sampling_params={"max_new_tokens": 196}).json()[
+        "meta_info"
+    ]
     # The golden story was served before (earlier tests): the shared cache proposes it back.
     assert meta["spec_accept_length"] > 3
     assert meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]

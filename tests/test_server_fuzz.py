@@ -4,6 +4,7 @@ largest allowed request is tokenized, and a seeded, bounded fuzz run (schemathes
 schema, hypothesis over raw JSON) finds no 5xx while valid greedy requests sent during it answer exactly as
 they answer alone. The fuzz machinery is benchmarks/server_fuzz.py (its longer run: `--seconds N`).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +20,8 @@ import pytest
 
 # The fuzz machinery is a benchmark script (it also runs longer on its own); loaded by path, not via sys.path.
 _spec = importlib.util.spec_from_file_location(
-    "server_fuzz", Path(__file__).resolve().parent.parent / "benchmarks" / "server_fuzz.py")
+    "server_fuzz", Path(__file__).resolve().parent.parent / "benchmarks" / "server_fuzz.py"
+)
 server_fuzz = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("server_fuzz", server_fuzz)
 _spec.loader.exec_module(server_fuzz)
@@ -38,9 +40,17 @@ SCHEMA_EXAMPLES = 150
 def server(tmp_path_factory):
     if not server_fuzz.MODEL_DIR.exists():
         pytest.skip(f"{server_fuzz.MODEL_DIR} is not here (the pinned data mirror ../shared is missing)")
-    srv = server_fuzz.Server(tmp_path_factory.mktemp("fuzz_server"),
-                             ["--max-body-bytes", str(BODY_LIMIT), "--body-timeout", str(BODY_TIMEOUT_S),
-                              "--header-timeout", str(HEADER_TIMEOUT_S)])
+    srv = server_fuzz.Server(
+        tmp_path_factory.mktemp("fuzz_server"),
+        [
+            "--max-body-bytes",
+            str(BODY_LIMIT),
+            "--body-timeout",
+            str(BODY_TIMEOUT_S),
+            "--header-timeout",
+            str(HEADER_TIMEOUT_S),
+        ],
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -102,10 +112,14 @@ def _nested(depth: int, kind: str) -> bytes:
     return (b"[" * depth + b"]" * depth) if kind == "list" else (b'{"a":' * depth + b"1" + b"}" * depth)
 
 
-NESTED = [("/generate", b'{"text": "hi", "rid": %s}'), ("/generate", b'{"text": %s}'), ("/generate", b"%s"),
-          ("/v1/completions", b'{"prompt": "hi", "user": %s}'),
-          ("/v1/chat/completions", b'{"messages": %s}'),
-          ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": %s}')]
+NESTED = [
+    ("/generate", b'{"text": "hi", "rid": %s}'),
+    ("/generate", b'{"text": %s}'),
+    ("/generate", b"%s"),
+    ("/v1/completions", b'{"prompt": "hi", "user": %s}'),
+    ("/v1/chat/completions", b'{"messages": %s}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": %s}'),
+]
 
 
 @pytest.mark.parametrize("depth", [40, 900, 100_000])
@@ -174,12 +188,15 @@ def test_wrong_nested_types_are_a_400(server, url, path, body):
     error_message(post(url, path, json.dumps(body).encode()), path)
 
 
-@pytest.mark.parametrize("path,content", [
-    ("/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}'),
-    ("/v1/completions", b'{"prompt": "hi", "model": NaN}'),  # would be echoed: NaN is no JSON
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": Infinity}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}'),
-])
+@pytest.mark.parametrize(
+    "path,content",
+    [
+        ("/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}'),
+        ("/v1/completions", b'{"prompt": "hi", "model": NaN}'),  # would be echoed: NaN is no JSON
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": Infinity}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}'),
+    ],
+)
 def test_non_finite_numbers_are_a_400(server, url, path, content):
     error_message(post(url, path, content), path)
 
@@ -194,7 +211,7 @@ def test_an_oversized_body_is_a_413(server, url, path):
 
     def chunked():  # no Content-Length: refused once the bytes read pass the limit
         for i in range(0, len(big), 65536):
-            yield big[i:i + 65536]
+            yield big[i : i + 65536]
 
     error_message(httpx.post(url + path, content=chunked(), timeout=60), path, status=413)
     still_serving(server)
@@ -239,7 +256,7 @@ def _raw_exchange(port: int, data: bytes, wait: float) -> bytes:
         while time.monotonic() < deadline:
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not chunk:
                 break
@@ -250,8 +267,9 @@ def _raw_exchange(port: int, data: bytes, wait: float) -> bytes:
 
 
 def test_a_body_that_does_not_arrive_is_a_408(server, url):
-    head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-            b'{"text": "')
+    head = (
+        b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"text": "'
+    )
     started = time.monotonic()
     answer = _raw_exchange(server.port, head, BODY_TIMEOUT_S + 10)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
@@ -277,8 +295,11 @@ def test_a_request_head_that_does_not_arrive_is_cut_off(server, url):
 def test_the_openapi_schema_describes_the_request_models(server, url):
     spec = httpx.get(url + "/openapi.json").json()
     schemas = spec["components"]["schemas"]
-    for path, model in [("/generate", "GenerateRequest"), ("/v1/completions", "CompletionRequest"),
-                        ("/v1/chat/completions", "ChatCompletionRequest")]:
+    for path, model in [
+        ("/generate", "GenerateRequest"),
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ]:
         body = spec["paths"][path]["post"]["requestBody"]
         assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
         assert {"400", "413"} <= set(spec["paths"][path]["post"]["responses"])
@@ -292,10 +313,12 @@ def test_the_openapi_schema_describes_the_request_models(server, url):
 
 # --- the fuzz run -------------------------------------------------------------------------------------------
 
+
 def test_fuzzing_finds_no_5xx_and_leaves_valid_answers_unchanged(server, url):
     started = time.monotonic()
-    tally, storm = server_fuzz.run(url, raw_examples=RAW_EXAMPLES, schema_examples=SCHEMA_EXAMPLES, seed=None,
-                                   storm_workers=2)
+    tally, storm = server_fuzz.run(
+        url, raw_examples=RAW_EXAMPLES, schema_examples=SCHEMA_EXAMPLES, seed=None, storm_workers=2
+    )
     print(f"\n{server_fuzz.report(tally, storm)}\nwall {time.monotonic() - started:.1f} s")
     assert tally.failures == []
     assert tally.total >= RAW_EXAMPLES + SCHEMA_EXAMPLES and tally.statuses[200] > 0 and tally.statuses[400] > 0

@@ -4,6 +4,7 @@
 Its pin, its pruning rules, its own cut of the engine-id patch, the clear refusals of the 0.5.23 patches on 0.5.17's
 files (W12's 0.5.17 cut: tests/test_w12_0517.py), and the build-time flag check, read from 0.5.17's own parser in the
 flag-check environment its runtime file declares (pinned packages, torchvision as an import-only stand-in)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,8 @@ from specpilot_build.assemble.overlays import apply_overlays, overlay_inputs
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.effective import effective_config
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.pins.lockfile import WheelPin, load_lock
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.pins.lockfile import WheelPin, load_lock
 
 PADDED = "h200_c1_stories260k-padded_ngram"  # on sglang-0.5.17 (its preset's runtime choice)
 OLD = ["runtime=sglang-0.5.17"]
@@ -47,8 +48,11 @@ def wheel(pin, session_data) -> Path:
 def test_0517_is_pinned_beside_0523(pin):
     runtimes = load_lock(REPO_ROOT / "lockfiles").runtimes
     assert runtimes["sglang"].version == "0.5.23"
-    assert (pin.version, pin.filename, pin.size) == \
-        ("0.5.17", "sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64.whl", 22301836)
+    assert (pin.version, pin.filename, pin.size) == (
+        "0.5.17",
+        "sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64.whl",
+        22301836,
+    )
     assert re.fullmatch(r"[0-9a-f]{64}", pin.sha256)
 
 
@@ -87,8 +91,11 @@ def test_the_0517_engine_id_patch_applies_and_the_0523_one_is_refused(wheel, tmp
     # 0.5.23's patch on 0.5.17's file: refused by its version range ...
     new_cfg = effective_config(compose_setting(PADDED, "stock", NEW).config)
     tree = _tree_with_http_server(wheel, tmp_path / "b", dist_info=True)
-    with pytest.raises(SpecPilotError, match=r"overlays/engine-id/overlay.toml: applies to sglang >=0.5.23,<0.5.24, "
-                                             r"but the pinned sglang is 0.5.17"):
+    with pytest.raises(
+        SpecPilotError,
+        match=r"overlays/engine-id/overlay.toml: applies to sglang >=0.5.23,<0.5.24, "
+        r"but the pinned sglang is 0.5.17",
+    ):
         apply_overlays(tree, overlay_inputs(["engine-id"], new_cfg), new_cfg)
     # ... and, without a dist-info to read the version from, by the strict patcher (its /server_info hunk)
     tree = _tree_with_http_server(wheel, tmp_path / "c", dist_info=False)
@@ -107,8 +114,13 @@ def test_the_0517_pruning_rules_keep_what_the_padded_ngram_engine_loads(wheel):
             members = [i for i in zf.infolist() if not i.is_dir()]
             kept, record = select_members(zf, members, cfg)
         names = {m.filename for m in kept}
-        assert {"sglang/srt/models/llama.py", "sglang/srt/entrypoints/http_server.py", "sglang/launch_server.py",
-                "sglang/srt/layers/attention/triton_backend.py", "sglang-0.5.17.dist-info/licenses/LICENSE"} <= names
+        assert {
+            "sglang/srt/models/llama.py",
+            "sglang/srt/entrypoints/http_server.py",
+            "sglang/launch_server.py",
+            "sglang/srt/layers/attention/triton_backend.py",
+            "sglang-0.5.17.dist-info/licenses/LICENSE",
+        } <= names
         assert "sglang/srt/speculative/ngram_worker.py" in names or arm == "ar"
         assert not any(n.startswith("sglang/multimodal_gen/") for n in names)
         assert any("device_name=NVIDIA_H200" in n for n in names)
@@ -145,12 +157,21 @@ def test_a_stand_in_is_used_only_where_the_real_module_fails_to_import(wheel):
 
 @pytest.mark.sglang
 @pytest.mark.slow
-@pytest.mark.parametrize("override,named", [
-    ("+runtime.launch_args.sampling-backnd=pytorch", ["--sampling-backnd", "runtime.launch_args",
-                                                      "is not a flag of SGLang 0.5.17",
-                                                      "did you mean --sampling-backend?"]),
-    ("runtime.launch_args.attention-backend=tritn", ["--attention-backend", "'tritn'", "triton"]),
-])
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        (
+            "+runtime.launch_args.sampling-backnd=pytorch",
+            [
+                "--sampling-backnd",
+                "runtime.launch_args",
+                "is not a flag of SGLang 0.5.17",
+                "did you mean --sampling-backend?",
+            ],
+        ),
+        ("runtime.launch_args.attention-backend=tritn", ["--attention-backend", "'tritn'", "triton"]),
+    ],
+)
 def test_a_flag_0517_would_refuse_fails_the_build_naming_it(wheel, override, named):
     from specpilot_build.assemble.builder import build_engine
     from specpilot_build.errors import ConfigError
@@ -160,12 +181,17 @@ def test_a_flag_0517_would_refuse_fails_the_build_naming_it(wheel, override, nam
     assert all(part in str(error.value) for part in named), str(error.value)
 
 
-@pytest.mark.parametrize("override,named", [
-    ("runtime.flag_check.packages=['transformers>=5']", ["runtime.flag_check.packages", "'transformers>=5'",
-                                                         "exact pin", "override runtime.flag_check.packages="]),
-    ("runtime.flag_check.stand_ins=[torchvision.io]", ["runtime.flag_check.stand_ins", "'torchvision.io'"]),
-    ("+runtime.flag_check.extra=1", ["runtime.flag_check.extra"]),
-])
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        (
+            "runtime.flag_check.packages=['transformers>=5']",
+            ["runtime.flag_check.packages", "'transformers>=5'", "exact pin", "override runtime.flag_check.packages="],
+        ),
+        ("runtime.flag_check.stand_ins=[torchvision.io]", ["runtime.flag_check.stand_ins", "'torchvision.io'"]),
+        ("+runtime.flag_check.extra=1", ["runtime.flag_check.extra"]),
+    ],
+)
 def test_a_flag_check_that_is_not_exact_pins_and_module_names_is_refused_at_compose(override, named):
     from specpilot_build.errors import ConfigError
 

@@ -1,5 +1,6 @@
 """SGLang engines: every SGLang setting builds `stock` and `final` from the pinned wheel, pruned, with its
 overlays; the tree's own SGLang accepts the engine's launch arguments; every .py file compiles."""
+
 from __future__ import annotations
 
 import ast
@@ -10,14 +11,13 @@ import zipfile
 from types import SimpleNamespace
 
 import pytest
-
 from sglang_builds import ARMS, sglang_settings
+
+from specpilot_build.assemble.builder import build_engine
 from specpilot_build.assemble.launch_check import check_launch_args, compile_engines
 from specpilot_build.locations import data_dir
-from specpilot_build.assemble.builder import build_engine
-from specpilot_build.store.engines import disk_usage
+from specpilot_build.store.engines import Engine, disk_usage
 from specpilot_build.store.manifest import digest_file
-from specpilot_build.store.engines import Engine
 
 CASES = [(s, a) for s in sglang_settings() for a in ARMS]
 HTTP_SERVER = "python/sglang/srt/entrypoints/http_server.py"
@@ -28,10 +28,23 @@ def model_dir(tmp_path_factory):
     """A model folder with only a small Llama config.json: SGLang 0.5.17's prepare_server_args reads the model
     type (0.5.23's does not look)."""
     folder = tmp_path_factory.mktemp("dummy-model")
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 176,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "num_hidden_layers": 2,
-        "vocab_size": 512, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "intermediate_size": 176,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "head_dim": 16,
+                "num_hidden_layers": 2,
+                "vocab_size": 512,
+                "max_position_embeddings": 512,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     return folder
 
 
@@ -43,8 +56,9 @@ def launch_results(builds, model_dir, tmp_path_factory):
     """One check run for every engine, plus a copy of one engine whose argv misspells a flag."""
     real = builds.engines["h100_c1_qwen3-8b_dflash", "final"]
     spec = json.loads((real.path / "launch.json").read_bytes())
-    spec["argv"] = [a.replace("--speculative-dflash-block-size", "--speculative-dflash-block-sise")
-                    for a in spec["argv"]]
+    spec["argv"] = [
+        a.replace("--speculative-dflash-block-size", "--speculative-dflash-block-sise") for a in spec["argv"]
+    ]
     fake = tmp_path_factory.mktemp("bad-flag-engine")
     os.symlink(real.path / "python", fake / "python")
     (fake / "launch.json").write_text(json.dumps(spec))
@@ -69,9 +83,15 @@ MAX_KEPT = {"sglang": 0.60, "sglang-0.5.17": 0.70}
 
 def test_the_sglang_settings_include_the_seeds_six_and_the_real_pinned_ones():
     settings = set(sglang_settings())
-    assert {"h100_c1_qwen38-27b_dflash2", "h100_c1_qwen38-27b_dspark", "h100_c16_qwen38-27b-fp8_dflash2",
-            "h100_c16_qwen38-27b-fp8_dspark", "rtx-pro-6000_c1_muse-glimmer-30b_dflash2",
-            "rtx-pro-6000_c16_qwen38-27b-fp8_dflash2", "h100_c1_qwen3-8b_dflash"} <= settings
+    assert {
+        "h100_c1_qwen38-27b_dflash2",
+        "h100_c1_qwen38-27b_dspark",
+        "h100_c16_qwen38-27b-fp8_dflash2",
+        "h100_c16_qwen38-27b-fp8_dspark",
+        "rtx-pro-6000_c1_muse-glimmer-30b_dflash2",
+        "rtx-pro-6000_c16_qwen38-27b-fp8_dflash2",
+        "h100_c1_qwen3-8b_dflash",
+    } <= settings
 
 
 @pytest.mark.parametrize("setting,arm", CASES)
@@ -110,7 +130,8 @@ def test_every_arm_carries_the_engine_id_overlay_and_final_adds_tuned_arguments(
 
 @pytest.mark.parametrize("setting,arm", CASES)
 def test_pruned_engines_keep_at_most_60_percent_of_the_wheel_and_say_what_they_dropped(
-        builds, wheel_members, setting, arm):
+    builds, wheel_members, setting, arm
+):
     engine = builds.engines[setting, arm]
     base = engine.manifest["base"]
     runtime = engine.manifest["config"]["runtime"]["name"]
@@ -118,8 +139,11 @@ def test_pruned_engines_keep_at_most_60_percent_of_the_wheel_and_say_what_they_d
     version = base["wheel"].split("-")[1]
     assert (base["total_files"], base["total_bytes"]) == (len(wheel_members), sum(wheel_members.values()))
     added_by_overlays = {f["path"] for r in base["overlays"] for f in r["files"] if f["before"] is None}
-    shipped = {f["path"][len("python/"):] for f in engine.manifest["files"]
-               if f["path"].startswith("python/") and f["path"] not in added_by_overlays}
+    shipped = {
+        f["path"][len("python/") :]
+        for f in engine.manifest["files"]
+        if f["path"].startswith("python/") and f["path"] not in added_by_overlays
+    }
     assert shipped <= set(wheel_members)
     assert base["kept_files"] == len(shipped)
     assert base["kept_bytes"] == sum(wheel_members[p] for p in shipped)
@@ -149,7 +173,7 @@ def test_all_sglang_engines_of_one_wheel_together_take_at_most_1_3_times_one_eng
     by_wheel: dict[str, list] = {}
     for engine in builds.engines.values():
         by_wheel.setdefault(engine.manifest["base"]["wheel"], []).append(engine.path)
-    assert len(by_wheel) == 2     # 0.5.23 and 0.5.17: their files share no objects, each group shares its own
+    assert len(by_wheel) == 2  # 0.5.23 and 0.5.17: their files share no objects, each group shares its own
     for paths in by_wheel.values():
         one = max(disk_usage([p]) for p in paths)
         assert disk_usage(paths) <= 1.3 * one
@@ -164,9 +188,12 @@ def _endpoint(engine: Engine, name: str):
 
     class TokenizerManager:
         server_args, startup_time, model_path, served_model_name, is_generation = "args", 0.0, "/m", "m", True
-        model_config = SimpleNamespace(is_image_understandable_model=False, is_audio_understandable_model=False,
-                                       hf_config=SimpleNamespace(model_type="qwen3", architectures=["Qwen3"]),
-                                       embedding_model_spec=None)
+        model_config = SimpleNamespace(
+            is_image_understandable_model=False,
+            is_audio_understandable_model=False,
+            hf_config=SimpleNamespace(model_type="qwen3", architectures=["Qwen3"]),
+            embedding_model_spec=None,
+        )
 
         async def get_internal_state(self):
             return [{}]
@@ -174,11 +201,18 @@ def _endpoint(engine: Engine, name: str):
         def config_value(self, key):
             return None
 
-    namespace = {"os": os, "List": list, "Dict": dict, "Any": object, "__version__": "0.5.23",
-                 "_global_state": SimpleNamespace(tokenizer_manager=TokenizerManager(), scheduler_info={}),
-                 "build_server_info": lambda args, info: {"model_path": "/m"},
-                 "msgspec_to_builtins": lambda x: x, "redact_watermark_secrets": lambda x: x,
-                 "get_serving": lambda: SimpleNamespace(tokenizer_path=None, preferred_sampling_params=None)}
+    namespace = {
+        "os": os,
+        "List": list,
+        "Dict": dict,
+        "Any": object,
+        "__version__": "0.5.23",
+        "_global_state": SimpleNamespace(tokenizer_manager=TokenizerManager(), scheduler_info={}),
+        "build_server_info": lambda args, info: {"model_path": "/m"},
+        "msgspec_to_builtins": lambda x: x,
+        "redact_watermark_secrets": lambda x: x,
+        "get_serving": lambda: SimpleNamespace(tokenizer_path=None, preferred_sampling_params=None),
+    }
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
     return namespace[name]
 
@@ -189,7 +223,10 @@ def test_every_arm_reports_the_engine_id_it_was_served_as(builds, monkeypatch, e
     can be served and used as verify's oracle)."""
     with builds.env():
         ar = build_engine("h100_c1_qwen3-8b_dflash", "ar").engine
-    for engine in (ar, builds.engines["h100_c1_qwen3-8b_dflash", "stock"],
-                   builds.engines["h100_c1_qwen3-8b_dflash", "final"]):
+    for engine in (
+        ar,
+        builds.engines["h100_c1_qwen3-8b_dflash", "stock"],
+        builds.engines["h100_c1_qwen3-8b_dflash", "final"],
+    ):
         monkeypatch.setenv("SPECPILOT_ENGINE_ID", engine.id)
         assert asyncio.run(_endpoint(engine, endpoint)())["engine_id"] == engine.id

@@ -1,4 +1,5 @@
 """SGLang launch flags and values are checked at build time against the pinned SGLang's own parser."""
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,18 @@ MECH = "final.mechanisms.tuned-dflash-block.launch_args"
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("override,named", [
-    (f"+{MECH}.speculative-dflash-blok-size=16", ["--speculative-dflash-blok-size", "tuned-dflash-block",
-                                                  "did you mean --speculative-dflash-block-size?"]),
-    (f"{MECH}.speculative-dflash-block-size=abc", ["--speculative-dflash-block-size", "'abc'", "int"]),
-    ("+runtime.launch_args.attention-backend=fa9", ["--attention-backend", "runtime.launch_args", "'fa9'",
-                                                    "fa3"]),
-    ("+runtime.launch_args.enable-torch-compile=7", ["--enable-torch-compile", "switch"]),
-])
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        (
+            f"+{MECH}.speculative-dflash-blok-size=16",
+            ["--speculative-dflash-blok-size", "tuned-dflash-block", "did you mean --speculative-dflash-block-size?"],
+        ),
+        (f"{MECH}.speculative-dflash-block-size=abc", ["--speculative-dflash-block-size", "'abc'", "int"]),
+        ("+runtime.launch_args.attention-backend=fa9", ["--attention-backend", "runtime.launch_args", "'fa9'", "fa3"]),
+        ("+runtime.launch_args.enable-torch-compile=7", ["--enable-torch-compile", "switch"]),
+    ],
+)
 def test_a_flag_or_value_sglang_would_refuse_fails_the_build_naming_it(override, named):
     with pytest.raises(ConfigError) as error:
         build_engine(SETTING, "final", [override])

@@ -1,5 +1,6 @@
 """Arms side by side (issue 16, item 5): the rotation, the server's CPU time per request, the CPU-time speedups,
 and, end to end on the embedded setting, three results files that bench, compare and verify read unchanged."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import threading
 import time
 
 import pytest
-
 from reference_runtime_helpers import STORY_PROMPTS, free_port
+
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import sidebyside as sbs
 from specpilot_build.measure.results import SCHEMA, results_dir, write_json
@@ -33,13 +34,23 @@ def test_process_cpu_time_is_read_from_proc():
         pass
     after = sbs.process_cpu_s(os.getpid())
     assert before is not None and after >= before
-    assert sbs.process_cpu_s(None) is None and sbs.process_cpu_s(2 ** 22 + 12345) is None
+    assert sbs.process_cpu_s(None) is None and sbs.process_cpu_s(2**22 + 12345) is None
 
 
 def _run(arm: str, cpu: list[float], tokens: list[int], process: list[float] | None = None) -> str:
-    requests = [{"dataset": d, "item_id": str(i), "prompt_ids": [1, i], "completion_tokens": n, "cpu_s": c,
-                 "process_cpu_s": process[i] if process else None, "output_ids": [5] * n, "latency_s": c}
-                for i, (c, n, d) in enumerate(zip(cpu, tokens, ["gsm8k", "gsm8k", "mbpp", "mbpp"]))]
+    requests = [
+        {
+            "dataset": d,
+            "item_id": str(i),
+            "prompt_ids": [1, i],
+            "completion_tokens": n,
+            "cpu_s": c,
+            "process_cpu_s": process[i] if process else None,
+            "output_ids": [5] * n,
+            "latency_s": c,
+        }
+        for i, (c, n, d) in enumerate(zip(cpu, tokens, ["gsm8k", "gsm8k", "mbpp", "mbpp"]))
+    ]
     name = f"sbs_{arm}"
     write_json(results_dir() / f"{name}.json", {"schema": SCHEMA, "name": name, "arm": arm, "requests": requests})
     return name
@@ -47,9 +58,11 @@ def _run(arm: str, cpu: list[float], tokens: list[int], process: list[float] | N
 
 def test_cpu_speedups_are_ratios_of_tokens_per_server_cpu_second():
     tokens = [100, 50, 80, 20]
-    report = sbs.cpu_speedups(_run("ar", [1.0, 0.5, 0.8, 0.2], tokens, [1.2, 0.6, 1.0, 0.2]),
-                              _run("stock", [0.8, 0.4, 0.6, 0.2], tokens, [1.0, 0.5, 0.8, 0.2]),
-                              _run("final", [0.5, 0.25, 0.4, 0.1], tokens, [0.8, 0.4, 0.6, 0.2]))
+    report = sbs.cpu_speedups(
+        _run("ar", [1.0, 0.5, 0.8, 0.2], tokens, [1.2, 0.6, 1.0, 0.2]),
+        _run("stock", [0.8, 0.4, 0.6, 0.2], tokens, [1.0, 0.5, 0.8, 0.2]),
+        _run("final", [0.5, 0.25, 0.4, 0.1], tokens, [0.8, 0.4, 0.6, 0.2]),
+    )
     assert report["measure"] == "process_cpu_s"  # the whole process is the primary figure
     overall = report["speedups"]["final/ar"]["overall"]
     assert overall["speedup"] == pytest.approx(3.0 / 2.0) and overall["ci95"][0] <= 1.5 <= overall["ci95"][1]
@@ -57,8 +70,11 @@ def test_cpu_speedups_are_ratios_of_tokens_per_server_cpu_second():
     assert engine["speedup"] == pytest.approx(2.0) and engine["ci95"] == pytest.approx([2.0, 2.0])
     assert report["by_measure"]["cpu_s"]["stock/ar"]["gsm8k"]["speedup"] == pytest.approx(1.5 / 1.2)
     assert report["cpu_s"]["cpu_s"]["ar"] == pytest.approx(2.5)
-    engine_only = sbs.cpu_speedups(_run("ar", [1.0, 0.5, 0.8, 0.2], tokens), _run("stock", [1.0] * 4, tokens),
-                                   _run("final", [0.5, 0.25, 0.4, 0.1], tokens))
+    engine_only = sbs.cpu_speedups(
+        _run("ar", [1.0, 0.5, 0.8, 0.2], tokens),
+        _run("stock", [1.0] * 4, tokens),
+        _run("final", [0.5, 0.25, 0.4, 0.1], tokens),
+    )
     assert engine_only["measure"] == "cpu_s" and list(engine_only["by_measure"]) == ["cpu_s"]
 
 
@@ -73,9 +89,9 @@ def test_engine_charges_cpu_time_to_each_request(stories_dir):
     """meta_info.cpu_s: positive, and over concurrent requests the shares add up to no more than the engine
     thread's own CPU time."""
     import torch
+    from reference_runtime_helpers import hf_model
     from transformers import AutoTokenizer
 
-    from reference_runtime_helpers import hf_model
     from specpilot_runtime.drafters import PromptLookup
     from specpilot_runtime.engine import Engine
     from specpilot_runtime.model import LeanLlama
@@ -92,14 +108,22 @@ def test_engine_charges_cpu_time_to_each_request(stories_dir):
         def stepped(running):
             step(running)
             engine_cpu["total"] = time.thread_time()
+
         engine._step = stepped
         run()
+
     engine._run = timed_run
     engine.thread = threading.Thread(target=engine._run, daemon=True)
     engine.start()
     results = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, engine.generate(tokenizer(STORY_PROMPTS[i])["input_ids"], 60, timeout=120))) for i in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.__setitem__(
+                i, engine.generate(tokenizer(STORY_PROMPTS[i])["input_ids"], 60, timeout=120)
+            )
+        )
+        for i in range(3)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -126,11 +150,25 @@ def side_by_side(tmp_path_factory):
         try:
             for arm in ARMS:
                 pids[arm] = serve(engines[arm], ports[arm], quiet=True)["pid"]
-            paths = sbs.bench_side_by_side(engines, {arm: f"sbs_{arm}" for arm in ARMS}, ports, limit=2,
-                                           max_new_tokens=24, datasets=["gsm8k", "mbpp"], pids=pids,
-                                           progress=False)
-            plain = bench(engines["ar"].id, "plain_ar", limit=2, max_new_tokens=24, port=ports["ar"],
-                          datasets=["gsm8k", "mbpp"], progress=False)
+            paths = sbs.bench_side_by_side(
+                engines,
+                {arm: f"sbs_{arm}" for arm in ARMS},
+                ports,
+                limit=2,
+                max_new_tokens=24,
+                datasets=["gsm8k", "mbpp"],
+                pids=pids,
+                progress=False,
+            )
+            plain = bench(
+                engines["ar"].id,
+                "plain_ar",
+                limit=2,
+                max_new_tokens=24,
+                port=ports["ar"],
+                datasets=["gsm8k", "mbpp"],
+                progress=False,
+            )
         finally:
             for arm in ARMS:
                 stop(ports[arm])
@@ -152,8 +190,10 @@ def test_side_by_side_files_are_bench_records_plus_cpu_times(side_by_side):
         assert len(rounds) == 4 and [r["order"][0] for r in rounds] == ["ar", "stock", "final", "ar"]
         assert run["side_by_side"]["process_cpu_s"] > 0
         assert all(r["process_cpu_s"] >= r["cpu_s"] * 0.9 for r in run["requests"])  # the whole process
-    outputs = {arm: [r["output_ids"] for r in json.loads(p.read_text())["requests"]]
-               for arm, p in side_by_side["paths"].items()}
+    outputs = {
+        arm: [r["output_ids"] for r in json.loads(p.read_text())["requests"]]
+        for arm, p in side_by_side["paths"].items()
+    }
     assert outputs["ar"] == outputs["stock"] == outputs["final"] == [r["output_ids"] for r in plain["requests"]]
 
 
@@ -167,6 +207,7 @@ def test_compare_and_verify_read_side_by_side_runs_unchanged(side_by_side):
     assert report["identity"]["final/ar"]["overall"]["fraction"] == 1.0
     cpu = sbs.cpu_speedups(paths["ar"], paths["stock"], paths["final"])
     assert cpu["speedups"]["final/ar"]["overall"]["speedup"] > 0
-    checked = verify(str(paths["final"]), oracle=side_by_side["engines"]["ar"].id,
-                     port=side_by_side["oracle_port"], progress=False)
+    checked = verify(
+        str(paths["final"]), oracle=side_by_side["engines"]["ar"].id, port=side_by_side["oracle_port"], progress=False
+    )
     assert checked["verdict"] == "lossless" and checked["near_ties"] == 0 and checked["real_mismatches"] == 0

@@ -1,5 +1,6 @@
 """Nothing on the way from setting to engine is trusted (issue 15): damaged objects, the index, links and special
 files, names that become paths, damaged engine directories. Each test fails on the code before the issue."""
+
 from __future__ import annotations
 
 import json
@@ -20,15 +21,22 @@ from specpilot_build.store.engines import INDEX, check_engine, object_path
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = "cpu_c1_stories260k_ngram"
-SGLANG = "h100_c1_qwen3-8b_dflash"        # pinned in lockfiles/; its final arm carries the engine-id overlay
-W12 = "cpu_c1_stories260k-bf16_ngram"     # its final arm ships kernels/w12
+SGLANG = "h100_c1_qwen3-8b_dflash"  # pinned in lockfiles/; its final arm carries the engine-id overlay
+W12 = "cpu_c1_stories260k-bf16_ngram"  # its final arm ships kernels/w12
 SERVER = "runtime/specpilot_runtime/server.py"
 SERVER_ARGS = "python/sglang/srt/server_args.py"
 
 
 def cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "specpilot_build.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=REPO, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "specpilot_build.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -66,7 +74,7 @@ def damage(path: Path, how: str) -> None:
     if how == "flip":
         data[len(data) // 2] ^= 0x01
     else:
-        del data[len(data) // 3:]
+        del data[len(data) // 3 :]
     path.write_bytes(bytes(data))
     os.chmod(path, mode)
 
@@ -77,9 +85,11 @@ def entry(engine, rel: str) -> dict:
 
 # --- damaged objects spread ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("how", ["flip", "truncate", "exec"])
-def test_a_damaged_object_is_replaced_and_fsck_and_repair_mend_the_engines_holding_it(store, tmp_path, how,
-                                                                                       monkeypatch):
+def test_a_damaged_object_is_replaced_and_fsck_and_repair_mend_the_engines_holding_it(
+    store, tmp_path, how, monkeypatch
+):
     monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "reference"))
     clean_final = build_engine(EMBEDDED, "final").engine.id
     monkeypatch.setenv("SPECPILOT_ENGINES", str(store))
@@ -87,13 +97,13 @@ def test_a_damaged_object_is_replaced_and_fsck_and_repair_mend_the_engines_holdi
     want = entry(ar, SERVER)
     obj = object_path(store, want["blake3"], want["exec"])
     assert os.path.samestat(obj.stat(), (ar.path / SERVER).stat())
-    damage(obj, how)                                          # the engine `ar` holds the damaged inode too
+    damage(obj, how)  # the engine `ar` holds the damaged inode too
     out = cli("engine", "fsck")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"{ar.id[:12]}: {SERVER}" in out.stdout and obj.name in out.stdout and "1 engines" in out.stdout
-    final = build_engine(EMBEDDED, "final").engine            # needs the same runtime file
+    final = build_engine(EMBEDDED, "final").engine  # needs the same runtime file
     assert final.id == clean_final and check_engine(final) == []
-    repaired = cli("engine", "verify", "--repair", ar.id[:12])
+    repaired = cli("engine", "check", "--repair", ar.id[:12])
     assert repaired.returncode == 0, repaired.stdout + repaired.stderr
     assert check_engine(ar) == [] and check_engine(final) == []
     again = cli("engine", "fsck")
@@ -105,8 +115,8 @@ def test_a_damaged_object_repaired_from_the_checkout_and_config_when_no_build_ra
     for rel in (SERVER, "config.json"):
         e = entry(engine, rel)
         damage(object_path(store, e["blake3"], e["exec"]), "flip")
-    assert cli("engine", "verify", engine.id).returncode == 1
-    out = cli("engine", "verify", "--repair", engine.id)
+    assert cli("engine", "check", engine.id).returncode == 1
+    out = cli("engine", "check", "--repair", engine.id)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the checkout" in out.stdout and "the manifest's config" in out.stdout
     assert check_engine(engine) == [] and cli("engine", "fsck").returncode == 0
@@ -114,8 +124,9 @@ def test_a_damaged_object_repaired_from_the_checkout_and_config_when_no_build_ra
 
 @pytest.fixture(scope="module")
 def sglang_wheel():
-    from specpilot_build.pins.lockfile import load_lock
     from specpilot_build.locations import data_dir
+    from specpilot_build.pins.lockfile import load_lock
+
     pin = load_lock().runtimes["sglang"]
     if not (data_dir() / "wheels" / pin.filename).is_file() and os.environ.get("SPECPILOT_MIRROR", "x") == "":
         pytest.skip("the pinned SGLang wheel is not cached")
@@ -129,15 +140,15 @@ def test_a_damaged_sglang_member_does_not_spread_to_the_next_build_and_is_re_ext
     clean = entry(ar, SERVER_ARGS)
     obj = object_path(store, clean["blake3"], clean["exec"])
     damage(obj, "flip")
-    shutil.rmtree(store / INDEX)                              # as after any builder change: every key is new
+    shutil.rmtree(store / INDEX)  # as after any builder change: every key is new
     assert build_engine(SGLANG, "ar").engine.id == ar.id
-    stock = build_engine(SGLANG, "stock").engine              # built from the pinned wheel, not the object
+    stock = build_engine(SGLANG, "stock").engine  # built from the pinned wheel, not the object
     assert entry(stock, SERVER_ARGS) == clean and check_engine(stock) == []
     out = cli("engine", "fsck")
     assert out.returncode == 1 and f"{ar.id[:12]}: {SERVER_ARGS}" in out.stdout
-    assert cli("engine", "verify", "--repair", ar.id).returncode == 0 and check_engine(ar) == []
-    damage(obj, "truncate")                                   # now held by both engines
-    out = cli("engine", "verify", "--repair", stock.id)
+    assert cli("engine", "check", "--repair", ar.id).returncode == 0 and check_engine(ar) == []
+    damage(obj, "truncate")  # now held by both engines
+    out = cli("engine", "check", "--repair", stock.id)
     assert out.returncode == 0 and "the pinned base wheel" in out.stdout, out.stdout + out.stderr
     assert check_engine(stock) == []
     fsck = cli("engine", "fsck", "--repair")
@@ -150,21 +161,22 @@ def test_a_damaged_sglang_member_does_not_spread_to_the_next_build_and_is_re_ext
 def test_a_patched_file_is_re_made_by_a_same_id_rebuild_and_otherwise_named_as_unrepairable(store, sglang_wheel):
     patched = "python/sglang/srt/entrypoints/http_server.py"  # written by the engine-id overlay's patch
     final = build_engine(SGLANG, "final").engine
-    other = build_engine(SGLANG, "final", ["batching.concurrency=2"]).engine   # an override: another head
+    other = build_engine(SGLANG, "final", ["batching.concurrency=2"]).engine  # an override: another head
     assert entry(other, patched) == entry(final, patched)
     e = entry(final, patched)
-    damage(object_path(store, e["blake3"], e["exec"]), "flip")                # both engines hold it
-    out = cli("engine", "verify", "--repair", other.id)
+    damage(object_path(store, e["blake3"], e["exec"]), "flip")  # both engines hold it
+    out = cli("engine", "check", "--repair", other.id)
     assert out.returncode == 4 and "Traceback" not in out.stderr, out.stdout + out.stderr
     assert f"cannot repair {patched}" in out.stdout and "gives another engine" in out.stdout
     assert f"engine rm {other.id[:12]}" in out.stdout
-    out = cli("engine", "verify", "--repair", final.id, timeout=300)
+    out = cli("engine", "check", "--repair", final.id, timeout=300)
     assert out.returncode == 0 and "a rebuild of its setting" in out.stdout, out.stdout + out.stderr
     assert check_engine(final) == []
-    assert cli("engine", "verify", "--repair", other.id).returncode == 0 and check_engine(other) == []
+    assert cli("engine", "check", "--repair", other.id).returncode == 0 and check_engine(other) == []
 
 
 # --- the index is a cache -------------------------------------------------------------------------------------
+
 
 def test_a_forged_index_entry_is_ignored_and_the_right_engine_built(store, tmp_path):
     ar = build_engine(EMBEDDED, "ar").engine
@@ -176,11 +188,12 @@ def test_a_forged_index_entry_is_ignored_and_the_right_engine_built(store, tmp_p
         out = cli("engine", "build", "--setting", EMBEDDED, "--arm", "final")
         assert out.returncode == 0 and out.stdout.split()[0] == final.id, (forged, out.stdout, out.stderr)
         assert key.read_text().strip() == final.id
-    shutil.rmtree(final.path)                                 # an entry naming a removed engine: rebuilt
+    shutil.rmtree(final.path)  # an entry naming a removed engine: rebuilt
     assert build_engine(EMBEDDED, "final").engine.id == final.id and check_engine(final) == []
 
 
 # --- links and special files ----------------------------------------------------------------------------------
+
 
 def test_links_and_fifos_in_an_engine_are_named_by_verify_and_removed_by_repair(store, tmp_path):
     engine = build_engine(EMBEDDED, "ar").engine
@@ -191,15 +204,19 @@ def test_links_and_fifos_in_an_engine_are_named_by_verify_and_removed_by_repair(
     os.symlink(outside / "pkg" / "evil.py", engine.path / "runtime" / "evil.py")
     os.mkfifo(engine.path / "runtime" / "pipe")
     (engine.path / "runtime" / "empty").mkdir()
-    out = cli("engine", "verify", engine.id, timeout=60)
+    out = cli("engine", "check", engine.id, timeout=60)
     assert out.returncode == 1, out.stdout + out.stderr
-    for line in ("runtime/evil_dir: a symbolic link", "runtime/evil.py: a symbolic link", "runtime/pipe: a FIFO",
-                 "runtime/empty/: a directory not in the manifest"):
+    for line in (
+        "runtime/evil_dir: a symbolic link",
+        "runtime/evil.py: a symbolic link",
+        "runtime/pipe: a FIFO",
+        "runtime/empty/: a directory not in the manifest",
+    ):
         assert line in out.stdout
     serve = cli("serve", "--engine", engine.id, "--dry-run", timeout=60)
     assert serve.returncode == 2 and "runtime/evil_dir" in serve.stderr and "--repair" in serve.stderr
     before = snapshot(outside)
-    assert cli("engine", "verify", "--repair", engine.id, timeout=60).returncode == 0
+    assert cli("engine", "check", "--repair", engine.id, timeout=60).returncode == 0
     assert check_engine(engine) == [] and snapshot(outside) == before
 
 
@@ -231,8 +248,9 @@ def test_a_link_or_fifo_in_an_overlay_is_refused_naming_it(store, tmp_path, what
         else:
             os.mkfifo(bad)
     before = snapshot(tmp_path, skip=store)
-    out = cli("engine", "build", "--setting", SGLANG, "--arm", "final", env={"SPECPILOT_OVERLAYS": str(overlays)},
-              timeout=60)
+    out = cli(
+        "engine", "build", "--setting", SGLANG, "--arm", "final", env={"SPECPILOT_OVERLAYS": str(overlays)}, timeout=60
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert str(bad) in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert snapshot(tmp_path, skip=store) == before and engine_dirs(store) == []
@@ -254,8 +272,9 @@ def test_a_link_or_fifo_in_a_kernel_folder_is_refused_naming_it(store, tmp_path,
         bad = kernels / "w12" / "gemm_pipe.py"
         os.mkfifo(bad)
     before = snapshot(tmp_path, skip=store)
-    out = cli("engine", "build", "--setting", W12, "--arm", "final", env={"SPECPILOT_KERNELS": str(kernels)},
-              timeout=60)
+    out = cli(
+        "engine", "build", "--setting", W12, "--arm", "final", env={"SPECPILOT_KERNELS": str(kernels)}, timeout=60
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert str(bad) in out.stderr
     assert snapshot(tmp_path, skip=store) == before and engine_dirs(store) == []
@@ -264,6 +283,7 @@ def test_a_link_or_fifo_in_a_kernel_folder_is_refused_naming_it(store, tmp_path,
 @pytest.mark.parametrize("mode, words", [(0o010644, "FIFO"), (0o020644, "device"), (0o120777, "escapes")])
 def test_a_wheel_member_that_is_not_a_file_refuses_the_wheel(tmp_path, mode, words):
     from specpilot_build.assemble.tree import _check_member
+
     wheel = tmp_path / "x-1-py3-none-any.whl"
     info = zipfile.ZipInfo("x/member.py")
     info.external_attr = mode << 16
@@ -272,6 +292,7 @@ def test_a_wheel_member_that_is_not_a_file_refuses_the_wheel(tmp_path, mode, wor
 
 
 # --- names become paths ---------------------------------------------------------------------------------------
+
 
 def _with_kernel(composed, kernel: str):
     mechanisms = composed.config["final"]["mechanisms"]
@@ -286,6 +307,7 @@ def _with_kernel(composed, kernel: str):
 @pytest.mark.parametrize("kernel", ["../../../../outside/k", "OUTSIDE", "..", "a/../../k"])
 def test_a_kernel_name_that_is_a_path_is_refused_and_nothing_is_written(store, tmp_path, kernel, monkeypatch):
     from specpilot_build.assemble import inputs
+
     outside = tmp_path / "outside"
     (outside / "k").mkdir(parents=True)
     (outside / "k" / "k.py").write_text("x = 1\n")
@@ -314,6 +336,7 @@ def test_a_lockfile_wheel_filename_that_is_a_path_is_refused(store, tmp_path, fi
     shutil.copytree(REPO / "lockfiles", lock)
     text = (lock / "runtimes.toml").read_text()
     import re
+
     (lock / "runtimes.toml").write_text(re.sub(r'filename = "[^"]+"', f'filename = "{filename}"', text, count=1))
     before = snapshot(tmp_path, skip=store)
     out = cli("engine", "build", "--setting", SGLANG, "--arm", "ar", env={"SPECPILOT_LOCKFILES": str(lock)})
@@ -323,6 +346,7 @@ def test_a_lockfile_wheel_filename_that_is_a_path_is_refused(store, tmp_path, fi
 
 
 # --- one damaged directory does not break the store view --------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_a_damaged_engine_directory_is_listed_and_every_verb_says_what_to_do(store):
@@ -336,14 +360,14 @@ def test_a_damaged_engine_directory_is_listed_and_every_verb_says_what_to_do(sto
     assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
     assert engine.id in listing.stdout and "damaged" in listing.stdout
     assert "no manifest.json" in listing.stdout and "not valid JSON" in listing.stdout
-    for args in (["engine", "verify", "cdcd"], ["engine", "show", "cdcd"], ["serve", "--engine", "cdcd", "--dry-run"]):
+    for args in (["engine", "check", "cdcd"], ["engine", "show", "cdcd"], ["serve", "--engine", "cdcd", "--dry-run"]):
         out = cli(*args)
         assert out.returncode == 3 and "Traceback" not in out.stderr, (args, out.stderr)
         assert "no manifest.json" in out.stderr and "engine rm cdcdcdcdcdcd" in out.stderr
     fsck = cli("engine", "fsck")
     assert fsck.returncode == 3 and "2 damaged directories" in fsck.stdout
     os.chmod(engine.path / "manifest.json", 0o644)
-    (engine.path / "manifest.json").unlink()                  # the engine a build finds through the index
+    (engine.path / "manifest.json").unlink()  # the engine a build finds through the index
     out = cli("engine", "build", "--setting", EMBEDDED, "--arm", "ar")
     assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr
     assert f"engine rm {engine.id[:12]}" in out.stderr
@@ -355,17 +379,17 @@ def test_a_damaged_engine_directory_is_listed_and_every_verb_says_what_to_do(sto
 
 # --- rm and gc ------------------------------------------------------------------------------------------------
 
+
 def test_gc_removes_garbage_and_keeps_served_and_rooted_engines(store, tmp_path, monkeypatch):
     data = tmp_path / "data"
     (data / "runs").mkdir(parents=True)
     monkeypatch.setenv("SPECPILOT_DATA", str(data))
     ar, stock, final = (build_engine(EMBEDDED, arm).engine for arm in ("ar", "stock", "final"))
-    (store / ".tmp" / "999999999-deadbeef0000").mkdir(parents=True)       # a killed build's tree
-    (store / INDEX / ("ef" * 32)).write_text("0" * 64 + "\n")             # dangling
+    (store / ".tmp" / "999999999-deadbeef0000").mkdir(parents=True)  # a killed build's tree
+    (store / INDEX / ("ef" * 32)).write_text("0" * 64 + "\n")  # dangling
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", ar.id])
     try:
-        (data / "runs" / "30123.json").write_text(json.dumps({"port": 30123, "pid": server.pid,
-                                                              "engine_id": ar.id}))
+        (data / "runs" / "30123.json").write_text(json.dumps({"port": 30123, "pid": server.pid, "engine_id": ar.id}))
         (store / ".roots").write_text(f"# keep\n{stock.id[:16]}\n")
         refused = cli("engine", "rm", ar.id)
         assert refused.returncode == 2 and "served on port 30123" in refused.stderr

@@ -2,6 +2,7 @@
 SpecPilot writes itself for h200_c1_qwen3-tiny_dflash — deterministic bytes pinned in lockfiles/checkpoints.toml,
 configs transformers reads with the intended shapes, the stories260K tokenizer, and SGLang launched with dummy
 weights for exactly those checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -44,11 +45,24 @@ def test_the_configs_load_in_transformers_as_qwen3_with_the_intended_shapes(tmp_
         synthetic.generate(repo, dirs[repo], synthetic_tokenizer_dir())
     target, draft = AutoConfig.from_pretrained(dirs[TARGET]), AutoConfig.from_pretrained(dirs[DRAFTER])
     assert type(target) is Qwen3Config and type(draft) is Qwen3Config
-    assert (target.hidden_size, target.num_hidden_layers, target.num_attention_heads, target.num_key_value_heads,
-            target.head_dim, target.intermediate_size, target.vocab_size) == (256, 4, 4, 2, 64, 688, 512)
+    assert (
+        target.hidden_size,
+        target.num_hidden_layers,
+        target.num_attention_heads,
+        target.num_key_value_heads,
+        target.head_dim,
+        target.intermediate_size,
+        target.vocab_size,
+    ) == (256, 4, 4, 2, 64, 688, 512)
     assert target.architectures == ["Qwen3ForCausalLM"] and draft.architectures == ["DFlashDraftModel"]
-    assert (draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim,
-            draft.num_hidden_layers, draft.num_target_layers) == (256, 4, 2, 64, 1, 4)
+    assert (
+        draft.hidden_size,
+        draft.num_attention_heads,
+        draft.num_key_value_heads,
+        draft.head_dim,
+        draft.num_hidden_layers,
+        draft.num_target_layers,
+    ) == (256, 4, 2, 64, 1, 4)
     assert draft.dflash_config == {"block_size": 4, "target_layer_ids": [1, 2], "mask_token_id": 0}
     assert all(0 <= i < target.num_hidden_layers for i in draft.dflash_config["target_layer_ids"])
     # the drafter's dtype is the target's (a float16 draft beside a bf16 target failed in SGLang's drafter)
@@ -78,11 +92,15 @@ def test_serve_gets_verified_directories_and_a_changed_spec_is_refused(monkeypat
     (dirs["model"] / "config.json").write_text("{}\n")  # damaged in the data dir: regenerated, then checked
     assert model_dirs(checkpoints, inputs.config)["model"] == dirs["model"]
     assert sha256_of(dirs["model"] / "config.json") == next(
-        f.sha256 for f in load_lock().checkpoints[TARGET].converted if f.path == "config.json")
+        f.sha256 for f in load_lock().checkpoints[TARGET].converted if f.path == "config.json"
+    )
     changed = dict(synthetic.SPECS[TARGET], num_hidden_layers=5)
     monkeypatch.setitem(synthetic.SPECS, TARGET, changed)
-    with pytest.raises(PinError, match=r"specpilot-synthetic/qwen3-tiny: lockfiles/checkpoints.toml pins revision "
-                                       r"3143e505d36b.*re-pin it"):
+    with pytest.raises(
+        PinError,
+        match=r"specpilot-synthetic/qwen3-tiny: lockfiles/checkpoints.toml pins revision "
+        r"3143e505d36b.*re-pin it",
+    ):
         model_dirs(checkpoints, inputs.config)
 
 
@@ -116,7 +134,9 @@ def test_the_setting_builds_pruned_with_the_dflash_worker_on_sglang_0523(session
         engine = build_engine(SETTING, arm, ["runtime=sglang"]).engine
         files = {f["path"] for f in engine.manifest["files"]}
         assert "python/sglang/srt/models/qwen3.py" in files
-        assert arm == "ar" or {"python/sglang/srt/speculative/dflash_worker_v2.py",
-                               "python/sglang/srt/models/dflash.py"} <= files
+        assert (
+            arm == "ar"
+            or {"python/sglang/srt/speculative/dflash_worker_v2.py", "python/sglang/srt/models/dflash.py"} <= files
+        )
         argv = json.loads((engine.path / "launch.json").read_text())["argv"]
         assert argv[argv.index("--load-format") + 1] == "dummy"

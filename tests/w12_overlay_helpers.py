@@ -3,6 +3,7 @@ in a child interpreter, against that tree's own base classes, and run it on real
 
 Functions only; the child's path is given by the caller (an engine tree, or a wheel unpacked with the overlay
 applied, plus kernels/ and any stand-in)."""
+
 from __future__ import annotations
 
 import json
@@ -52,16 +53,25 @@ print("RESULT " + json.dumps(out))
 """
 
 # What a CPU test expects of the method on any SGLang release it supports (beside where it was loaded from).
-EXPECTED = {"abstract_left": [], "bases": [True, True], "config": ["W12Config", "W12Config"],
-            "round_trip": [True, True], "exact": [True, True], "name": "w12", "files": [], "capability": 80,
-            "weight_freed": True}
+EXPECTED = {
+    "abstract_left": [],
+    "bases": [True, True],
+    "config": ["W12Config", "W12Config"],
+    "round_trip": [True, True],
+    "exact": [True, True],
+    "name": "w12",
+    "files": [],
+    "capability": 80,
+    "weight_freed": True,
+}
 
 
 def run_method(path: list[str], model: Path, cwd: Path) -> dict:
     """The child's RESULT dict; an assertion naming the child's stderr when it printed none."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RUN_METHOD, str(model)], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_METHOD, str(model)], capture_output=True, text=True, env=env, timeout=300, cwd=cwd
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, proc.stderr[-2000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])

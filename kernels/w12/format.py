@@ -13,21 +13,23 @@ matrix gets is measured per shape, for GPUs that run the CUDA kernel (`preferred
 
 Works on CPU and GPU tensors alike (plain PyTorch integer ops).
 """
+
 from __future__ import annotations
 
 import functools
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-WINDOW = 8           # exponent >> 1 in base .. base+7 is coded 0..7 (16 exponents)
-MIN_BASE, MAX_BASE = 0, 120   # base + 7 <= 127: a byte-wise add of base and code never reaches the sign bit
+WINDOW = 8  # exponent >> 1 in base .. base+7 is coded 0..7 (16 exponents)
+MIN_BASE, MAX_BASE = 0, 120  # base + 7 <= 127: a byte-wise add of base and code never reaches the sign bit
 LAYOUTS = ("rows", "units")
-UNIT_ROWS = 128      # rows of a unit (the planes' rows are padded up to a multiple)
-UNIT_HALF = 64       # columns of each half of K in a unit (cols are padded up to a multiple of 2 * UNIT_HALF)
-UNIT_ROW_BYTES = 3 * UNIT_HALF   # one row of a unit: first-half low bytes | second-half low bytes | code bytes
+UNIT_ROWS = 128  # rows of a unit (the planes' rows are padded up to a multiple)
+UNIT_HALF = 64  # columns of each half of K in a unit (cols are padded up to a multiple of 2 * UNIT_HALF)
+UNIT_ROW_BYTES = 3 * UNIT_HALF  # one row of a unit: first-half low bytes | second-half low bytes | code bytes
 
 
 def k_order(width: int, device=None) -> torch.Tensor:
@@ -41,8 +43,12 @@ def k_order(width: int, device=None) -> torch.Tensor:
 
 
 def load_layouts(path: Path) -> dict[tuple[int, int], str]:
-    """A layout table: JSON {"rows,cols": layout} ("_" keys are comments); ValueError naming the file and key."""
-    entries = json.loads(path.read_text()) if path.exists() else {}
+    """A layout table: JSON {"rows,cols": layout} ("_" keys are comments); ValueError naming the file and key. An
+    absent file is an empty table, with a warning naming it (every matrix then keeps the row layout)."""
+    if not path.exists():
+        warnings.warn(f"W12: {path} is missing: every matrix keeps the row layout", stacklevel=2)
+        return {}
+    entries = json.loads(path.read_text())
     table = {}
     for key, layout in entries.items():
         if key.startswith("_"):
@@ -81,22 +87,22 @@ class W12Tensor:
     shape: tuple[int, ...]
     rows: int
     cols: int
-    low: torch.Tensor | None     # "rows": uint8 [rows, cols_padded], the bf16 low byte, exponent & 1 << 7 | mantissa
-    codes: torch.Tensor | None   # "rows": uint8 [rows, cols_padded // 2]: byte j = nib[j] | nib[j + half] << 4,
-                                 # nib = sign << 3 | code
-    units: torch.Tensor | None   # "units": uint8 [row tiles, half // 64, 128, 192]: unit (tile, u) holds rows
-                                 # 128 tile .. +127, for each the low bytes of columns 64 u .. +63 of both halves,
-                                 # then their code bytes, all in k_order (tile_planes)
-    base: torch.Tensor       # uint8 [rows]: the value of exponent >> 1 that code 0 stands for
-    esc_ptr: torch.Tensor    # int32 [rows + 1]: escapes of row r are esc_ptr[r] .. esc_ptr[r+1]-1
-    esc_col: torch.Tensor    # int32 [escapes]: column, ascending within a row
-    esc_bits: torch.Tensor   # int16 [escapes]: the weight's exact bf16 bit pattern
-    plans: dict = field(default_factory=dict, repr=False, compare=False)   # GEMM launches by M bucket (gemm.Plan)
+    low: torch.Tensor | None  # "rows": uint8 [rows, cols_padded], the bf16 low byte, exponent & 1 << 7 | mantissa
+    codes: torch.Tensor | None  # "rows": uint8 [rows, cols_padded // 2]: byte j = nib[j] | nib[j + half] << 4,
+    # nib = sign << 3 | code
+    units: torch.Tensor | None  # "units": uint8 [row tiles, half // 64, 128, 192]: unit (tile, u) holds rows
+    # 128 tile .. +127, for each the low bytes of columns 64 u .. +63 of both halves,
+    # then their code bytes, all in k_order (tile_planes)
+    base: torch.Tensor  # uint8 [rows]: the value of exponent >> 1 that code 0 stands for
+    esc_ptr: torch.Tensor  # int32 [rows + 1]: escapes of row r are esc_ptr[r] .. esc_ptr[r+1]-1
+    esc_col: torch.Tensor  # int32 [escapes]: column, ascending within a row
+    esc_bits: torch.Tensor  # int16 [escapes]: the weight's exact bf16 bit pattern
+    plans: dict = field(default_factory=dict, repr=False, compare=False)  # GEMM launches by M bucket (gemm.Plan)
     # The same matrix in bf16, kept only where the GEMM falls back to cuBLAS for some M buckets
     # (gemm.keep_dense); those buckets run F.linear on it.
     dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
     dense_buckets: tuple[int, ...] = field(default=(), repr=False, compare=False)
-    heavy_blocks: bool | None = field(default=None, repr=False, compare=False)   # gemm.heavy's answer, once known
+    heavy_blocks: bool | None = field(default=None, repr=False, compare=False)  # gemm.heavy's answer, once known
 
     def __post_init__(self):
         if (self.units is None) == (self.low is None or self.codes is None):
@@ -130,9 +136,10 @@ class W12Tensor:
     def bits_per_weight(self) -> float:
         return 8.0 * self.nbytes() / max(1, self.rows * self.cols)
 
-    def to(self, device) -> "W12Tensor":
-        moved = {name: None if getattr(self, name) is None else getattr(self, name).to(device)
-                 for name in _TENSOR_FIELDS}
+    def to(self, device) -> W12Tensor:
+        moved = {
+            name: None if getattr(self, name) is None else getattr(self, name).to(device) for name in _TENSOR_FIELDS
+        }
         dense = None if self.dense is None else self.dense.to(device)
         return W12Tensor(self.shape, self.rows, self.cols, **moved, dense=dense, dense_buckets=self.dense_buckets)
 
@@ -155,15 +162,15 @@ def encode(weight: torch.Tensor, layout: str | None = None) -> W12Tensor:
         raise ValueError(f"W12 layout is one of {', '.join(LAYOUTS)}, got {layout!r}")
     bits = weight.contiguous().view(torch.int16).reshape(rows, cols).to(torch.int32) & 0xFFFF
     cols_padded = padded_cols(cols, layout)
-    if cols_padded != cols:     # padding columns, dropped again by decode
+    if cols_padded != cols:  # padding columns, dropped again by decode
         bits = torch.nn.functional.pad(bits, (0, cols_padded - cols))
 
     low = bits & 0xFF
-    high = (bits >> 8) & 0x7F           # exponent >> 1
+    high = (bits >> 8) & 0x7F  # exponent >> 1
     base = _best_base(high[:, :cols])
     code = high - base[:, None]
     escaped = (code < 0) | (code >= WINDOW)
-    escaped[:, cols:] = True            # padding columns: stored like escapes, but not listed
+    escaped[:, cols:] = True  # padding columns: stored like escapes, but not listed
     nib = ((bits >> 12) & 0x8) | code
     nib = torch.where(escaped, torch.zeros_like(nib), nib)
     low = torch.where(escaped, torch.zeros_like(low), low)
@@ -172,7 +179,7 @@ def encode(weight: torch.Tensor, layout: str | None = None) -> W12Tensor:
     packed_codes = nib[:, :half] | (nib[:, half:] << 4)
 
     escaped[:, cols:] = False
-    esc_row, esc_col = escaped.nonzero(as_tuple=True)   # row-major order: sorted by row, then column
+    esc_row, esc_col = escaped.nonzero(as_tuple=True)  # row-major order: sorted by row, then column
     esc_bits = bits[esc_row, esc_col]
     counts = torch.bincount(esc_row, minlength=rows)
     esc_ptr = torch.zeros(rows + 1, dtype=torch.int32, device=weight.device)
@@ -219,7 +226,9 @@ def cat(parts: list[W12Tensor]) -> W12Tensor:
     layout = preferred_layout(rows, cols, parts[0].device)
     rowwise = [row_planes(p, padded_cols(cols, layout)) for p in parts]
     return W12Tensor(
-        shape=(rows, cols), rows=rows, cols=cols,
+        shape=(rows, cols),
+        rows=rows,
+        cols=cols,
         **_stored(torch.cat([low for low, _ in rowwise]), torch.cat([codes for _, codes in rowwise]), layout),
         base=torch.cat([p.base for p in parts]),
         esc_ptr=torch.cat(ptrs).to(torch.int32),
@@ -242,8 +251,10 @@ def tile_planes(low: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     tiles, ks = -(-rows // UNIT_ROWS), half // UNIT_HALF
     pad = (0, 0, 0, tiles * UNIT_ROWS - rows)
     order = k_order(half, low.device)
-    parts = [torch.nn.functional.pad(plane[:, order], pad).reshape(tiles, UNIT_ROWS, ks, UNIT_HALF)
-             for plane in (low[:, :half], low[:, half:], codes)]
+    parts = [
+        torch.nn.functional.pad(plane[:, order], pad).reshape(tiles, UNIT_ROWS, ks, UNIT_HALF)
+        for plane in (low[:, :half], low[:, half:], codes)
+    ]
     return torch.cat(parts, dim=3).permute(0, 2, 1, 3).contiguous()
 
 
@@ -262,8 +273,9 @@ def row_planes(packed: W12Tensor, width: int | None = None) -> tuple[torch.Tenso
         tiles, ks = packed.units.shape[:2]
         rowwise = packed.units.permute(0, 2, 1, 3).reshape(tiles * UNIT_ROWS, ks, UNIT_ROW_BYTES)[: packed.rows]
         natural = torch.argsort(k_order(packed.half, packed.device))
-        low1, low2, codes = (rowwise[:, :, i * UNIT_HALF:(i + 1) * UNIT_HALF].reshape(packed.rows, -1)[:, natural]
-                             for i in range(3))
+        low1, low2, codes = (
+            rowwise[:, :, i * UNIT_HALF : (i + 1) * UNIT_HALF].reshape(packed.rows, -1)[:, natural] for i in range(3)
+        )
         low = torch.cat([low1, low2], dim=1)
     width = width or packed.cols_padded
     if width == packed.cols_padded:
@@ -274,7 +286,7 @@ def row_planes(packed: W12Tensor, width: int | None = None) -> tuple[torch.Tenso
     nib = torch.cat([codes & 0xF, codes >> 4], dim=1)
     grow = (0, width - packed.cols_padded)
     low, nib = torch.nn.functional.pad(low, grow), torch.nn.functional.pad(nib, grow)
-    return low, nib[:, : width // 2] | (nib[:, width // 2:] << 4)
+    return low, nib[:, : width // 2] | (nib[:, width // 2 :] << 4)
 
 
 def decode_planes(packed: W12Tensor) -> torch.Tensor:
@@ -291,10 +303,10 @@ def _best_base(high: torch.Tensor) -> torch.Tensor:
     rows = high.shape[0]
     hist = torch.zeros(rows, 128, dtype=torch.int32, device=high.device)
     hist.scatter_add_(1, high, torch.ones_like(high))
-    csum = torch.nn.functional.pad(torch.cumsum(hist, 1), (1, 0))   # csum[:, v] = count below v
+    csum = torch.nn.functional.pad(torch.cumsum(hist, 1), (1, 0))  # csum[:, v] = count below v
     starts = torch.arange(MIN_BASE, MAX_BASE + 1, device=high.device)
     covered = csum[:, starts + WINDOW] - csum[:, starts]
-    return starts[torch.argmax(covered, dim=1)]         # first maximum: deterministic
+    return starts[torch.argmax(covered, dim=1)]  # first maximum: deterministic
 
 
 def _as_int16(bits32: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ On compute capability 9.0 and later each program signals programmatic dependent 
 that a ws kernel next in the stream (launched as a dependent, ws.py) starts loading its weight during this kernel's
 last wave.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,25 +46,25 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from .format import UNIT_HALF, UNIT_ROW_BYTES, UNIT_ROWS, W12Tensor, decode
 
 FUSED_MAX_M = 64
-BUCKETS = (8, 16, 32, 64)   # M buckets: a config (and a Plan) serves every M up to its bucket
+BUCKETS = (8, 16, 32, 64)  # M buckets: a config (and a Plan) serves every M up to its bucket
 
 
 @dataclass(frozen=True)
 class Config:
     block_n: int = 32
-    block_k: int = 256        # half-columns per main-loop step (columns of each half of K): a multiple of 64
+    block_k: int = 256  # half-columns per main-loop step (columns of each half of K): a multiple of 64
     num_warps: int = 4
     num_stages: int = 3
-    swap: bool = False        # accumulate y.T = W @ x.T (weights as the dot's A operand, x.T as B)
-    split_k: int = 1          # programs per row block, each over a K range; the last one sums
-    block_m: int = 0          # rows of x per dot: 0 = the M bucket, at least 16 (8 needs swap: MMA n = 8)
-    esc_after: bool = False   # load this block's escape entries after the main loop (fewer live registers)
-    esc_step: int = 0         # > 0: add this many escape entries per main-loop step, spread over the loop (and
-                              # over the split-K ranges) instead of all after it
-    xt: bool = False          # gather the escapes' activations from a transposed copy of x (x.T [K, M bucket],
-                              # made per call): one contiguous run per escape instead of M scattered values
-    kernel: str = "triton"    # or "ws": the CUDA kernel of ws.py where it runs (ws.supported), else the Triton
-                              # kernel with the fields above
+    swap: bool = False  # accumulate y.T = W @ x.T (weights as the dot's A operand, x.T as B)
+    split_k: int = 1  # programs per row block, each over a K range; the last one sums
+    block_m: int = 0  # rows of x per dot: 0 = the M bucket, at least 16 (8 needs swap: MMA n = 8)
+    esc_after: bool = False  # load this block's escape entries after the main loop (fewer live registers)
+    esc_step: int = 0  # > 0: add this many escape entries per main-loop step, spread over the loop (and
+    # over the split-K ranges) instead of all after it
+    xt: bool = False  # gather the escapes' activations from a transposed copy of x (x.T [K, M bucket],
+    # made per call): one contiguous run per escape instead of M scattered values
+    kernel: str = "triton"  # or "ws": the CUDA kernel of ws.py where it runs (ws.supported), else the Triton
+    # kernel with the fields above
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -73,8 +74,8 @@ class Config:
 KERNELS = ("triton", "ws")
 
 
-HEAVY_ESCAPES = 2e-4   # escapes per weight from which a weight takes the "heavy" configs (Student-t, outlier columns)
-BLOCK_ROWS = 32        # the row blocks whose escape density decides the class
+HEAVY_ESCAPES = 2e-4  # escapes per weight from which a weight takes the "heavy" configs (Student-t, outlier columns)
+BLOCK_ROWS = 32  # the row blocks whose escape density decides the class
 
 
 def heavy(packed: W12Tensor) -> bool:
@@ -94,7 +95,7 @@ def heavy(packed: W12Tensor) -> bool:
 
 
 def tuned_key(name: str) -> tuple[int, int, int, bool]:
-    """"N,K,bucket" (weights with few escapes) or "N,K,bucket,heavy" -> (N, K, bucket, heavy)."""
+    """ "N,K,bucket" (weights with few escapes) or "N,K,bucket,heavy" -> (N, K, bucket, heavy)."""
     parts = name.split(",")
     if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "heavy"):
         raise ValueError(f"a tuned config key is N,K,bucket or N,K,bucket,heavy, got {name!r}")
@@ -107,29 +108,34 @@ def tuned_name(key: tuple) -> str:
 
 def _load_table(name: str, value) -> dict[tuple[int, int, int, bool], object]:
     """A JSON table beside this module keyed "N,K,bucket[,heavy]" ("_" keys are comments), each entry mapped by
-    `value`; empty when the file is absent."""
+    `value`; empty, with a warning naming the file, when the file is absent."""
     path = Path(__file__).with_name(name)
-    entries = json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        warnings.warn(f"W12: {path} is missing: every shape runs untuned defaults", stacklevel=2)
+        return {}
+    entries = json.loads(path.read_text())
     return {tuned_key(key): value(entry) for key, entry in entries.items() if not key.startswith("_")}
 
 
 # Configs picked on the H200, keyed by (N, K, M bucket: 8, 16, 32 or 64, heavy)
 TUNED: dict[tuple[int, int, int, bool], Config] = _load_table("tuned_h200.json", lambda cfg: Config(**cfg))
 # The fused kernel's speed over cuBLAS at each bucket's largest M, measured on the H200 (written by
-# `specpilot_lab.w12_bench --save-fallback`)
+# `specpilot_lab.w12_bench --save-fallback`, promoted by `make w12-promote`)
 SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_table("fallback_h200.json", lambda e: float(e["speedup"]))
-DEFAULT_FALLBACK = (32, 64)   # unmeasured: W12 was below cuBLAS at M = 32 on 22 of 24 shape x family cases
-                              # and at M = 64 on all 24 (BENCH.md)
+DEFAULT_FALLBACK = (32, 64)  # unmeasured: W12 was below cuBLAS at M = 32 on 22 of 24 shape x family cases
+# and at M = 64 on all 24 (BENCH.md)
 
 
 def fallback_buckets(n: int, k: int, many_escapes: bool = False) -> tuple[int, ...]:
     """The M buckets in which cuBLAS on a bf16 copy beats the fused kernel for this shape and escape class: those
     measured below 1.0 (the heavy class takes the light measurement where it has none), else DEFAULT_FALLBACK."""
+
     def slower(bucket: int) -> bool:
         for key in ((n, k, bucket, True), (n, k, bucket, False)) if many_escapes else ((n, k, bucket, False),):
             if key in SPEEDUPS:
                 return SPEEDUPS[key] < 1.0
         return bucket in DEFAULT_FALLBACK
+
     return tuple(b for b in BUCKETS if slower(b))
 
 
@@ -141,8 +147,10 @@ def keep_dense(packed: W12Tensor, weight: torch.Tensor) -> bool:
     if not buckets:
         return False
     if weight.dtype != torch.bfloat16 or tuple(weight.shape) != tuple(packed.shape) or weight.device != packed.device:
-        raise ValueError(f"a dense copy must be the bf16 {tuple(packed.shape)} matrix on {packed.device}, got "
-                         f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        raise ValueError(
+            f"a dense copy must be the bf16 {tuple(packed.shape)} matrix on {packed.device}, got "
+            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
     decoded = decode_on_device(packed) if weight.is_cuda else decode(packed)
     if not torch.equal(decoded.view(torch.int16), weight.view(torch.int16)):
         raise ValueError("the dense copy differs from the W12 matrix it is meant to stand in for")
@@ -150,7 +158,7 @@ def keep_dense(packed: W12Tensor, weight: torch.Tensor) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_config(n: int, k: int, bucket: int) -> Config:
     """For shapes not in TUNED (bucket: M <= 8, 16, 32 or 64): the tiles the H200 runs favoured on the four
     benchmark shapes, with split K so that ~480 programs stream weights when the row blocks alone are
@@ -184,8 +192,9 @@ def config_for(packed: W12Tensor, bucket: int) -> Config:
     return pick_config(packed.rows, packed.cols, bucket, heavy(packed))
 
 
-def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
-           config: Config | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None, config: Config | None = None
+) -> torch.Tensor:
     """F.linear(x, decode(packed), bias) for bf16 x of shape [..., K]."""
     if x.shape[-1] != packed.cols or len(packed.shape) != 2:
         raise ValueError(f"x [..., {x.shape[-1]}] does not match W12 weight {packed.shape}")
@@ -206,8 +215,9 @@ def linear(x: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None = None,
         if bias is not None:
             y = y + bias
     else:
-        weight = (packed.dense if packed.dense is not None else
-                  decode_on_device(packed) if x2.is_cuda else decode(packed))
+        weight = (
+            packed.dense if packed.dense is not None else decode_on_device(packed) if x2.is_cuda else decode(packed)
+        )
         y = torch.nn.functional.linear(x2, weight, bias)
     return y.reshape(*lead, packed.rows)
 
@@ -225,6 +235,7 @@ def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
     if cfg.kernel != "ws":
         return None
     from . import ws
+
     made = packed.plans.get(bucket)
     if isinstance(made, ws.WsPlan):
         return made
@@ -232,11 +243,14 @@ def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
         return None
     try:
         plan = ws.WsPlan(packed, bucket)
-    except ws.BuildError as err:      # e.g. no nvcc on this host: the Triton kernel reads the units too, slower
-        warnings.warn(f"W12: the ws kernel is not available ({str(err).splitlines()[0]}); running the Triton kernel "
-                      "instead", RuntimeWarning, stacklevel=3)
+    except ws.BuildError as err:  # e.g. no nvcc on this host: the Triton kernel reads the units too, slower
+        warnings.warn(
+            f"W12: the ws kernel is not available ({str(err).splitlines()[0]}); running the Triton kernel instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
-    packed.plans.setdefault(bucket, plan)    # fused_gemm's calls make it once too, as prepare's do
+    packed.plans.setdefault(bucket, plan)  # fused_gemm's calls make it once too, as prepare's do
     return plan
 
 
@@ -246,13 +260,26 @@ def decode_on_device(packed: W12Tensor) -> torch.Tensor:
     half = packed.cols_padded // 2
     grid = (triton.cdiv(packed.rows, 16), triton.cdiv(half, 256))
     low, nib, tile_stride = _plane_args(packed)
-    _w12_decode_kernel[grid](low, nib, packed.base, out, packed.rows, half, packed.cols, tile_stride,
-                             BLOCK_R=16, BLOCK_K=256, UNITS=packed.units is not None, PTX=not _interpreting(),
-                             num_warps=4)
+    _w12_decode_kernel[grid](
+        low,
+        nib,
+        packed.base,
+        out,
+        packed.rows,
+        half,
+        packed.cols,
+        tile_stride,
+        BLOCK_R=16,
+        BLOCK_K=256,
+        UNITS=packed.units is not None,
+        PTX=not _interpreting(),
+        num_warps=4,
+    )
     if packed.escapes:
         counts = (packed.esc_ptr[1:] - packed.esc_ptr[:-1]).long()
-        rows = torch.repeat_interleave(torch.arange(packed.rows, device=packed.device), counts,
-                                       output_size=packed.escapes)
+        rows = torch.repeat_interleave(
+            torch.arange(packed.rows, device=packed.device), counts, output_size=packed.escapes
+        )
         out.view(torch.int16)[rows, packed.esc_col.long()] = packed.esc_bits
     return out.reshape(packed.shape)
 
@@ -270,8 +297,14 @@ def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None)
         return ws_plan(x, m)
     y = torch.empty((m, packed.rows), dtype=torch.bfloat16, device=x.device)
     grid, args, meta = _launch_args(packed, bucket_of(m), config)
-    args.update(x_ptr=x, y_ptr=y, M=m, stride_xm=x.stride(0), stride_ym=y.stride(0),
-                g_ptr=transposed(x, bucket_of(m)) if config.xt else x)   # x is contiguous: _launch_args' strides hold
+    args.update(
+        x_ptr=x,
+        y_ptr=y,
+        M=m,
+        stride_xm=x.stride(0),
+        stride_ym=y.stride(0),
+        g_ptr=transposed(x, bucket_of(m)) if config.xt else x,
+    )  # x is contiguous: _launch_args' strides hold
     _w12_gemm_kernel[grid](**args, **meta)
     return y
 
@@ -295,27 +328,58 @@ def _launch_args(packed: W12Tensor, bucket: int, cfg: Config) -> tuple[tuple, di
     """Grid, kernel arguments (x, y and M left for the caller) and compile-time parameters."""
     n, k = packed.rows, packed.cols
     if packed.units is not None and cfg.block_k % UNIT_HALF:
-        raise ValueError(f"block_k must be a multiple of {UNIT_HALF} half-columns (a unit's width) for the units "
-                         f"layout, got {cfg}")
+        raise ValueError(
+            f"block_k must be a multiple of {UNIT_HALF} half-columns (a unit's width) for the units layout, got {cfg}"
+        )
     block_m = cfg.block_m if cfg.block_m >= bucket else max(16, bucket)
     half = packed.cols_padded // 2
     per_block = packed.escapes * cfg.block_n / max(1, n)
     esc_block = min(128, max(16, triton.next_power_of_2(int(1.5 * per_block) + 1)))
     row_blocks = triton.cdiv(n, cfg.block_n)
-    partials, counters = _split_workspace(packed.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0,
-                                          row_blocks)
+    partials, counters = _split_workspace(
+        packed.device, cfg.split_k * FUSED_MAX_M * n if cfg.split_k > 1 else 0, row_blocks
+    )
     low, nib, tile_stride = _plane_args(packed)
-    args = dict(x_ptr=None, low_ptr=low, nib_ptr=nib, base_ptr=packed.base,
-                esc_ptr_ptr=packed.esc_ptr, esc_col_ptr=packed.esc_col, esc_bits_ptr=packed.esc_bits, y_ptr=None,
-                part_ptr=partials, count_ptr=counters, g_ptr=None, M=0, N=n, K=k, HALF=half,
-                TILE_STRIDE=tile_stride, stride_xm=k, stride_ym=n,
-                stride_gm=1 if cfg.xt else k, stride_gk=bucket if cfg.xt else 1)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ESC_BLOCK=esc_block,
-                SPLIT=cfg.split_k > 1, SWAP=cfg.swap, EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
-                ESC_AFTER=cfg.esc_after, ESC_STEP=cfg.esc_step, MAX_M=FUSED_MAX_M, UNITS=packed.units is not None,
-                PTX=not _interpreting(),
-                DOT_F32=_interpreting(), TRIGGER=TRIGGER and _pdl_capable(packed.device),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = dict(
+        x_ptr=None,
+        low_ptr=low,
+        nib_ptr=nib,
+        base_ptr=packed.base,
+        esc_ptr_ptr=packed.esc_ptr,
+        esc_col_ptr=packed.esc_col,
+        esc_bits_ptr=packed.esc_bits,
+        y_ptr=None,
+        part_ptr=partials,
+        count_ptr=counters,
+        g_ptr=None,
+        M=0,
+        N=n,
+        K=k,
+        HALF=half,
+        TILE_STRIDE=tile_stride,
+        stride_xm=k,
+        stride_ym=n,
+        stride_gm=1 if cfg.xt else k,
+        stride_gk=bucket if cfg.xt else 1,
+    )
+    meta = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        ESC_BLOCK=esc_block,
+        SPLIT=cfg.split_k > 1,
+        SWAP=cfg.swap,
+        EVEN_K=(half % cfg.block_k == 0 and k == 2 * half),
+        ESC_AFTER=cfg.esc_after,
+        ESC_STEP=cfg.esc_step,
+        MAX_M=FUSED_MAX_M,
+        UNITS=packed.units is not None,
+        PTX=not _interpreting(),
+        DOT_F32=_interpreting(),
+        TRIGGER=TRIGGER and _pdl_capable(packed.device),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return (row_blocks, cfg.split_k), args, meta
 
 
@@ -330,8 +394,12 @@ class Plan:
         grid, args, meta = _launch_args(packed, bucket, cfg)
         probe_x = torch.empty((bucket, k), dtype=torch.bfloat16, device=packed.device)
         probe_y = torch.empty((bucket, n), dtype=torch.bfloat16, device=packed.device)
-        args.update(x_ptr=probe_x, y_ptr=probe_y, M=bucket,
-                    g_ptr=torch.empty((k, bucket), dtype=torch.bfloat16, device=packed.device) if cfg.xt else probe_x)
+        args.update(
+            x_ptr=probe_x,
+            y_ptr=probe_y,
+            M=bucket,
+            g_ptr=torch.empty((k, bucket), dtype=torch.bfloat16, device=packed.device) if cfg.xt else probe_x,
+        )
         kernel = _w12_gemm_kernel.warmup(**args, **meta, grid=grid)
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
         self.config, self.bucket, self.rows, self.device = cfg, bucket, n, packed.device
@@ -341,8 +409,9 @@ class Plan:
         self._grid = grid
         self._launch = kernel.run
         self._head = (kernel.function, kernel.packed_metadata, None, None, None)
-        values = [t.data_ptr() if isinstance(t, torch.Tensor) else t
-                  for name, t in args.items()] + [meta[name] for name in _CONSTEXPRS]
+        values = [t.data_ptr() if isinstance(t, torch.Tensor) else t for name, t in args.items()] + [
+            meta[name] for name in _CONSTEXPRS
+        ]
         names = list(args) + list(_CONSTEXPRS)
         self._x, self._y, self._m = names.index("x_ptr"), names.index("y_ptr"), names.index("M")
         self._g, self._xt = names.index("g_ptr"), cfg.xt
@@ -351,7 +420,7 @@ class Plan:
         self._index = packed.device.index if packed.device.index is not None else torch.cuda.current_device()
 
     def __call__(self, x: torch.Tensor, m: int) -> torch.Tensor:
-        packed = self._weight()           # alive while its planes, whose addresses the arguments hold, are
+        packed = self._weight()  # alive while its planes, whose addresses the arguments hold, are
         if packed is None:
             raise RuntimeError("this W12 launch plan outlived its weight")
         if m > self.bucket or x.data_ptr() % 16 or _launch_hooked():
@@ -359,7 +428,7 @@ class Plan:
         y = torch.empty((m, self.rows), dtype=torch.bfloat16, device=self.device)
         args = self._args
         args[self._x], args[self._y], args[self._m] = x.data_ptr(), y.data_ptr(), m
-        xt = transposed(x, self.bucket) if self._xt else None    # held until the launch is enqueued
+        xt = transposed(x, self.bucket) if self._xt else None  # held until the launch is enqueued
         args[self._g] = args[self._x] if xt is None else xt.data_ptr()
         self._launch(self._grid[0], self._grid[1], 1, self._stream_of(self._index), *self._head, *args)
         return y
@@ -372,8 +441,22 @@ def _launch_hooked() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "ESC_BLOCK", "SPLIT", "SWAP", "EVEN_K", "ESC_AFTER", "ESC_STEP",
-               "MAX_M", "UNITS", "PTX", "DOT_F32", "TRIGGER")
+_CONSTEXPRS = (
+    "BLOCK_M",
+    "BLOCK_N",
+    "BLOCK_K",
+    "ESC_BLOCK",
+    "SPLIT",
+    "SWAP",
+    "EVEN_K",
+    "ESC_AFTER",
+    "ESC_STEP",
+    "MAX_M",
+    "UNITS",
+    "PTX",
+    "DOT_F32",
+    "TRIGGER",
+)
 
 
 _WORKSPACES: dict = {}
@@ -388,11 +471,11 @@ def _split_workspace(device, need_parts: int, row_blocks: int):
     if need_parts and (parts is None or parts.numel() < need_parts or counts.numel() < row_blocks):
         size_p = max(need_parts, 0 if parts is None else parts.numel())
         size_c = max(row_blocks, 0 if counts is None else counts.numel())
-        _RETIRED.append(_WORKSPACES.get(device))   # a captured CUDA graph may still point at them
+        _RETIRED.append(_WORKSPACES.get(device))  # a captured CUDA graph may still point at them
         parts = torch.empty(size_p, dtype=torch.float32, device=device)
         counts = torch.zeros(size_c, dtype=torch.int32, device=device)
         _WORKSPACES[device] = (parts, counts)
-    if parts is None:       # no split yet: any valid pointer will do, allocated once
+    if parts is None:  # no split yet: any valid pointer will do, allocated once
         parts = counts = torch.zeros(1, dtype=torch.int32, device=device)
         _WORKSPACES[device] = (parts, counts)
     return parts, counts
@@ -410,6 +493,7 @@ def _pdl_capable(device: torch.device) -> bool:
 
 def _interpreting() -> bool:
     import os
+
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -437,11 +521,13 @@ def _decode(low, nib, base, HIGH: tl.constexpr, PTX: tl.constexpr):
     if PTX:
         base_b = tl.broadcast_to(base[:, None], low.shape)
         if HIGH:
-            return tl.inline_asm_elementwise(_PTX_HIGH, "=r,=r,r,r,r", [low, nib, base_b],
-                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(
+                _PTX_HIGH, "=r,=r,r,r,r", [low, nib, base_b], dtype=tl.bfloat16, is_pure=True, pack=4
+            )
         else:
-            return tl.inline_asm_elementwise(_PTX_LOW, "=r,=r,r,r,r", [low, nib, base_b],
-                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(
+                _PTX_LOW, "=r,=r,r,r,r", [low, nib, base_b], dtype=tl.bfloat16, is_pure=True, pack=4
+            )
     else:
         if HIGH:
             code = nib.to(tl.int32) >> 4
@@ -511,8 +597,20 @@ def _natural_order(w, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w12_decode_kernel(low_ptr, nib_ptr, base_ptr, out_ptr, ROWS, HALF, COLS, TILE_STRIDE,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UNITS: tl.constexpr, PTX: tl.constexpr):
+def _w12_decode_kernel(
+    low_ptr,
+    nib_ptr,
+    base_ptr,
+    out_ptr,
+    ROWS,
+    HALF,
+    COLS,
+    TILE_STRIDE,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNITS: tl.constexpr,
+    PTX: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -548,18 +646,18 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 @triton.jit
 def _gather(g_ptr, xrows, xmask, stride_gm, stride_gk, col, emask):
     """x[:, col_e] as [BM, E], read from x (stride_gk 1) or from x.T (stride_gm 1)."""
-    return tl.load(g_ptr + xrows[:, None] * stride_gm + col[None, :] * stride_gk,
-                   mask=xmask[:, None] & emask[None, :], other=0.0)
+    return tl.load(
+        g_ptr + xrows[:, None] * stride_gm + col[None, :] * stride_gk, mask=xmask[:, None] & emask[None, :], other=0.0
+    )
 
 
 @triton.jit
-def _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+def _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
     """acc += x[:, col_e] * (w_e - w_planes) in column row_e, as two bf16 dots of [BM, E] x [E, BN]."""
     mine = (offs_e[:, None] >= row_lo[None, :]) & (offs_e[:, None] < row_hi[None, :]) & emask[:, None]
     w_e = wbits.to(tl.bfloat16, bitcast=True)
-    true_w = tl.where(mine, w_e[:, None], 0.0).to(tl.bfloat16)                  # [E, BN]
-    undo = tl.where(mine, neg_planes[None, :], 0.0).to(tl.bfloat16)            # [E, BN]
+    true_w = tl.where(mine, w_e[:, None], 0.0).to(tl.bfloat16)  # [E, BN]
+    undo = tl.where(mine, neg_planes[None, :], 0.0).to(tl.bfloat16)  # [E, BN]
     if SWAP:
         acc = _dot(tl.trans(true_w), tl.trans(xg), acc, DOT_F32)
         acc = _dot(tl.trans(undo), tl.trans(xg), acc, DOT_F32)
@@ -570,8 +668,24 @@ def _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP
 
 
 @triton.jit
-def _escape_chunk(acc, e0, esc_end, g_ptr, xrows, xmask, stride_gm, stride_gk, esc_col_ptr, esc_bits_ptr, row_lo,
-                  row_hi, neg_planes, CHUNK: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+def _escape_chunk(
+    acc,
+    e0,
+    esc_end,
+    g_ptr,
+    xrows,
+    xmask,
+    stride_gm,
+    stride_gk,
+    esc_col_ptr,
+    esc_bits_ptr,
+    row_lo,
+    row_hi,
+    neg_planes,
+    CHUNK: tl.constexpr,
+    SWAP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     """_add_escapes for the entries e0 .. e0 + CHUNK - 1 (those below esc_end)."""
     offs_e = e0 + tl.arange(0, CHUNK)
     emask = offs_e < esc_end
@@ -583,22 +697,50 @@ def _escape_chunk(acc, e0, esc_end, g_ptr, xrows, xmask, stride_gm, stride_gk, e
 
 @triton.jit(do_not_specialize=["M"])
 def _w12_gemm_kernel(
-    x_ptr, low_ptr, nib_ptr, base_ptr, esc_ptr_ptr, esc_col_ptr, esc_bits_ptr, y_ptr, part_ptr, count_ptr, g_ptr,
-    M, N, K, HALF, TILE_STRIDE, stride_xm, stride_ym, stride_gm, stride_gk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-    ESC_AFTER: tl.constexpr, ESC_STEP: tl.constexpr, MAX_M: tl.constexpr, UNITS: tl.constexpr, PTX: tl.constexpr,
-    DOT_F32: tl.constexpr, TRIGGER: tl.constexpr,
+    x_ptr,
+    low_ptr,
+    nib_ptr,
+    base_ptr,
+    esc_ptr_ptr,
+    esc_col_ptr,
+    esc_bits_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    g_ptr,
+    M,
+    N,
+    K,
+    HALF,
+    TILE_STRIDE,
+    stride_xm,
+    stride_ym,
+    stride_gm,
+    stride_gk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ESC_BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ESC_AFTER: tl.constexpr,
+    ESC_STEP: tl.constexpr,
+    MAX_M: tl.constexpr,
+    UNITS: tl.constexpr,
+    PTX: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
-    if TRIGGER:   # every program has started: a ws kernel next in the stream may launch (ws.py: PDL)
+    if TRIGGER:  # every program has started: a ws kernel next in the stream may launch (ws.py: PDL)
         gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1)               # clamped: weight loads need no row mask
+    rows = tl.minimum(offs_n, N - 1)  # clamped: weight loads need no row mask
     offs_m = tl.arange(0, BLOCK_M)
-    xmask = offs_m < M                             # masked, not clamped: no traffic for padding rows
+    xmask = offs_m < M  # masked, not clamped: no traffic for padding rows
     base = tl.load(base_ptr + rows)
     # An escaped weight reads as bits base << 8; its correction subtracts x * that value.
     neg_planes = ((base.to(tl.int32) << 8) | 0x8000).to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -618,7 +760,7 @@ def _w12_gemm_kernel(
         col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
         wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
 
-    if UNITS:    # low_ptr: the units (FORMAT.md)
+    if UNITS:  # low_ptr: the units (FORMAT.md)
         unit_rows = _unit_rows(low_ptr, rows, TILE_STRIDE)
     else:
         low_rows = low_ptr + rows.to(tl.int64)[:, None] * (2 * HALF)
@@ -654,7 +796,7 @@ def _w12_gemm_kernel(
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None], other=0.0)
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None], other=0.0)
         else:
-            kmask = (offs_k < HALF) & (offs_k < K)    # (units: padding columns may reach into the first half)
+            kmask = (offs_k < HALF) & (offs_k < K)  # (units: padding columns may reach into the first half)
             x_lo = tl.load(x_rows + offs_k[None, :], mask=xmask[:, None] & kmask[None, :], other=0.0)
             hmask = (HALF + offs_k) < K
             x_hi = tl.load(x_rows + HALF + offs_k[None, :], mask=xmask[:, None] & hmask[None, :], other=0.0)
@@ -673,23 +815,71 @@ def _w12_gemm_kernel(
             # chunk c of the block's escapes belongs to range c % splits; this range adds one per step
             e0 = esc_start + (((k0 - k_first) // BLOCK_K) * splits + pid_k) * ESC_STEP
             if e0 < esc_end:
-                acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
-                                    esc_bits_ptr, row_lo, row_hi, neg_planes, ESC_STEP, SWAP, DOT_F32)
+                acc = _escape_chunk(
+                    acc,
+                    e0,
+                    esc_end,
+                    g_ptr,
+                    offs_m,
+                    xmask,
+                    stride_gm,
+                    stride_gk,
+                    esc_col_ptr,
+                    esc_bits_ptr,
+                    row_lo,
+                    row_hi,
+                    neg_planes,
+                    ESC_STEP,
+                    SWAP,
+                    DOT_F32,
+                )
 
-    if ESC_STEP > 0:        # the chunks left over when the block has more escapes than steps
+    if ESC_STEP > 0:  # the chunks left over when the block has more escapes than steps
         done = tl.maximum(0, tl.cdiv(k_last - k_first, BLOCK_K)) * splits
         for e0 in range(esc_start + (done + pid_k) * ESC_STEP, esc_end, splits * ESC_STEP):
-            acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
-                                esc_bits_ptr, row_lo, row_hi, neg_planes, ESC_STEP, SWAP, DOT_F32)
+            acc = _escape_chunk(
+                acc,
+                e0,
+                esc_end,
+                g_ptr,
+                offs_m,
+                xmask,
+                stride_gm,
+                stride_gk,
+                esc_col_ptr,
+                esc_bits_ptr,
+                row_lo,
+                row_hi,
+                neg_planes,
+                ESC_STEP,
+                SWAP,
+                DOT_F32,
+            )
     else:
         if ESC_AFTER:
             col = tl.load(esc_col_ptr + offs_e, mask=emask, other=0)
             wbits = tl.load(esc_bits_ptr + offs_e, mask=emask, other=0)
         xg = _gather(g_ptr, offs_m, xmask, stride_gm, stride_gk, col, emask)
         acc = _add_escapes(acc, xg, wbits, emask, offs_e, row_lo, row_hi, neg_planes, SWAP, DOT_F32)
-        for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):   # rarely taken: many escapes
-            acc = _escape_chunk(acc, e0, esc_end, g_ptr, offs_m, xmask, stride_gm, stride_gk, esc_col_ptr,
-                                esc_bits_ptr, row_lo, row_hi, neg_planes, ESC_BLOCK, SWAP, DOT_F32)
+        for e0 in range(esc_start + ESC_BLOCK, esc_end, ESC_BLOCK):  # rarely taken: many escapes
+            acc = _escape_chunk(
+                acc,
+                e0,
+                esc_end,
+                g_ptr,
+                offs_m,
+                xmask,
+                stride_gm,
+                stride_gk,
+                esc_col_ptr,
+                esc_bits_ptr,
+                row_lo,
+                row_hi,
+                neg_planes,
+                ESC_BLOCK,
+                SWAP,
+                DOT_F32,
+            )
 
     if SWAP:
         acc = tl.trans(acc)
@@ -709,5 +899,3 @@ def _w12_gemm_kernel(
                 total += tl.load(part + s * (MAX_M * N), mask=ymask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(tl.bfloat16), mask=ymask)
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
-
-

@@ -1,4 +1,5 @@
 """nn.Module wrapper: a Linear whose weight is held in W12 form."""
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,7 @@ class W12Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, layer: torch.nn.Linear, dense_fallback: bool = False) -> "W12Linear":
+    def from_linear(cls, layer: torch.nn.Linear, dense_fallback: bool = False) -> W12Linear:
         """Encode a Linear's weight (cast to bf16, i.e. lossless for a bf16 layer). With `dense_fallback`, the bf16
         weight stays too where its shape's GEMM falls back to cuBLAS at some M (gemm.keep_dense)."""
         weight = layer.weight.detach().to(torch.bfloat16)
@@ -45,8 +46,10 @@ class W12Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         fallback = f", bf16 copy for M buckets {self.packed.dense_buckets}" if self.packed.dense is not None else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits_per_weight={self.packed.bits_per_weight():.3f}, escapes={self.packed.escapes}{fallback}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits_per_weight={self.packed.bits_per_weight():.3f}, escapes={self.packed.escapes}{fallback}"
+        )
 
 
 def apply_w12(model: torch.nn.Module, dense_fallback: bool = False) -> int:
@@ -60,8 +63,9 @@ def apply_w12(model: torch.nn.Module, dense_fallback: bool = False) -> int:
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     for name, layer in targets:
         if layer.weight.dtype != torch.bfloat16:
-            raise TypeError(f"W12 stores bf16 weights; {name}.weight is {layer.weight.dtype} "
-                            "(load the model in bfloat16)")
+            raise TypeError(
+                f"W12 stores bf16 weights; {name}.weight is {layer.weight.dtype} (load the model in bfloat16)"
+            )
     for name, layer in targets:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, W12Linear.from_linear(layer, dense_fallback))

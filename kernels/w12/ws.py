@@ -15,6 +15,7 @@ lets a following ws kernel launch early (gemm.TRIGGER); it is not launched as a 
 
 Imports only torch and the standard library: the GPU host may have nothing else.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,25 +35,27 @@ from .format import UNIT_HALF, UNIT_ROWS
 __all__ = ["WsPlan", "supported", "build", "escape_table", "cta_ranges", "BuildError"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_ws.cu"
-TILE_ROWS = UNIT_ROWS    # rows per tile: the kernel's two consumer warpgroups of 64
-WARP_ROWS = 16           # rows per consumer warp
+TILE_ROWS = UNIT_ROWS  # rows per tile: the kernel's two consumer warpgroups of 64
+WARP_ROWS = 16  # rows per consumer warp
 MAX_M = 64
-BUCKETS = (8, 16, 32, 64)   # the kernel's token tiles (8, 16, 32, 64 rows of x); a plan serves every M up to its own
-MAX_UNITS_PER_CTA = 128     # csrc/w12_ws.cu kMaxUnits: a CTA stages its units' escape pointers at the start
+BUCKETS = (8, 16, 32, 64)  # the kernel's token tiles (8, 16, 32, 64 rows of x); a plan serves every M up to its own
+MAX_UNITS_PER_CTA = 128  # csrc/w12_ws.cu kMaxUnits: a CTA stages its units' escape pointers at the start
 ARCHES = {(9, 0): "sm_90a"}  # wgmma, TMA and setmaxnreg: sm_90a only
 NVCC_FALLBACK = Path("/usr/local/cuda/bin/nvcc")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
-PDL = True   # launched as a programmatic dependent of the kernel ahead in the stream (csrc/w12_ws.cu grid_wait)
+PDL = True  # launched as a programmatic dependent of the kernel ahead in the stream (csrc/w12_ws.cu grid_wait)
 
 
 class Args(ctypes.Structure):
     """csrc/w12_ws.cu's Args, field for field (checked against w12_ws_params_size at load)."""
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("planes", "base", "esc_ptr", "esc", "x", "y", "ws", "counters", "ranges")] + \
-               [(name, ctypes.c_int32) for name in ("n", "half", "cols", "m", "ldx", "ldy", "grid", "pdl")]
+
+    _fields_ = [
+        (name, ctypes.c_void_p) for name in ("planes", "base", "esc_ptr", "esc", "x", "y", "ws", "counters", "ranges")
+    ] + [(name, ctypes.c_int32) for name in ("n", "half", "cols", "m", "ldx", "ldy", "grid", "pdl")]
 
 
 # --- building ---------------------------------------------------------------------------------------------------
+
 
 class BuildError(RuntimeError):
     """The kernel could not be compiled here (no nvcc, or nvcc failed): gemm runs the Triton kernel instead."""
@@ -80,18 +83,24 @@ def find_nvcc() -> Path:
     for candidate in tried:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
-    looked = [f"$CUDA_HOME/bin/nvcc ({tried[0]})" if home else "$CUDA_HOME/bin/nvcc ($CUDA_HOME unset)",
-              "nvcc on PATH (none)" if not on_path else f"PATH ({on_path})", str(NVCC_FALLBACK)]
-    raise BuildError("the W12 ws kernel is compiled at first use and needs nvcc (CUDA 12.3 or later); tried "
-                       + ", ".join(looked))
+    looked = [
+        f"$CUDA_HOME/bin/nvcc ({tried[0]})" if home else "$CUDA_HOME/bin/nvcc ($CUDA_HOME unset)",
+        "nvcc on PATH (none)" if not on_path else f"PATH ({on_path})",
+        str(NVCC_FALLBACK),
+    ]
+    raise BuildError(
+        "the W12 ws kernel is compiled at first use and needs nvcc (CUDA 12.3 or later); tried " + ", ".join(looked)
+    )
 
 
 def arch_of(device=None) -> str:
     """The nvcc arch for a CUDA device (default: the current one); only compute capability 9.0 is taken."""
     capability = torch.cuda.get_device_capability(device)
     if capability not in ARCHES:
-        raise RuntimeError(f"the W12 ws kernel runs on sm_90a only (compute capability 9.0: it uses wgmma, TMA and "
-                           f"setmaxnreg); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+        raise RuntimeError(
+            f"the W12 ws kernel runs on sm_90a only (compute capability 9.0: it uses wgmma, TMA and "
+            f"setmaxnreg); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+        )
     return ARCHES[capability]
 
 
@@ -111,8 +120,9 @@ def compiled(arch: str) -> Path:
     into place, so concurrent builders never see a partial file."""
     nvcc = find_nvcc()
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, _nvcc_version(nvcc).encode(), arch.encode(),
-                                     " ".join(NVCC_FLAGS).encode()])).hexdigest()
+    key = hashlib.sha256(
+        b"\0".join([source, _nvcc_version(nvcc).encode(), arch.encode(), " ".join(NVCC_FLAGS).encode()])
+    ).hexdigest()
     directory = cache_dir()
     target = directory / f"w12_ws-{arch}-{key[:32]}.so"
     if target.is_file():
@@ -139,11 +149,14 @@ def _load(arch: str) -> ctypes.CDLL:
     lib.w12_ws_error.argtypes = [ctypes.c_int]
     lib.w12_ws_error.restype = ctypes.c_char_p
     if lib.w12_ws_params_size() != ctypes.sizeof(Args):
-        raise RuntimeError(f"{SOURCE.name}'s Args is {lib.w12_ws_params_size()} bytes, ws.Args "
-                           f"{ctypes.sizeof(Args)}: the two have drifted apart")
+        raise RuntimeError(
+            f"{SOURCE.name}'s Args is {lib.w12_ws_params_size()} bytes, ws.Args "
+            f"{ctypes.sizeof(Args)}: the two have drifted apart"
+        )
     if lib.w12_ws_max_units() != MAX_UNITS_PER_CTA:
-        raise RuntimeError(f"{SOURCE.name} takes {lib.w12_ws_max_units()} units per CTA, ws.py assumes "
-                           f"{MAX_UNITS_PER_CTA}")
+        raise RuntimeError(
+            f"{SOURCE.name} takes {lib.w12_ws_max_units()} units per CTA, ws.py assumes {MAX_UNITS_PER_CTA}"
+        )
     return lib
 
 
@@ -165,6 +178,7 @@ def build(device=None) -> ctypes.CDLL:
 
 
 # --- the weight's side ------------------------------------------------------------------------------------------
+
 
 @functools.cache
 def _device_info(index: int) -> tuple[tuple[int, int], int]:
@@ -195,8 +209,12 @@ def supported(packed, m: int) -> bool:
     if rows % TILE_ROWS or half < UNIT_HALF or half % UNIT_HALF or packed.cols % 8 or packed.cols > 2 * half:
         return False
     layout = (rows // TILE_ROWS, half // UNIT_HALF, TILE_ROWS, 3 * UNIT_HALF)
-    if tuple(planes.shape) != layout or planes.dtype != torch.uint8 or not planes.is_contiguous() \
-            or planes.data_ptr() % 16:
+    if (
+        tuple(planes.shape) != layout
+        or planes.dtype != torch.uint8
+        or not planes.is_contiguous()
+        or planes.data_ptr() % 16
+    ):
         return False
     units = _units(packed)
     return -(-units // min(sms, units)) <= MAX_UNITS_PER_CTA
@@ -236,8 +254,13 @@ def cta_ranges(tiles: int, ks: int, grid: int, device=None) -> torch.Tensor:
     units = tiles * ks
     bounds = torch.arange(grid + 1, dtype=torch.int64, device=device) * units // grid
     firsts = torch.arange(tiles, dtype=torch.int64, device=device) * ks
-    ctas = torch.stack([torch.searchsorted(bounds, firsts, right=True) - 1,
-                        torch.searchsorted(bounds, firsts + ks - 1, right=True) - 1], 1)
+    ctas = torch.stack(
+        [
+            torch.searchsorted(bounds, firsts, right=True) - 1,
+            torch.searchsorted(bounds, firsts + ks - 1, right=True) - 1,
+        ],
+        1,
+    )
     return torch.cat([bounds, ctas.flatten()]).to(torch.int32)
 
 
@@ -252,13 +275,15 @@ def _workspace(lib: ctypes.CDLL, index: int, tiles: int) -> tuple[torch.Tensor, 
     pieces, counters = _WORKSPACES.get(index, (None, None))
     if pieces is None or counters.numel() < 2 * tiles:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the W12 ws workspace would grow inside CUDA-graph capture: make the plan (WsPlan) "
-                               "before capturing")
+            raise RuntimeError(
+                "the W12 ws workspace would grow inside CUDA-graph capture: make the plan (WsPlan) before capturing"
+            )
         _, sms = _device_info(index)
         if pieces is None:
             pieces = torch.empty(sms * lib.w12_ws_slot_floats(), dtype=torch.float32, device=f"cuda:{index}")
-        counters = torch.zeros(max(2 * tiles, 0 if counters is None else counters.numel()), dtype=torch.int32,
-                               device=f"cuda:{index}")
+        counters = torch.zeros(
+            max(2 * tiles, 0 if counters is None else counters.numel()), dtype=torch.int32, device=f"cuda:{index}"
+        )
         _WORKSPACES[index] = (pieces, counters)
     return pieces, counters
 
@@ -275,26 +300,39 @@ class WsPlan:
         if bucket not in BUCKETS:
             raise ValueError(f"a ws plan's bucket is one of {BUCKETS}, got {bucket}")
         if not supported(packed, bucket):
-            raise ValueError(f"the W12 ws kernel does not take a {packed.rows} x {packed.cols} weight (half "
-                             f"{packed.half}) on {packed.device} at M <= {bucket} (see ws.supported)")
+            raise ValueError(
+                f"the W12 ws kernel does not take a {packed.rows} x {packed.cols} weight (half "
+                f"{packed.half}) on {packed.device} at M <= {bucket} (see ws.supported)"
+            )
         device = packed.units.device
         index = _index(device)
         self._lib = build(index)
         esc, esc_ptr = escape_table(packed)
         pieces, counters = _workspace(self._lib, index, -(-packed.rows // TILE_ROWS))
-        base = packed.base if packed.base.data_ptr() % 16 == 0 else packed.base.clone()   # a bulk copy's source
+        base = packed.base if packed.base.data_ptr() % 16 == 0 else packed.base.clone()  # a bulk copy's source
         units = _units(packed)
         self.bucket, self.rows, self.cols, self.device = bucket, packed.rows, packed.cols, device
         self.grid = min(_device_info(index)[1], units)
         ranges = cta_ranges(-(-packed.rows // TILE_ROWS), packed.half // UNIT_HALF, self.grid, device)
         # the weight holds its plans (W12Tensor.plans): a strong reference back would make a cycle
         self._weight = weakref.ref(packed)
-        self._held = (esc, esc_ptr, pieces, counters, base, ranges)    # what the arguments point at
+        self._held = (esc, esc_ptr, pieces, counters, base, ranges)  # what the arguments point at
         # cols is x's tensor-map width: TMA reads columns cols .. 2 * half - 1 (padding) as zeros
-        self._args = Args(planes=packed.units.data_ptr(), base=base.data_ptr(), esc_ptr=esc_ptr.data_ptr(),
-                          esc=esc.data_ptr(), ws=pieces.data_ptr(), counters=counters.data_ptr(),
-                          ranges=ranges.data_ptr(), n=packed.rows,
-                          half=packed.half, cols=packed.cols, ldy=packed.rows, grid=self.grid, pdl=int(PDL))
+        self._args = Args(
+            planes=packed.units.data_ptr(),
+            base=base.data_ptr(),
+            esc_ptr=esc_ptr.data_ptr(),
+            esc=esc.data_ptr(),
+            ws=pieces.data_ptr(),
+            counters=counters.data_ptr(),
+            ranges=ranges.data_ptr(),
+            n=packed.rows,
+            half=packed.half,
+            cols=packed.cols,
+            ldy=packed.rows,
+            grid=self.grid,
+            pdl=int(PDL),
+        )
         # Launched as a programmatic dependent, the kernel reads the weight before the kernels ahead of it in the
         # stream are done: whatever wrote the planes and the escape table must be finished now.
         if not torch.cuda.is_current_stream_capturing():
@@ -304,13 +342,19 @@ class WsPlan:
         self._stream_of = torch._C._cuda_getCurrentRawStream
 
     def __call__(self, x: torch.Tensor, m: int) -> torch.Tensor:
-        if self._weight() is None:     # alive while its planes, whose address the arguments hold, are
+        if self._weight() is None:  # alive while its planes, whose address the arguments hold, are
             raise RuntimeError("this W12 ws plan outlived its weight")
-        if not 1 <= m <= self.bucket or x.shape != (m, self.cols) or x.dtype != torch.bfloat16 \
-                or x.device != self.device:
-            raise ValueError(f"a ws plan for M <= {self.bucket} of a {self.rows} x {self.cols} weight takes bf16 x "
-                             f"[m, {self.cols}] on {self.device} with 1 <= m <= {self.bucket}, got m = {m} and "
-                             f"{x.dtype} {list(x.shape)} on {x.device}")
+        if (
+            not 1 <= m <= self.bucket
+            or x.shape != (m, self.cols)
+            or x.dtype != torch.bfloat16
+            or x.device != self.device
+        ):
+            raise ValueError(
+                f"a ws plan for M <= {self.bucket} of a {self.rows} x {self.cols} weight takes bf16 x "
+                f"[m, {self.cols}] on {self.device} with 1 <= m <= {self.bucket}, got m = {m} and "
+                f"{x.dtype} {list(x.shape)} on {x.device}"
+            )
         ldx = x.stride(0) if m > 1 else self.cols
         if x.stride(1) != 1 or ldx % 8 or x.data_ptr() % 16:
             x = x.clone(memory_format=torch.contiguous_format)

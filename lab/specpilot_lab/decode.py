@@ -5,6 +5,7 @@ The step reads the current tokens and positions from fixed buffers and writes th
 so the same graph decodes token after token. It also keeps the TOP_K largest logits of each sequence and their
 ids, so a run can later tell a near tie from a real difference the way verify does (`divergences`).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ import torch
 CACHE_ROUNDING = 64  # cache length rounded up to this many positions (aligned keys for the attention kernel)
 # verify's default near-tie tolerance for bfloat16 (specpilot_build/measure/verify.py, dtype_tolerance): a
 # log-prob margin, i.e. a logit gap; tests/test_qwen3_runtime.py pins the two equal
-NEAR_TIE_BF16 = 2.0 ** -2
+NEAR_TIE_BF16 = 2.0**-2
 # logits kept per token: bf16 logits tie exactly often (several tokens can share the top value), so two are too few
 # to find the other run's token
 TOP_K = 8
@@ -24,10 +25,10 @@ TOP_K = 8
 
 @dataclass
 class Decoded:
-    tokens: torch.Tensor   # [B, N] the greedy tokens: the first from the prefill, the others from decode steps
-    top: torch.Tensor      # [B, N, TOP_K] float32: the largest logits behind each token, largest first
+    tokens: torch.Tensor  # [B, N] the greedy tokens: the first from the prefill, the others from decode steps
+    top: torch.Tensor  # [B, N, TOP_K] float32: the largest logits behind each token, largest first
     top_ids: torch.Tensor  # [B, N, TOP_K] their token ids
-    seconds: float         # wall time of the N - 1 decode steps (prefill excluded), after warm-up
+    seconds: float  # wall time of the N - 1 decode steps (prefill excluded), after warm-up
     graphed: bool
 
     @property
@@ -36,8 +37,9 @@ class Decoded:
         return self.tokens.shape[0] * steps / self.seconds if steps and self.seconds > 0 else float("nan")
 
 
-def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | None = None,
-                  warmup_steps: int = 3) -> Decoded:
+def greedy_decode(
+    model, prompts: torch.Tensor, new_tokens: int, graph: bool | None = None, warmup_steps: int = 3
+) -> Decoded:
     """Greedy-decode `new_tokens` tokens after each of the B prompts [B, P] (all of one length).
 
     graph: capture the decode step in a CUDA graph (default: on CUDA). Timing starts after `warmup_steps`
@@ -71,8 +73,7 @@ def greedy_decode(model, prompts: torch.Tensor, new_tokens: int, graph: bool | N
         top_out[i], ids_out[i] = step.top, step.top_ids
     _synchronize(device)
     seconds = time.perf_counter() - start
-    return Decoded(tokens_out.t().cpu(), top_out.transpose(0, 1).cpu(), ids_out.transpose(0, 1).cpu(), seconds,
-                   graph)
+    return Decoded(tokens_out.t().cpu(), top_out.transpose(0, 1).cpu(), ids_out.transpose(0, 1).cpu(), seconds, graph)
 
 
 def divergences(reference: Decoded, other: Decoded, tolerance: float = NEAR_TIE_BF16) -> list[dict]:
@@ -90,10 +91,19 @@ def divergences(reference: Decoded, other: Decoded, tolerance: float = NEAR_TIE_
             emitted = int(other.tokens[b, at])
             ranks = [j for j, token in enumerate(reference.top_ids[b, at].tolist()) if token == emitted]
             margin = top1 - float(reference.top[b, at, ranks[0]]) if ranks else None
-            found.append(dict(sequence=b, token=at, emitted=emitted, top1=top1, top2=top2, margin=margin,
-                              gap_ulps=(top1 - top2) / bf16_ulp(top1),
-                              near_tie=margin is not None and margin <= tolerance,
-                              other_top2=[float(v) for v in other.top[b, at, :2]]))
+            found.append(
+                dict(
+                    sequence=b,
+                    token=at,
+                    emitted=emitted,
+                    top1=top1,
+                    top2=top2,
+                    margin=margin,
+                    gap_ulps=(top1 - top2) / bf16_ulp(top1),
+                    near_tie=margin is not None and margin <= tolerance,
+                    other_top2=[float(v) for v in other.top[b, at, :2]],
+                )
+            )
     return found
 
 

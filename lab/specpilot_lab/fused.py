@@ -23,6 +23,7 @@ The torch path (CPU, Triton not installed, TRITON_INTERPRET=1, a non-contiguous 
 code the forward had before, bit for bit. Both paths are capturable in a CUDA graph: no host sync, and the only
 allocations are the outputs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,17 +37,17 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, libdevice
-except ImportError:   # torch without Triton (the CPU CI machine): the torch path only
+except ImportError:  # torch without Triton (the CPU CI machine): the torch path only
     triton = None
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_NORM_BLOCK = 32768   # widest row the norm kernel holds in registers (one program per row); wider: torch
+MAX_NORM_BLOCK = 32768  # widest row the norm kernel holds in registers (one program per row); wider: torch
 SILU_BLOCK = 1024
 # Attention with a mask (the torch path): memory-efficient attention on CUDA, the math kernel elsewhere (both
 # capturable).
 ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-KEY_BLOCK = 64         # keys a program of the attention kernel scores at a time
-SPLIT_KEYS = 256       # fewest keys worth a split of their own (H200: benchmarks/decode_attention.md)
+KEY_BLOCK = 64  # keys a program of the attention kernel scores at a time
+SPLIT_KEYS = 256  # fewest keys worth a split of their own (H200: benchmarks/decode_attention.md)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,8 +68,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the norm after it: (x + delta, rms_norm(x + delta, weight, eps)), the sum rounded to
     x's dtype as torch's add rounds it; one kernel on CUDA instead of torch's add and the norm's kernel. No delta:
     (x, rms_norm(x))."""
@@ -80,9 +82,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return x, rms_norm(x, weight, eps)
 
 
-def attention_inputs(qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                     eps: float, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     num_heads: int) -> torch.Tensor:
+def attention_inputs(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
     """From the qkv projection's output [B, T, heads + 2 kv_heads, head_dim]: the query and key heads normed and
     rotated (`norm_rotate`, weight [heads + kv_heads, head_dim]), the keys and values written into the caches
     [B, kv_heads, length, head_dim] at each token's position (positions [B, T]); returns the queries
@@ -91,18 +101,20 @@ def attention_inputs(qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
     [0, length) (torch's indexing raises a device-side error there): the caller keeps positions in the cache
     (Qwen3.forward checks them once per forward)."""
     kv_heads = k_cache.shape[1]
-    if _triton_path(qkv, strided=True) and _attention_inputs_fit(qkv, weight, cos, signed_sin, positions, k_cache,
-                                                                 v_cache, num_heads):
+    if _triton_path(qkv, strided=True) and _attention_inputs_fit(
+        qkv, weight, cos, signed_sin, positions, k_cache, v_cache, num_heads
+    ):
         return _attention_inputs_triton(qkv, weight, cos, signed_sin, eps, positions, k_cache, v_cache, num_heads)
-    qk = norm_rotate(qkv[:, :, :num_heads + kv_heads], weight, cos, signed_sin, eps)
+    qk = norm_rotate(qkv[:, :, : num_heads + kv_heads], weight, cos, signed_sin, eps)
     rows = torch.arange(qkv.shape[0], device=qkv.device)[:, None]
     k_cache[rows, :, positions] = qk[:, :, num_heads:]  # [batch, steps, kv_heads, head_dim] at each position
-    v_cache[rows, :, positions] = qkv[:, :, num_heads + kv_heads:]
+    v_cache[rows, :, positions] = qkv[:, :, num_heads + kv_heads :]
     return qk[:, :, :num_heads]
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              splits: int | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, splits: int | None = None
+) -> torch.Tensor:
     """Grouped-query attention of the queries q [B, T, heads, head_dim] over the caches [B, kv_heads, length,
     head_dim], query head h reading KV head h // group, the query at positions[b, t] seeing the keys at positions
     up to its own: [B, T, heads, head_dim], SDPA's default scale 1 / sqrt(head_dim).
@@ -131,8 +143,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     return o.reshape(batch, kv_heads, steps, group, dim).transpose(1, 2).reshape(batch, steps, heads, dim)
 
 
-def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                eps: float) -> torch.Tensor:
+def norm_rotate(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, eps: float
+) -> torch.Tensor:
     """rotate(rms_norm(x, weight, eps), cos, signed_sin) for the query and key heads x [B, T, heads, head_dim],
     weight [heads, head_dim], cos and signed_sin [B, T, 1, head_dim]: the per-head q/k norm and the rotary
     embedding (attention_inputs' torch path)."""
@@ -147,14 +160,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 def _triton_path(x: torch.Tensor, strided: bool = False) -> bool:
     laid_out = x.stride(-1) == 1 if strided else x.is_contiguous()
-    return triton is not None and x.is_cuda and not _interpreting() and x.dtype in DTYPES and laid_out \
-        and x.numel() > 0
+    return triton is not None and x.is_cuda and not _interpreting() and x.dtype in DTYPES and laid_out and x.numel() > 0
 
 
 def _norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n = x.shape[-1]
-    return (weight.dtype == x.dtype and weight.shape == (n,) and weight.is_contiguous() and weight.device == x.device
-            and triton.next_power_of_2(n) <= MAX_NORM_BLOCK)
+    return (
+        weight.dtype == x.dtype
+        and weight.shape == (n,)
+        and weight.is_contiguous()
+        and weight.device == x.device
+        and triton.next_power_of_2(n) <= MAX_NORM_BLOCK
+    )
 
 
 def _same_layout(x: torch.Tensor, other: torch.Tensor) -> bool:
@@ -166,26 +183,43 @@ def _attention_inputs_fit(qkv, weight, cos, signed_sin, positions, k_cache, v_ca
         return False
     batch, steps, all_heads, dim = qkv.shape
     table = (batch, steps, 1, dim)
-    return (dim >= 2 and all_heads == num_heads + 2 * k_cache.shape[1]
-            and weight.shape == (num_heads + k_cache.shape[1], dim) and weight.is_contiguous()
-            and all(t.shape == table and t.is_contiguous() for t in (cos, signed_sin))
-            and all(t.dtype == qkv.dtype and t.device == qkv.device for t in (weight, cos, signed_sin)))
+    return (
+        dim >= 2
+        and all_heads == num_heads + 2 * k_cache.shape[1]
+        and weight.shape == (num_heads + k_cache.shape[1], dim)
+        and weight.is_contiguous()
+        and all(t.shape == table and t.is_contiguous() for t in (cos, signed_sin))
+        and all(t.dtype == qkv.dtype and t.device == qkv.device for t in (weight, cos, signed_sin))
+    )
 
 
 def _attention_fits(q, k_cache, v_cache, positions) -> bool:
-    return (q.dim() == 4 and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] >= 16
-            and _caches_fit(q, k_cache, v_cache, positions) and q.shape[2] % k_cache.shape[1] == 0)
+    return (
+        q.dim() == 4
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] >= 16
+        and _caches_fit(q, k_cache, v_cache, positions)
+        and q.shape[2] % k_cache.shape[1] == 0
+    )
 
 
 def _caches_fit(heads, k_cache, v_cache, positions) -> bool:
     """Caches [B, kv_heads, length, head_dim] and positions [B, T] that go with heads [B, T, any, head_dim]."""
     batch, steps, _, dim = heads.shape
-    return (k_cache.dim() == 4 and k_cache.shape[1] > 0 and triton.next_power_of_2(dim) == dim
-            and k_cache.shape[0] == batch and k_cache.shape[3] == dim and k_cache.shape == v_cache.shape
-            and k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride()
-            and all(t.dtype == heads.dtype and t.device == heads.device for t in (k_cache, v_cache))
-            and positions.shape == (batch, steps) and positions.device == heads.device
-            and positions.dtype in (torch.int32, torch.int64))
+    return (
+        k_cache.dim() == 4
+        and k_cache.shape[1] > 0
+        and triton.next_power_of_2(dim) == dim
+        and k_cache.shape[0] == batch
+        and k_cache.shape[3] == dim
+        and k_cache.shape == v_cache.shape
+        and k_cache.stride(3) == 1
+        and v_cache.stride() == k_cache.stride()
+        and all(t.dtype == heads.dtype and t.device == heads.device for t in (k_cache, v_cache))
+        and positions.shape == (batch, steps)
+        and positions.device == heads.device
+        and positions.dtype in (torch.int32, torch.int64)
+    )
 
 
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None):
@@ -197,8 +231,20 @@ def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: t
     # inv_n: torch's CUDA mean multiplies the sum by float32(1 / n). No FMA contraction: torch rounds each
     # square, the mean and the mean + eps (separate kernels).
     _rms_norm_kernel[(x.numel() // n,)](
-        x, x if delta is None else delta, total, weight, y, n, 1.0 / n, eps, BLOCK=block, ADD=delta is not None,
-        TRIGGER=_pdl_capable(x.device), num_warps=max(4, min(16, block // 1024)), enable_fp_fusion=False)
+        x,
+        x if delta is None else delta,
+        total,
+        weight,
+        y,
+        n,
+        1.0 / n,
+        eps,
+        BLOCK=block,
+        ADD=delta is not None,
+        TRIGGER=_pdl_capable(x.device),
+        num_warps=max(4, min(16, block // 1024)),
+        enable_fp_fusion=False,
+    )
     return y if delta is None else (total, y)
 
 
@@ -207,9 +253,28 @@ def _attention_inputs_triton(qkv, weight, cos, signed_sin, eps, positions, k_cac
     kv_heads = k_cache.shape[1]
     q = torch.empty((batch, steps, num_heads, dim), dtype=qkv.dtype, device=qkv.device)
     _attention_inputs_kernel[(batch * steps, all_heads)](
-        qkv, weight, cos, signed_sin, positions, q, k_cache, v_cache, steps, *qkv.stride()[:3],
-        *positions.stride(), *k_cache.stride()[:3], k_cache.shape[2], num_heads, kv_heads, 1.0 / dim, eps,
-        DIM=dim, TRIGGER=_pdl_capable(qkv.device), num_warps=1, enable_fp_fusion=False)
+        qkv,
+        weight,
+        cos,
+        signed_sin,
+        positions,
+        q,
+        k_cache,
+        v_cache,
+        steps,
+        *qkv.stride()[:3],
+        *positions.stride(),
+        *k_cache.stride()[:3],
+        k_cache.shape[2],
+        num_heads,
+        kv_heads,
+        1.0 / dim,
+        eps,
+        DIM=dim,
+        TRIGGER=_pdl_capable(qkv.device),
+        num_warps=1,
+        enable_fp_fusion=False,
+    )
     return q
 
 
@@ -217,7 +282,8 @@ def _silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     y = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(gate_up.numel() // (2 * inter), triton.cdiv(inter, SILU_BLOCK))](
-        gate_up, y, inter, BLOCK=SILU_BLOCK, TRIGGER=_pdl_capable(gate_up.device), num_warps=4)
+        gate_up, y, inter, BLOCK=SILU_BLOCK, TRIGGER=_pdl_capable(gate_up.device), num_warps=4
+    )
     return y
 
 
@@ -229,14 +295,31 @@ def _attention_triton(q, k_cache, v_cache, positions, splits):
     splits = default_splits(batch * steps, kv_heads, length, q.device) if splits is None else splits
     per_split = triton.cdiv(blocks, max(1, min(splits, blocks)))
     splits = triton.cdiv(blocks, per_split)
-    rows = max(16, triton.next_power_of_2(group))   # tl.dot wants 16 rows or more
+    rows = max(16, triton.next_power_of_2(group))  # tl.dot wants 16 rows or more
     o = torch.empty_like(q)
     split = splits > 1
     part = torch.empty((programs, splits, rows, dim + 2) if split else (1,), dtype=torch.float32, device=q.device)
     args = dict(GROUP=group, ROWS=rows, DIM=dim, KEY_BLOCK=KEY_BLOCK, TRIGGER=_pdl_capable(q.device))
     _attention_kernel[(batch * steps, kv_heads, splits)](
-        q, k_cache, v_cache, positions, o, part, steps, *positions.stride(), *k_cache.stride()[:3], length, heads,
-        kv_heads, splits, per_split * KEY_BLOCK, dim ** -0.5 * 1.4426950408889634, SPLIT=split, num_warps=4, **args)
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        o,
+        part,
+        steps,
+        *positions.stride(),
+        *k_cache.stride()[:3],
+        length,
+        heads,
+        kv_heads,
+        splits,
+        per_split * KEY_BLOCK,
+        dim**-0.5 * 1.4426950408889634,
+        SPLIT=split,
+        num_warps=4,
+        **args,
+    )
     if split:
         _attention_combine_kernel[(batch * steps, kv_heads)](part, o, heads, kv_heads, splits, num_warps=4, **args)
     return o
@@ -264,21 +347,33 @@ def _interpreting() -> bool:
 
 
 if triton is not None:
+
     @triton.jit
     def _weighted(x, scale, w, dtype: tl.constexpr):
         """weight * (x * scale) as torch's ops round it: the normalised x to the model dtype, then the product."""
         return (w * (x * scale).to(dtype).to(tl.float32)).to(dtype)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, delta_ptr, total_ptr, w_ptr, y_ptr, n, inv_n, eps, BLOCK: tl.constexpr,
-                         ADD: tl.constexpr, TRIGGER: tl.constexpr):
-        if TRIGGER:   # every program has started: a ws kernel next in the stream may launch
+    def _rms_norm_kernel(
+        x_ptr,
+        delta_ptr,
+        total_ptr,
+        w_ptr,
+        y_ptr,
+        n,
+        inv_n,
+        eps,
+        BLOCK: tl.constexpr,
+        ADD: tl.constexpr,
+        TRIGGER: tl.constexpr,
+    ):
+        if TRIGGER:  # every program has started: a ws kernel next in the stream may launch
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64) * n
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
-        if ADD:   # the residual sum, rounded as torch's add rounds it, is what is normed
+        if ADD:  # the residual sum, rounded as torch's add rounds it, is what is normed
             x = (x.to(tl.float32) + tl.load(delta_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(total_ptr + row + cols, x, mask=mask)
         x = x.to(tl.float32)
@@ -287,9 +382,32 @@ if triton is not None:
         tl.store(y_ptr + row + cols, _weighted(x, scale, w, y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _attention_inputs_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, steps,
-                                 stride_b, stride_t, stride_h, stride_pb, stride_pt, stride_cb, stride_ch, stride_cp,
-                                 length, num_heads, kv_heads, inv_n, eps, DIM: tl.constexpr, TRIGGER: tl.constexpr):
+    def _attention_inputs_kernel(
+        qkv_ptr,
+        w_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        steps,
+        stride_b,
+        stride_t,
+        stride_h,
+        stride_pb,
+        stride_pt,
+        stride_cb,
+        stride_ch,
+        stride_cp,
+        length,
+        num_heads,
+        kv_heads,
+        inv_n,
+        eps,
+        DIM: tl.constexpr,
+        TRIGGER: tl.constexpr,
+    ):
         """Program (token, head): a query head's normed, rotated row to q; a key head's to k_cache, a value
         head's row as it is to v_cache, at the token's position."""
         if TRIGGER:
@@ -299,9 +417,9 @@ if triton is not None:
         cols = tl.arange(0, DIM)
         x_row = qkv_ptr + b * stride_b + t * stride_t + head * stride_h
         position = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.int64)
-        in_cache = cols < tl.where((position >= 0) & (position < length), DIM, 0)   # all or none of the row
+        in_cache = cols < tl.where((position >= 0) & (position < length), DIM, 0)  # all or none of the row
         if head < num_heads + kv_heads:
-            rolled = (cols + DIM // 2) % DIM    # roll by half: out[i] = in[(i - half) mod DIM] = in[(i + half) mod DIM]
+            rolled = (cols + DIM // 2) % DIM  # roll by half: out[i] = in[(i - half) mod DIM] = in[(i + half) mod DIM]
             x = tl.load(x_row + cols).to(tl.float32)
             x_rolled = tl.load(x_row + rolled).to(tl.float32)
             scale = libdevice.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
@@ -325,10 +443,32 @@ if triton is not None:
             tl.store(cached + cols, tl.load(x_row + cols), mask=in_cache)
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, part_ptr, steps, stride_pb, stride_pt, stride_cb,
-                          stride_ch, stride_cp, length, heads, kv_heads, splits, split_keys, scale_log2,
-                          GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, KEY_BLOCK: tl.constexpr,
-                          SPLIT: tl.constexpr, TRIGGER: tl.constexpr):
+    def _attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        pos_ptr,
+        o_ptr,
+        part_ptr,
+        steps,
+        stride_pb,
+        stride_pt,
+        stride_cb,
+        stride_ch,
+        stride_cp,
+        length,
+        heads,
+        kv_heads,
+        splits,
+        split_keys,
+        scale_log2,
+        GROUP: tl.constexpr,
+        ROWS: tl.constexpr,
+        DIM: tl.constexpr,
+        KEY_BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr,
+        TRIGGER: tl.constexpr,
+    ):
         """Program (token, KV head, split): the group's query rows against the keys of the split up to the
         token's position. SPLIT: the unnormalised sum and its running max and sum to part, else the output."""
         if TRIGGER:
@@ -346,7 +486,7 @@ if triton is not None:
         top = tl.full((ROWS,), float("-inf"), tl.float32)
         total = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, DIM), tl.float32)
-        for first in range(start, end, KEY_BLOCK):   # each block has a key to score: top stays finite
+        for first in range(start, end, KEY_BLOCK):  # each block has a key to score: top stays finite
             keys = first + tl.arange(0, KEY_BLOCK)
             seen = keys < end
             at = cache + keys[:, None] * stride_cp + cols[None, :]
@@ -365,12 +505,25 @@ if triton is not None:
             tl.store(slot + rows * (DIM + 2) + DIM, top)
             tl.store(slot + rows * (DIM + 2) + DIM + 1, total)
         else:
-            tl.store(o_ptr + head_rows[:, None] + cols[None, :], (acc / total[:, None]).to(o_ptr.dtype.element_ty),
-                     mask=in_group)
+            tl.store(
+                o_ptr + head_rows[:, None] + cols[None, :],
+                (acc / total[:, None]).to(o_ptr.dtype.element_ty),
+                mask=in_group,
+            )
 
     @triton.jit
-    def _attention_combine_kernel(part_ptr, o_ptr, heads, kv_heads, splits, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                                  DIM: tl.constexpr, KEY_BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+    def _attention_combine_kernel(
+        part_ptr,
+        o_ptr,
+        heads,
+        kv_heads,
+        splits,
+        GROUP: tl.constexpr,
+        ROWS: tl.constexpr,
+        DIM: tl.constexpr,
+        KEY_BLOCK: tl.constexpr,
+        TRIGGER: tl.constexpr,
+    ):
         """Program (token, KV head): the splits' sums rescaled to their common max, added, normalised. Split 0
         always has keys (position 0 is at or before every position); a later one without keys adds nothing."""
         if TRIGGER:
@@ -390,8 +543,11 @@ if triton is not None:
             acc = acc * rescale[:, None] + part * part_scale[:, None]
             top = new_top
         head_rows = (token * heads + kv_head * GROUP + rows) * DIM
-        tl.store(o_ptr + head_rows[:, None] + cols[None, :], (acc / total[:, None]).to(o_ptr.dtype.element_ty),
-                 mask=rows[:, None] < GROUP)
+        tl.store(
+            o_ptr + head_rows[:, None] + cols[None, :],
+            (acc / total[:, None]).to(o_ptr.dtype.element_ty),
+            mask=rows[:, None] < GROUP,
+        )
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, y_ptr, inter, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):

@@ -18,6 +18,7 @@ its tokens' keys and values at their positions (no host sync), and each query at
 its position, so a decode step has fixed shapes and no host work and can be captured in a CUDA graph
 (decode.py). Attention is grouped per KV head, with no copy of the cache per query head.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,11 +63,16 @@ def qwen3_shape(config) -> Qwen3Shape:
         raise ValueError(f"rope {rope} is not supported by the reference runtime")
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     return Qwen3Shape(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, max_positions=config.max_position_embeddings,
-        rope_theta=float(theta), rms_norm_eps=config.rms_norm_eps,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_positions=config.max_position_embeddings,
+        rope_theta=float(theta),
+        rms_norm_eps=config.rms_norm_eps,
     )
 
 
@@ -99,7 +105,10 @@ class Qwen3Layer(nn.Module):
         self.o = _projection(s.hidden_size, s.num_heads * s.head_dim, dtype, device)
         self.gate_up = _projection(2 * s.intermediate_size, s.hidden_size, dtype, device)
         self.down = _projection(s.hidden_size, s.intermediate_size, dtype, device)
-        ones = lambda *n: nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)
+
+        def ones(*n: int) -> nn.Parameter:
+            return nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)
+
         self.input_norm, self.post_norm = ones(s.hidden_size), ones(s.hidden_size)
         # q_norm for the query heads then k_norm for the key heads: one norm (and one rotary) for both
         self.qk_norm = ones(s.num_heads + s.num_kv_heads, s.head_dim)
@@ -125,8 +134,9 @@ class Qwen3(nn.Module):
         super().__init__()
         s = self.shape = shape
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(s.vocab_size, s.hidden_size, dtype=dtype, device=device),
-                                  requires_grad=False)
+        self.embed = nn.Parameter(
+            torch.empty(s.vocab_size, s.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
         self.layers = nn.ModuleList(Qwen3Layer(s, dtype, device) for _ in range(s.num_layers))
         self.norm = nn.Parameter(torch.ones(s.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.lm_head = _projection(s.vocab_size, s.hidden_size, dtype, device)
@@ -144,17 +154,19 @@ class Qwen3(nn.Module):
             raise ValueError(f"a cache of {length} positions exceeds max_positions {self.shape.max_positions}")
         return StaticCache(self.shape, batch, length, self.dtype, self.device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, last_only: bool = False
+    ) -> torch.Tensor:
         """Logits [B, T, V] (model dtype) of tokens [B, T] at positions [B, T], writing their keys and
         values into `cache` (batch B); `last_only`: of the last token only ([B, 1, V])."""
         s = self.shape
         batch, steps = tokens.shape
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions][:, :, None], self.signed_sin[positions][:, :, None]
-        if positions.is_cuda:   # fused.attention_inputs writes no position outside the cache; torch's indexing raised
-            torch._assert_async(((positions >= 0) & (positions < cache.length)).all(),
-                                f"a position outside the cache of {cache.length}")
+        if positions.is_cuda:  # fused.attention_inputs writes no position outside the cache; torch's indexing raised
+            torch._assert_async(
+                ((positions >= 0) & (positions < cache.length)).all(), f"a position outside the cache of {cache.length}"
+            )
         pending = None
         for i, layer in enumerate(self.layers):
             x, pending = layer(x, pending, cos, sin, positions, cache.k[i], cache.v[i])
@@ -208,6 +220,6 @@ def from_transformers(hf_model, device=None) -> Qwen3:
             ours.down.weight.copy_(mlp.down_proj.weight)
             ours.input_norm.copy_(theirs.input_layernorm.weight)
             ours.post_norm.copy_(theirs.post_attention_layernorm.weight)
-            ours.qk_norm[:shape.num_heads] = att.q_norm.weight
-            ours.qk_norm[shape.num_heads:] = att.k_norm.weight
+            ours.qk_norm[: shape.num_heads] = att.q_norm.weight
+            ours.qk_norm[shape.num_heads :] = att.k_norm.weight
     return model

@@ -19,6 +19,7 @@ Prints a compact summary at the end; every table is in the --out JSON (`--render
 the source of BENCH.md). --dry-run runs the same plumbing on CPU with tiny shapes and wall-clock times (the
 reference path: decode, then F.linear): it checks the script, it measures nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,25 +35,41 @@ import torch
 import triton
 import triton.testing
 
+import w12
 from specpilot_lab.w12_families import FAMILIES, SHAPES, draw, normal_with_escapes, parse_families
 from w12.format import W12Tensor, decode, encode
-from w12.gemm import (BUCKETS, FUSED_MAX_M, TUNED, Config, bucket_of, config_for, fused_gemm, keep_dense, linear,
-                   pick_config, tuned_key, tuned_name)
+from w12.gemm import (
+    BUCKETS,
+    FUSED_MAX_M,
+    TUNED,
+    Config,
+    bucket_of,
+    config_for,
+    fused_gemm,
+    keep_dense,
+    linear,
+    pick_config,
+    tuned_key,
+    tuned_name,
+)
 
-DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}   # --dry-run
-MS = (1, 2, 4, 8, 16, 32, 64)           # the normal family
-EXTRA_MS = (1, 8, 16, 32, 64)           # every other family (the 10-minute budget of one device command)
+DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}  # --dry-run
+MS = (1, 2, 4, 8, 16, 32, 64)  # the normal family
+EXTRA_MS = (1, 8, 16, 32, 64)  # every other family (the 10-minute budget of one device command)
 STACK_MS = (1, 8, 16, 32)
 CLIFF_MS = (1, 8, 16, 32)
 CLIFF_RATES = (1e-4, 1e-3)
 EAGER_MS = (1, 8, 16, 32, 64)
-COPY_TBPS = 4.27          # measured device-to-device copy bandwidth (read + write), H200
-BUFFERS = 3               # weight copies rotated per measurement
+COPY_TBPS = 4.27  # measured device-to-device copy bandwidth (read + write), H200
+BUFFERS = 3  # weight copies rotated per measurement
+# Candidate tables go here, outside the kernel package; `make w12-promote` is the one way into it.
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+PACKAGE = Path(w12.__file__).resolve().parent
 LABELS = {"stories260k": "stories260k (real rows, tiled to the shape)"}
 
 
-HEAVY_CLASS = ("student-t4", "outliers")   # the families whose geomean decides the heavy class's fallback (as
-                                           # its tuned configs were picked on them); the light class: normal
+HEAVY_CLASS = ("student-t4", "outliers")  # the families whose geomean decides the heavy class's fallback (as
+# its tuned configs were picked on them); the light class: normal
 
 
 def with_dense(packed: W12Tensor, weight: torch.Tensor) -> W12Tensor:
@@ -71,13 +88,14 @@ def w12_path(m: int, device) -> str:
 
 # --- timing -------------------------------------------------------------------------------------------------
 
+
 def time_us(fn, rep_ms: int = 200, flush: str = "write") -> float:
     """Median time of fn. L2 is cleared before every call: flush="write" is do_bench's own (it zeroes 256 MB,
     leaving L2 full of dirty lines that fn's first kernel must write back), "read" reads 256 MB instead
     (L2 full of clean lines), "none" relies on the rotated buffers alone."""
     if flush == "write":
         return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-    cache = torch.empty(256 * 2 ** 20 // 4, dtype=torch.int32, device="cuda").random_()
+    cache = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda").random_()
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -136,6 +154,7 @@ def sync(device) -> None:
 
 # --- weights ------------------------------------------------------------------------------------------------
 
+
 def family_weights(family: str, shapes: dict, device) -> dict:
     """BUFFERS distinct matrices per shape (bf16 and W12), drawn from the family on the device."""
     return _encoded(lambda n, k, seed: draw(family, n, k, seed=seed, device=device), shapes, device)
@@ -154,11 +173,12 @@ def _encoded(make, shapes: dict, device) -> dict:
     return weights
 
 
-def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config | None = None,
-                      ms=(1, 5, 16, 32, 64)) -> dict:
+def check_correctness(
+    name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config | None = None, ms=(1, 5, 16, 32, 64)
+) -> dict:
     """decode(encode(W)) bit-exact; W12's y within one bf16 ulp (+1e-5 sum|x||w|) of float64 and deterministic."""
     assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: decode not bit-exact"
-    if w.device.type == "cpu":      # --dry-run: the reference path (decode, then F.linear) at every M
+    if w.device.type == "cpu":  # --dry-run: the reference path (decode, then F.linear) at every M
         ms = ms[:1]
     worst = 0.0
     for m in ms:
@@ -166,19 +186,23 @@ def check_correctness(name: str, w: torch.Tensor, packed: W12Tensor, cfg: Config
         y = linear(x, packed, config=cfg).double()
         assert torch.equal(linear(x, packed, config=cfg).double(), y), f"{name} M={m}: not deterministic"
         ref = x.double() @ w.double().T
-        bound = 2.0 ** -7 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
+        bound = 2.0**-7 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
         bad = ((y - ref).abs() > bound).sum().item()
         assert bad == 0, f"{name} M={m}: {bad} outputs off by more than one bf16 ulp"
         worst = max(worst, ((y - ref).abs() / (ref.abs() + 1e-30)).max().item())
-    return {"escapes": packed.escapes, "escape_rate": packed.escapes / (packed.rows * packed.cols),
-            "bits_per_weight": packed.bits_per_weight(), "max_rel_err": worst}
+    return {
+        "escapes": packed.escapes,
+        "escape_rate": packed.escapes / (packed.rows * packed.cols),
+        "bits_per_weight": packed.bits_per_weight(),
+        "max_rel_err": worst,
+    }
 
 
 # --- --pick (normal family, CUDA) ---------------------------------------------------------------------------
 
-# Finalists re-timed under CUDA graphs by --pick, per M bucket (8, 16, 32): from the earlier tile sweeps and
-# the swap-orientation sweep of explore.py (BENCH.md; the script is in commit e009eac). Split K for N = 5120, where 160 row blocks of 32 would
-# leave SMs idle.
+
+# Finalists re-timed under CUDA graphs by --pick, per M bucket (8, 16, 32), from earlier tile sweeps. Split K for
+# N = 5120, where 160 row blocks of 32 would leave SMs idle.
 def _swap(bucket, *tiles):
     return [Config(bn, bk, w, s, swap=True, block_m=bucket, split_k=sp) for bn, bk, w, s, sp in tiles]
 
@@ -193,20 +217,34 @@ def finalists(n: int, k: int, bucket: int) -> list[Config]:
 def _tiles(n: int, bucket: int) -> list[Config]:
     narrow = n <= 5120
     if bucket == 8:
-        return _swap(8, *([(32, 128, 2, 3, 3), (32, 128, 2, 4, 3), (16, 128, 1, 3, 1), (16, 128, 1, 3, 2)] if narrow
-                          else [(32, 128, 2, 3, 1), (32, 128, 2, 4, 1), (16, 128, 1, 3, 1), (16, 128, 1, 4, 1)]))
+        return _swap(
+            8,
+            *(
+                [(32, 128, 2, 3, 3), (32, 128, 2, 4, 3), (16, 128, 1, 3, 1), (16, 128, 1, 3, 2)]
+                if narrow
+                else [(32, 128, 2, 3, 1), (32, 128, 2, 4, 1), (16, 128, 1, 3, 1), (16, 128, 1, 4, 1)]
+            ),
+        )
     if bucket == 16:
-        return _swap(16, *([(32, 128, 2, 3, 3), (16, 128, 1, 3, 2)] if narrow
-                           else [(32, 128, 2, 3, 1), (32, 128, 2, 4, 1), (16, 128, 1, 3, 1)])) + \
-            ([Config(32, 128, 4, 3, split_k=3)] if narrow else [])
+        return _swap(
+            16,
+            *(
+                [(32, 128, 2, 3, 3), (16, 128, 1, 3, 2)]
+                if narrow
+                else [(32, 128, 2, 3, 1), (32, 128, 2, 4, 1), (16, 128, 1, 3, 1)]
+            ),
+        ) + ([Config(32, 128, 4, 3, split_k=3)] if narrow else [])
     # M = 32: the best of explore.py --m32 (2026-11-30), escape entries loaded after the main loop
     if narrow:
         return [Config(64, 128, 4, 3, split_k=3, esc_after=True), Config(64, 128, 4, 3, split_k=3)]
-    return [Config(64, 128, 4, 3, esc_after=True), Config(64, 128, 4, 2, split_k=2, esc_after=True),
-            Config(64, 128, 4, 3)]
+    return [
+        Config(64, 128, 4, 3, esc_after=True),
+        Config(64, 128, 4, 2, split_k=2, esc_after=True),
+        Config(64, 128, 4, 3),
+    ]
 
 
-PICK_BUCKETS = ((8, (1, 8)), (16, (16,)), (32, (32,)))     # M bucket, the M values it is timed at
+PICK_BUCKETS = ((8, (1, 8)), (16, (16,)), (32, (32,)))  # M bucket, the M values it is timed at
 
 
 def pick(weights: dict) -> dict:
@@ -220,8 +258,9 @@ def pick(weights: dict) -> dict:
             timed = []
             for cfg in finalists(n, k, bucket):
                 try:
-                    check_correctness(name, weights[name]["bf16"][0], packs[0], cfg,
-                                      ms=tuple(sorted({1, bucket // 2 + 1, bucket})))
+                    check_correctness(
+                        name, weights[name]["bf16"][0], packs[0], cfg, ms=tuple(sorted({1, bucket // 2 + 1, bucket}))
+                    )
                     times = [graph_time_us(lambda p: fused_gemm(x, p, cfg), packs) for x in xs]
                 except Exception as err:
                     print(f"pick {name:8s} M<={bucket}: REJECTED {cfg}: {type(err).__name__}: {str(err)[:300]}")
@@ -233,6 +272,7 @@ def pick(weights: dict) -> dict:
 
 
 # --- the GEMM table -----------------------------------------------------------------------------------------
+
 
 def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]:
     """Per shape and M: cuBLAS and w12.gemm.linear, each over the rotated buffers under a CUDA graph."""
@@ -246,9 +286,18 @@ def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]
             x = torch.randn(m, k, device=device).to(torch.bfloat16)
             t_ref = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s)
             t_ref2 = graph_time_us(lambda w: torch.nn.functional.linear(x, w), bf16s) if m == 1 else float("nan")
-            row = dict(family=family, shape=name, N=n, K=k, M=m, path=w12_path(m, device), cublas_us=t_ref,
-                       cublas_us_repeat=t_ref2, escape_rate=packs[0].escapes / (n * k),
-                       bits_per_weight=packs[0].bits_per_weight())
+            row = dict(
+                family=family,
+                shape=name,
+                N=n,
+                K=k,
+                M=m,
+                path=w12_path(m, device),
+                cublas_us=t_ref,
+                cublas_us_repeat=t_ref2,
+                escape_rate=packs[0].escapes / (n * k),
+                bits_per_weight=packs[0].bits_per_weight(),
+            )
             try:
                 t_w12 = graph_time_us(lambda p: linear(x, p), packs)
                 diff = (linear(x, packs[0]).float() - torch.nn.functional.linear(x, bf16s[0]).float()).abs().max()
@@ -257,28 +306,37 @@ def table(weights: dict, shapes: dict, ms, family: str = "normal") -> list[dict]
                     row.update(picked="cuBLAS on the bf16 copy", picked_us=t_fb, picked_speedup=t_ref / t_fb)
                 else:
                     row.update(picked=w12_path(m, device), picked_us=t_w12, picked_speedup=t_ref / t_w12)
-            except Exception as err:    # a refusal (e.g. an M the kernel does not take) is a result, not a crash
+            except Exception as err:  # a refusal (e.g. an M the kernel does not take) is a result, not a crash
                 row.update(w12_us=float("nan"), speedup=float("nan"), error=f"{type(err).__name__}: {str(err)[:200]}")
                 rows.append(row)
                 print(f"{family:12s} {name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us  W12 REFUSED {row['error']}")
                 continue
             act = 2 * m * (n + k)
             row.update(
-                w12_us=t_w12, speedup=t_ref / t_w12, bf16_bytes=2 * n * k + act, w12_bytes=w12_bytes + act,
-                cublas_tbps=(2 * n * k + act) / t_ref / 1e6, w12_tbps=(w12_bytes + act) / t_w12 / 1e6,
+                w12_us=t_w12,
+                speedup=t_ref / t_w12,
+                bf16_bytes=2 * n * k + act,
+                w12_bytes=w12_bytes + act,
+                cublas_tbps=(2 * n * k + act) / t_ref / 1e6,
+                w12_tbps=(w12_bytes + act) / t_w12 / 1e6,
                 roofline_w12_us=(w12_bytes + act) / COPY_TBPS / 1e6,
                 roofline_bf16_us=(2 * n * k + act) / COPY_TBPS / 1e6,
                 max_abs_diff=diff.item(),
-                config=vars(config_for(packs[0], bucket_of(m))) if m <= FUSED_MAX_M else None)
+                config=vars(config_for(packs[0], bucket_of(m))) if m <= FUSED_MAX_M else None,
+            )
             rows.append(row)
-            print(f"{family:12s} {name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us (repeat {t_ref2:.1f})  W12 {t_w12:7.1f} us "
-                  f"[{row['path']}] ({row['w12_tbps']:.2f} TB/s)  x{row['speedup']:.3f}  "
-                  f"roofline {row['roofline_w12_us']:.1f} us  max|diff| {row['max_abs_diff']:.3g}  "
-                  f"picked {row['picked']} x{row['picked_speedup']:.3f}", flush=True)
+            print(
+                f"{family:12s} {name:8s} M={m:2d} cuBLAS {t_ref:7.1f} us (repeat {t_ref2:.1f})  W12 {t_w12:7.1f} us "
+                f"[{row['path']}] ({row['w12_tbps']:.2f} TB/s)  x{row['speedup']:.3f}  "
+                f"roofline {row['roofline_w12_us']:.1f} us  max|diff| {row['max_abs_diff']:.3g}  "
+                f"picked {row['picked']} x{row['picked_speedup']:.3f}",
+                flush=True,
+            )
     return rows
 
 
 # --- the decode stack ---------------------------------------------------------------------------------------
+
 
 def stack_weights(layers: int, family: str, shapes: dict, device):
     """layers x (qkv, o, gate_up, down): distinct bf16 matrices of the family and their W12 encodings."""
@@ -322,8 +380,11 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
     w12_total = sum(p.nbytes() for wl in w12_layers for p in wl)
     print(f"stack {family}: {layers} layers, bf16 {bf16_total / 1e9:.2f} GB, W12 {w12_total / 1e9:.2f} GB", flush=True)
     # the fallback arm: twins of the W12 weights holding the bf16 layers as their copies (shared, no new memory)
-    twins = ([[with_dense(p, w) for p, w in zip(wl, bl)] for wl, bl in zip(w12_layers, bf16_layers)]
-             if torch.device(device).type == "cuda" else [])
+    twins = (
+        [[with_dense(p, w) for p, w in zip(wl, bl)] for wl, bl in zip(w12_layers, bf16_layers)]
+        if torch.device(device).type == "cuda"
+        else []
+    )
     rows = []
     for m in ms:
         xs = [torch.randn(m, k, device=device).to(torch.bfloat16) for (_, k) in shapes.values()]
@@ -339,13 +400,26 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
                 for x, p in zip(xs, wl):
                     outs[p.shape] = linear(x, p)
 
-        falls = sorted({name for wl in twins[:1] for name, p in zip(shapes, wl)
-                        if m <= FUSED_MAX_M and bucket_of(m) in p.dense_buckets})
+        falls = sorted(
+            {
+                name
+                for wl in twins[:1]
+                for name, p in zip(shapes, wl)
+                if m <= FUSED_MAX_M and bucket_of(m) in p.dense_buckets
+            }
+        )
         arms = [("bf16", step_bf16), ("w12", step_w12)]
         if falls:
-            arms.append(("w12_fallback", lambda: step_w12(twins)))
-        row = dict(family=family, M=m, layers=layers, path=w12_path(m, device), bf16_bytes=bf16_total,
-                   w12_bytes=w12_total, fallback_shapes=falls)
+            arms.append(("w12_fallback", lambda t=twins: step_w12(t)))
+        row = dict(
+            family=family,
+            M=m,
+            layers=layers,
+            path=w12_path(m, device),
+            bf16_bytes=bf16_total,
+            w12_bytes=w12_total,
+            fallback_shapes=falls,
+        )
         try:
             times = {label: replay_us(step, device) for label, step in arms + [("bf16_again", step_bf16)]}
         except Exception as err:
@@ -353,32 +427,41 @@ def stack(layers: int, family: str = "normal", ms=STACK_MS, shapes: dict = SHAPE
             rows.append(row)
             print(f"stack {family} M={m:2d} FAILED {row['error']}")
             continue
-        row.update(bf16_us=times["bf16"][0], bf16_again_us=times["bf16_again"][0], w12_us=times["w12"][0],
-                   picked_us=times.get("w12_fallback", times["w12"])[0], spread=times)
+        row.update(
+            bf16_us=times["bf16"][0],
+            bf16_again_us=times["bf16_again"][0],
+            w12_us=times["w12"][0],
+            picked_us=times.get("w12_fallback", times["w12"])[0],
+            spread=times,
+        )
         row["speedup"] = row["bf16_us"] / row["w12_us"]
         row["picked_speedup"] = row["bf16_us"] / row["picked_us"]
         row["bf16_tbps"] = bf16_total / row["bf16_us"] / 1e6
         row["w12_tbps"] = w12_total / row["w12_us"] / 1e6
         rows.append(row)
-        print(f"stack {family} M={m:2d} bf16 {row['bf16_us'] / 1e3:.2f} ms ({row['bf16_tbps']:.2f} TB/s, again "
-              f"{row['bf16_again_us'] / 1e3:.2f})  W12 {row['w12_us'] / 1e3:.2f} ms ({row['w12_tbps']:.2f} TB/s)"
-              f"  x{row['speedup']:.3f}  with the fallback ({', '.join(falls) or 'none'}) x{row['picked_speedup']:.3f}",
-              flush=True)
+        print(
+            f"stack {family} M={m:2d} bf16 {row['bf16_us'] / 1e3:.2f} ms ({row['bf16_tbps']:.2f} TB/s, again "
+            f"{row['bf16_again_us'] / 1e3:.2f})  W12 {row['w12_us'] / 1e3:.2f} ms ({row['w12_tbps']:.2f} TB/s)"
+            f"  x{row['speedup']:.3f}  with the fallback ({', '.join(falls) or 'none'}) x{row['picked_speedup']:.3f}",
+            flush=True,
+        )
     del twins
     return rows
 
 
 # --- the escape cliff ---------------------------------------------------------------------------------------
 
+
 def cliff(shapes: dict, ms=CLIFF_MS, device="cuda") -> list[dict]:
     """W12 time per shape and M on the normal family with 0.01% vs 0.1% planted escapes (target: within 5%)."""
     times, checks = {}, {}
     for rate in CLIFF_RATES:
         weights = escape_weights(rate, shapes, device)
-        for name, (n, k) in shapes.items():
+        for name, (_, k) in shapes.items():
             packs = weights[name]["w12"]
-            checks[(name, rate)] = check_correctness(f"{name} escapes {rate:g}", weights[name]["bf16"][0], packs[0],
-                                                     ms=(1, 16, 32))
+            checks[(name, rate)] = check_correctness(
+                f"{name} escapes {rate:g}", weights[name]["bf16"][0], packs[0], ms=(1, 16, 32)
+            )
             for m in ms:
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
                 times[(name, m, rate)] = graph_time_us(lambda p: linear(x, p), packs)
@@ -388,16 +471,30 @@ def cliff(shapes: dict, ms=CLIFF_MS, device="cuda") -> list[dict]:
     for name in shapes:
         for m in ms:
             t_lo, t_hi = times[(name, m, lo)], times[(name, m, hi)]
-            rows.append(dict(shape=name, M=m, path=w12_path(m, device), rate_lo=lo, rate_hi=hi,
-                             escape_rate_lo=checks[(name, lo)]["escape_rate"],
-                             escape_rate_hi=checks[(name, hi)]["escape_rate"],
-                             w12_us_lo=t_lo, w12_us_hi=t_hi, ratio=t_hi / t_lo))
-            print(f"cliff {name:8s} M={m:2d} W12 {t_lo:7.1f} us at {100 * lo:g}% escapes, {t_hi:7.1f} us at "
-                  f"{100 * hi:g}%: x{t_hi / t_lo:.3f}", flush=True)
+            rows.append(
+                dict(
+                    shape=name,
+                    M=m,
+                    path=w12_path(m, device),
+                    rate_lo=lo,
+                    rate_hi=hi,
+                    escape_rate_lo=checks[(name, lo)]["escape_rate"],
+                    escape_rate_hi=checks[(name, hi)]["escape_rate"],
+                    w12_us_lo=t_lo,
+                    w12_us_hi=t_hi,
+                    ratio=t_hi / t_lo,
+                )
+            )
+            print(
+                f"cliff {name:8s} M={m:2d} W12 {t_lo:7.1f} us at {100 * lo:g}% escapes, {t_hi:7.1f} us at "
+                f"{100 * hi:g}%: x{t_hi / t_lo:.3f}",
+                flush=True,
+            )
     return rows
 
 
 # --- eager calls --------------------------------------------------------------------------------------------
+
 
 def eager_us(fn, items, device, calls: int = 200, rounds: int = 5) -> float:
     """Per call, calls made one at a time with no graph, back to back over the rotated buffers: wall time of
@@ -405,7 +502,7 @@ def eager_us(fn, items, device, calls: int = 200, rounds: int = 5) -> float:
     for item in items:
         fn(item)
     sync(device)
-    if torch.device(device).type == "cpu":      # --dry-run
+    if torch.device(device).type == "cpu":  # --dry-run
         calls, rounds = 3, 1
     samples = []
     for _ in range(rounds):
@@ -426,7 +523,7 @@ def host_us(pair, device, bursts: int = 20, calls: int = 10) -> tuple[float, flo
     for fn, items in pair:
         for item in items:
             fn(item)
-    if torch.device(device).type == "cpu":      # --dry-run
+    if torch.device(device).type == "cpu":  # --dry-run
         bursts = 2
     samples = ([], [])
     for burst in range(bursts):
@@ -451,8 +548,8 @@ def eager(weights: dict, shapes: dict, ms=EAGER_MS) -> list[dict]:
         device = bf16s[0].device
         for m in ms:
             x = torch.randn(m, k, device=device).to(torch.bfloat16)
-            ref = lambda w: torch.nn.functional.linear(x, w)   # noqa: E731
-            w12 = lambda p: linear(x, p)                        # noqa: E731
+            ref = lambda w: torch.nn.functional.linear(x, w)  # noqa: E731
+            w12 = lambda p: linear(x, p)  # noqa: E731
             row = dict(shape=name, N=n, K=k, M=m, path=w12_path(m, device), cublas_us=eager_us(ref, bf16s, device))
             try:
                 row["w12_us"] = eager_us(w12, packs, device)
@@ -463,21 +560,29 @@ def eager(weights: dict, shapes: dict, ms=EAGER_MS) -> list[dict]:
                 row.update(w12_us=float("nan"), error=f"{type(err).__name__}: {str(err)[:200]}")
             row["speedup"] = row["cublas_us"] / row["w12_us"]
             rows.append(row)
-            host = (f"  host F.linear {row['cublas_host_us']:.1f} us, W12 {row['w12_host_us']:.1f} us, "
-                    f"paired gap {row['host_gap_us']:+.1f} us" if "w12_host_us" in row else "")
-            print(f"eager {name:8s} M={m:2d} F.linear {row['cublas_us']:7.1f} us/call  W12 {row['w12_us']:7.1f} "
-                  f"us/call [{row['path']}]  x{row['speedup']:.3f}{host}", flush=True)
+            host = (
+                f"  host F.linear {row['cublas_host_us']:.1f} us, W12 {row['w12_host_us']:.1f} us, "
+                f"paired gap {row['host_gap_us']:+.1f} us"
+                if "w12_host_us" in row
+                else ""
+            )
+            print(
+                f"eager {name:8s} M={m:2d} F.linear {row['cublas_us']:7.1f} us/call  W12 {row['w12_us']:7.1f} "
+                f"us/call [{row['path']}]  x{row['speedup']:.3f}{host}",
+                flush=True,
+            )
     return rows
 
 
 # --- report -------------------------------------------------------------------------------------------------
+
 
 def gm(values) -> float:
     values = [v for v in values if v == v]
     return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
 
 
-TARGETS = {"normal": (1.30, 1.15)}      # GEMM geomean at M <= 16, at M = 32; heavy-tailed families 1.20, 1.10
+TARGETS = {"normal": (1.30, 1.15)}  # GEMM geomean at M <= 16, at M = 32; heavy-tailed families 1.20, 1.10
 
 
 def family_summary(family: str, rows: list[dict], stack_rows: list[dict]) -> str:
@@ -487,21 +592,25 @@ def family_summary(family: str, rows: list[dict], stack_rows: list[dict]) -> str
     worst = min((r["speedup"] for r in rows if r["M"] <= 64 and r["speedup"] == r["speedup"]), default=float("nan"))
     refused = sum(1 for r in rows if "error" in r)
     stacks = ", ".join(f"M={r['M']} x{r['speedup']:.3f}" for r in stack_rows)
-    line = (f"{family}: GEMM geomean M<=16 {gm(small):.3f} (target {t16:.2f}), M=32 {gm(m32):.3f} (target {t32:.2f}), "
-            f"lowest at M<=64 {worst:.3f} (target 1.0){f', {refused} refused' if refused else ''}; "
-            f"stack {stacks or '-'} (target 1.25 at M=1,8,16, 1.15 at M=32)")
+    line = (
+        f"{family}: GEMM geomean M<=16 {gm(small):.3f} (target {t16:.2f}), M=32 {gm(m32):.3f} (target {t32:.2f}), "
+        f"lowest at M<=64 {worst:.3f} (target 1.0){f', {refused} refused' if refused else ''}; "
+        f"stack {stacks or '-'} (target 1.25 at M=1,8,16, 1.15 at M=32)"
+    )
     picked = [r["picked_speedup"] for r in rows if r["M"] <= 64 and not math.isnan(r.get("picked_speedup", math.nan))]
     if picked:
         stacks = ", ".join(f"M={r['M']} x{r['picked_speedup']:.3f}" for r in stack_rows if "picked_speedup" in r)
         m32 = gm(r["picked_speedup"] for r in rows if r["M"] == 32)
-        line += (f"; with the bf16 fallback: GEMM geomean M=32 {m32:.3f}, lowest at M<=64 {min(picked):.3f}, "
-                 f"stack {stacks or '-'}")
+        line += (
+            f"; with the bf16 fallback: GEMM geomean M=32 {m32:.3f}, lowest at M<=64 {min(picked):.3f}, "
+            f"stack {stacks or '-'}"
+        )
     return line
 
 
 def render(result: dict, compact: bool = False) -> str:
     """Markdown tables from a results JSON written by this script (older single-family JSONs too)."""
-    if "families" not in result:        # before the families (BENCH.md's 2026-11-30 run)
+    if "families" not in result:  # before the families (BENCH.md's 2026-11-30 run)
         result = {"families": {"normal": {"table": result.get("table", []), "stack": result.get("stack", [])}}}
     fams = result["families"]
     out = []
@@ -514,26 +623,35 @@ def render(result: dict, compact: bool = False) -> str:
     if result.get("eager"):
         out += eager_table(result["eager"]) + [""]
     for family, res in fams.items():
-        notes = [f"{key.replace('_', ' ')}: {res[key]}" for key in ("error", "table_skipped", "stack_skipped", "stack_error")
-                 if key in res]
-        out.append(family_summary(family, res.get("table", []), res.get("stack", [])) +
-                   "".join(f"; {note.strip()}" for note in notes))
+        notes = [
+            f"{key.replace('_', ' ')}: {res[key]}"
+            for key in ("error", "table_skipped", "stack_skipped", "stack_error")
+            if key in res
+        ]
+        out.append(
+            family_summary(family, res.get("table", []), res.get("stack", []))
+            + "".join(f"; {note.strip()}" for note in notes)
+        )
     return "\n".join(out)
 
 
 def gemm_table(rows: list[dict]) -> list[str]:
-    out = ["| shape (N x K) | M | path | cuBLAS us | cuBLAS TB/s | W12 us | W12 TB/s | speedup | W12 roofline us "
-           "| W12 % of roofline | bf16 MB | W12 MB | escapes | max abs diff | with the bf16 fallback |",
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = [
+        "| shape (N x K) | M | path | cuBLAS us | cuBLAS TB/s | W12 us | W12 TB/s | speedup | W12 roofline us "
+        "| W12 % of roofline | bf16 MB | W12 MB | escapes | max abs diff | with the bf16 fallback |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
         head = f"| {r['shape']} ({r['N']} x {r['K']}) | {r['M']} | {r.get('path', 'fused')} | {r['cublas_us']:.1f} "
         if "error" in r:
             out.append(head + f"| - | refused: {r['error']} | - | - | - | - | - | - | - | - | - |")
             continue
-        out.append(head + f"| {r['cublas_tbps']:.2f} | {r['w12_us']:.1f} | {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** "
-                   f"| {r['roofline_w12_us']:.1f} | {100 * r['roofline_w12_us'] / r['w12_us']:.0f}% "
-                   f"| {r['bf16_bytes'] / 1e6:.1f} | {r['w12_bytes'] / 1e6:.1f} "
-                   f"| {percent(r.get('escape_rate'))} | {r['max_abs_diff']:.3g} | {fallback_cell(r)} |")
+        out.append(
+            head + f"| {r['cublas_tbps']:.2f} | {r['w12_us']:.1f} | {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** "
+            f"| {r['roofline_w12_us']:.1f} | {100 * r['roofline_w12_us'] / r['w12_us']:.0f}% "
+            f"| {r['bf16_bytes'] / 1e6:.1f} | {r['w12_bytes'] / 1e6:.1f} "
+            f"| {percent(r.get('escape_rate'))} | {r['max_abs_diff']:.3g} | {fallback_cell(r)} |"
+        )
     return out
 
 
@@ -554,57 +672,78 @@ def side_by_side(fams: dict) -> list[str]:
     for res in fams.values():
         keys += [(r["shape"], r["M"]) for r in res.get("table", []) if (r["shape"], r["M"]) not in keys]
     cell = {(f, r["shape"], r["M"]): r for f, res in fams.items() for r in res.get("table", [])}
-    out = ["| shape | M | " + " | ".join(LABELS.get(f, f) for f in names) + " |",
-           "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    out = [
+        "| shape | M | " + " | ".join(LABELS.get(f, f) for f in names) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in names) + " |",
+    ]
     for shape, m in keys:
         cells = []
         for f in names:
             r = cell.get((f, shape, m))
-            cells.append("-" if r is None else "refused" if "error" in r else
-                         f"**{r['speedup']:.3f}** ({r['w12_us']:.1f} us)")
+            cells.append(
+                "-" if r is None else "refused" if "error" in r else f"**{r['speedup']:.3f}** ({r['w12_us']:.1f} us)"
+            )
         out.append(f"| {shape} | {m} | " + " | ".join(cells) + " |")
-    for label, pred in (("geomean M <= 16", lambda m: m <= 16), ("geomean M = 32", lambda m: m == 32),
-                        ("geomean M = 64", lambda m: m == 64)):
+    for label, pred in (
+        ("geomean M <= 16", lambda m: m <= 16),
+        ("geomean M = 32", lambda m: m == 32),
+        ("geomean M = 64", lambda m: m == 64),
+    ):
         vals = [gm(r["speedup"] for r in res.get("table", []) if pred(r["M"])) for res in fams.values()]
         out.append(f"| {label} | | " + " | ".join(f"**{v:.3f}**" for v in vals) + " |")
     return out
 
 
 def stack_table(fams: dict) -> list[str]:
-    out = ["| decode stack, 64 layers | M | bf16 ms | bf16 TB/s | W12 ms | W12 TB/s | speedup | W12 roofline ms "
-           "| with the bf16 fallback: ms, speedup (shapes on cuBLAS) |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = [
+        "| decode stack, 64 layers | M | bf16 ms | bf16 TB/s | W12 ms | W12 TB/s | speedup | W12 roofline ms "
+        "| with the bf16 fallback: ms, speedup (shapes on cuBLAS) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for family, res in fams.items():
         for r in res.get("stack", []):
-            head = (f"| {LABELS.get(family, family)}: bf16 {r['bf16_bytes'] / 1e9:.2f} GB / W12 {r['w12_bytes'] / 1e9:.2f} GB "
-                    f"| {r['M']} ")
+            head = (
+                f"| {LABELS.get(family, family)}: bf16 {r['bf16_bytes'] / 1e9:.2f} GB / W12 {r['w12_bytes'] / 1e9:.2f} GB "
+                f"| {r['M']} "
+            )
             if "error" in r:
                 out.append(head + f"| - | - | failed: {r['error']} | - | - | - | - |")
                 continue
-            fallback = ("-" if not r.get("fallback_shapes") else
-                        f"{r['picked_us'] / 1e3:.2f}, **{r['picked_speedup']:.3f}** ({', '.join(r['fallback_shapes'])})")
-            out.append(head + f"| {r['bf16_us'] / 1e3:.2f} | {r['bf16_tbps']:.2f} | {r['w12_us'] / 1e3:.2f} "
-                       f"| {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** | {r['w12_bytes'] / COPY_TBPS / 1e9:.2f} "
-                       f"| {fallback} |")
+            fallback = (
+                "-"
+                if not r.get("fallback_shapes")
+                else f"{r['picked_us'] / 1e3:.2f}, **{r['picked_speedup']:.3f}** ({', '.join(r['fallback_shapes'])})"
+            )
+            out.append(
+                head + f"| {r['bf16_us'] / 1e3:.2f} | {r['bf16_tbps']:.2f} | {r['w12_us'] / 1e3:.2f} "
+                f"| {r['w12_tbps']:.2f} | **{r['speedup']:.3f}** | {r['w12_bytes'] / COPY_TBPS / 1e9:.2f} "
+                f"| {fallback} |"
+            )
     return out
 
 
 def cliff_table(rows: list[dict]) -> list[str]:
     lo, hi = rows[0]["rate_lo"], rows[0]["rate_hi"]
-    out = [f"| shape | M | path | escapes (asked {100 * lo:g}%) | W12 us | escapes (asked {100 * hi:g}%) | W12 us "
-           "| time ratio | within 5% |",
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = [
+        f"| shape | M | path | escapes (asked {100 * lo:g}%) | W12 us | escapes (asked {100 * hi:g}%) | W12 us "
+        "| time ratio | within 5% |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
-        out.append(f"| {r['shape']} | {r['M']} | {r['path']} | {100 * r['escape_rate_lo']:.4f}% | {r['w12_us_lo']:.1f} "
-                   f"| {100 * r['escape_rate_hi']:.4f}% | {r['w12_us_hi']:.1f} | **{r['ratio']:.3f}** "
-                   f"| {'yes' if r['ratio'] <= 1.05 else 'no'} |")
+        out.append(
+            f"| {r['shape']} | {r['M']} | {r['path']} | {100 * r['escape_rate_lo']:.4f}% | {r['w12_us_lo']:.1f} "
+            f"| {100 * r['escape_rate_hi']:.4f}% | {r['w12_us_hi']:.1f} | **{r['ratio']:.3f}** "
+            f"| {'yes' if r['ratio'] <= 1.05 else 'no'} |"
+        )
     return out
 
 
 def eager_table(rows: list[dict]) -> list[str]:
-    out = ["| shape | M | W12 path | F.linear us/call | W12 us/call | speedup | F.linear host us | W12 host us "
-           "| host gap us (target <= 5) |",
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = [
+        "| shape | M | W12 path | F.linear us/call | W12 us/call | speedup | F.linear host us | W12 host us "
+        "| host gap us (target <= 5) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         host = "| | | |"
         if "w12_host_us" in r:
@@ -612,32 +751,37 @@ def eager_table(rows: list[dict]) -> list[str]:
             gap = r.get("host_gap_us", r["w12_host_us"] - r["cublas_host_us"])
             host = f"| {r['cublas_host_us']:.1f} | {r['w12_host_us']:.1f} | {gap:.1f} |"
         w12 = f"refused: {r['error']}" if "error" in r else f"{r['w12_us']:.1f}"
-        out.append(f"| {r['shape']} | {r['M']} | {r['path']} | {r['cublas_us']:.1f} | {w12} | **{r['speedup']:.3f}** " + host)
+        out.append(
+            f"| {r['shape']} | {r['M']} | {r['path']} | {r['cublas_us']:.1f} | {w12} | **{r['speedup']:.3f}** " + host
+        )
     return out
 
 
-def save_tuned(result: dict, path: Path = Path(__file__).with_name("tuned_h200.json")) -> None:
-    """Write the configs --pick chose into tuned_h200.json, replacing those keys only: the entries --pick does not
-    time (bucket 64, the heavy ones) stay. --pick times Triton tiles: an entry's kernel choice (ws) stays too."""
+def save_tuned(result: dict, path: Path = RESULTS / "tuned_h200.json") -> None:
+    """Write the configs --pick chose over the package's tuned_h200.json into a candidate table at `path`
+    (benchmarks/results/, outside the package: `make w12-promote TABLE=<path>` moves it in), replacing those keys
+    only: the entries --pick does not time (bucket 64, the heavy ones) stay. --pick times Triton tiles: an entry's
+    kernel choice (ws) stays too."""
     keep = [f.name for f in dataclasses.fields(Config) if f.name != "kernel"]
-    old = json.loads(path.read_text()) if path.exists() else {}
+    old = _base_table(path)
     entries = {key: cfg for key, cfg in old.items() if not key.startswith("_")}
     picked = {key: {f: cfg[f] for f in keep if f in cfg} for key, cfg in result["tuned"].items()}
     for key, cfg in picked.items():
         if "kernel" in entries.get(key, {}):
             cfg["kernel"] = entries[key]["kernel"]
     for key in picked:
-        tuned_key(key)          # a malformed key is an error here, not at the next import
+        tuned_key(key)  # a malformed key is an error here, not at the next import
     entries.update(picked)
     comment = old.get("_comment", "Picked on an H200 (see BENCH.md); key: N,K,M bucket, or N,K,bucket,heavy")
-    path.write_text(json.dumps({"_comment": comment, **entries}, indent=1) + "\n")
+    _write_candidate(path, {"_comment": comment, **entries})
     print(f"wrote {path}: {len(picked)} entries picked, {len(entries) - len(picked)} kept")
 
 
-def save_fallback(result: dict, path: Path = Path(__file__).with_name("fallback_h200.json")) -> dict:
-    """Write the fused kernel's speed over cuBLAS at each M bucket's largest M, per shape and escape class, into
-    fallback_h200.json (gemm.fallback_buckets falls back where it is below 1.0): the light class from the normal
-    family, the heavy class from the geomean of HEAVY_CLASS. Replaces the keys this run measured, keeps the rest."""
+def save_fallback(result: dict, path: Path = RESULTS / "fallback_h200.json") -> dict:
+    """Write the fused kernel's speed over cuBLAS at each M bucket's largest M, per shape and escape class, over
+    the package's fallback_h200.json into a candidate table at `path` (gemm.fallback_buckets falls back where it is
+    below 1.0): the light class from the normal family, the heavy class from the geomean of HEAVY_CLASS. Replaces
+    the keys this run measured, keeps the rest. `make w12-promote TABLE=<path>` moves it into the package."""
     fams = result["families"]
     classes = {False: ["normal"], True: [f for f in HEAVY_CLASS if f in fams]}
     measured = {}
@@ -648,56 +792,96 @@ def save_fallback(result: dict, path: Path = Path(__file__).with_name("fallback_
                 if r["M"] in BUCKETS and r.get("speedup") == r.get("speedup"):
                     cells.setdefault((r["N"], r["K"], r["M"]), []).append(r["speedup"])
         for (n, k, bucket), values in cells.items():
-            if len(values) == len(names):      # every family of the class measured this cell
+            if len(values) == len(names):  # every family of the class measured this cell
                 measured[tuned_name((n, k, bucket, heavy_class))] = {
-                    "speedup": round(gm(values), 4), "M": bucket, "families": names}
-    old = json.loads(path.read_text()) if path.exists() else {}
+                    "speedup": round(gm(values), 4),
+                    "M": bucket,
+                    "families": names,
+                }
+    old = _base_table(path)
     entries = {key: entry for key, entry in old.items() if not key.startswith("_")}
     entries.update(measured)
-    comment = (f"W12 fused kernel over cuBLAS at each M bucket's largest M, per shape (N,K,bucket) and escape class "
-               f"(,heavy); gemm.fallback_buckets falls back where below 1.0. Written by `specpilot_lab.w12_bench --save-fallback` "
-               f"from the run of {result.get('device', '?')}.")
-    path.write_text(json.dumps({"_comment": comment, **entries}, indent=1) + "\n")
-    print(f"wrote {path}: {len(measured)} entries measured, {len(entries) - len(measured)} kept; below 1.0: "
-          + ", ".join(key for key, e in entries.items() if e["speedup"] < 1.0))
+    comment = (
+        f"W12 fused kernel over cuBLAS at each M bucket's largest M, per shape (N,K,bucket) and escape class "
+        f"(,heavy); gemm.fallback_buckets falls back where below 1.0. Written by `specpilot_lab.w12_bench --save-fallback` "
+        f"from the run of {result.get('device', '?')}."
+    )
+    _write_candidate(path, {"_comment": comment, **entries})
+    print(
+        f"wrote {path}: {len(measured)} entries measured, {len(entries) - len(measured)} kept; below 1.0: "
+        + ", ".join(key for key, e in entries.items() if e["speedup"] < 1.0)
+    )
     return entries
+
+
+def _base_table(path: Path) -> dict:
+    """The candidate at `path` if one was written already, else the package's table of that name."""
+    source = path if path.exists() else PACKAGE / path.name
+    return json.loads(source.read_text()) if source.exists() else {}
+
+
+def _write_candidate(path: Path, table: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 # --- main ---------------------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", default=",".join(FAMILIES),
-                    help=f"comma-separated weight families (default: all): {', '.join(FAMILIES)}")
+    ap.add_argument(
+        "--family",
+        default=",".join(FAMILIES),
+        help=f"comma-separated weight families (default: all): {', '.join(FAMILIES)}",
+    )
     ap.add_argument("--pick", action="store_true", help="time the FINALISTS under CUDA graphs, keep the best")
     ap.add_argument("--table", action="store_true", help="the GEMM table, per family")
     ap.add_argument("--stack", action="store_true", help="the decode stack, per family")
     ap.add_argument("--cliff", action="store_true", help="W12 at 0.01%% vs 0.1%% escapes")
     ap.add_argument("--eager", action="store_true", help="eager calls (no graph) and host cost per call")
     ap.add_argument("--layers", type=int, default=64)
-    ap.add_argument("--deadline-s", type=float, help="start no table or stack after this many seconds (the rest "
-                                                     "is reported as skipped; keeps one device command in its limit)")
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        help="start no table or stack after this many seconds (the rest "
+        "is reported as skipped; keeps one device command in its limit)",
+    )
     ap.add_argument("--ms", help=f"M values of the normal family's table (default {','.join(map(str, MS))})")
-    ap.add_argument("--extra-ms", help=f"M values of the other families' tables (default "
-                                       f"{','.join(map(str, EXTRA_MS))})")
+    ap.add_argument(
+        "--extra-ms", help=f"M values of the other families' tables (default {','.join(map(str, EXTRA_MS))})"
+    )
     ap.add_argument("--cliff-ms", help=f"M values of the escape cliff (default {','.join(map(str, CLIFF_MS))})")
     ap.add_argument("--eager-ms", help=f"M values of the eager table (default {','.join(map(str, EAGER_MS))})")
     ap.add_argument("--stack-ms", help=f"M values of the decode stack (default {','.join(map(str, STACK_MS))})")
     ap.add_argument("--configs", help="JSON of configs keyed N,K,bucket (the format of tuned_h200.json)")
     ap.add_argument("--out", default="w12_bench.json")
     ap.add_argument("--render", help="print the markdown tables of an earlier --out JSON and exit")
-    ap.add_argument("--save-tuned", help="write the picked configs of an earlier --out JSON to tuned_h200.json")
-    ap.add_argument("--save-fallback", help="write the measured speedups of an earlier --out JSON (--table, families "
-                                            "normal, student-t4, outliers) to fallback_h200.json")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU, tiny shapes, 2 layers, wall-clock times: checks the plumbing, measures nothing")
+    ap.add_argument(
+        "--save-tuned", help="write the picked configs of an earlier --out JSON to benchmarks/results/tuned_h200.json"
+    )
+    ap.add_argument(
+        "--save-fallback",
+        help="write the measured speedups of an earlier --out JSON (--table, families "
+        "normal, student-t4, outliers) to benchmarks/results/fallback_h200.json",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny shapes, 2 layers, wall-clock times: checks the plumbing, measures nothing",
+    )
     args = ap.parse_args(argv)
     try:
         args.families = parse_families(args.family)
     except ValueError as err:
         ap.error(str(err))
-    for key, default in (("ms", MS), ("extra_ms", EXTRA_MS), ("stack_ms", STACK_MS),
-                         ("cliff_ms", CLIFF_MS), ("eager_ms", EAGER_MS)):
+    for key, default in (
+        ("ms", MS),
+        ("extra_ms", EXTRA_MS),
+        ("stack_ms", STACK_MS),
+        ("cliff_ms", CLIFF_MS),
+        ("eager_ms", EAGER_MS),
+    ):
         value = getattr(args, key)
         setattr(args, key, tuple(int(v) for v in value.split(",")) if value else default)
     if args.dry_run and args.pick:
@@ -719,13 +903,15 @@ def main(argv=None) -> dict | None:
 
     device, shapes = ("cpu", DRY_SHAPES) if args.dry_run else ("cuda", SHAPES)
     layers = min(args.layers, 2) if args.dry_run else args.layers
-    stamp = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.dry_run:
         head = f"DRY RUN on CPU (tiny shapes, reference path, wall clock: not a measurement), {stamp}"
     else:
         props = torch.cuda.get_device_properties(0)
-        head = (f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
-                f"triton {triton.__version__}, {stamp}")
+        head = (
+            f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+            f"triton {triton.__version__}, {stamp}"
+        )
     print(head, flush=True)
     if args.configs:
         for key, cfg in json.load(open(args.configs)).items():
@@ -746,15 +932,22 @@ def main(argv=None) -> dict | None:
         res = result["families"].setdefault(family, {})
         try:
             weights = family_weights(family, shapes, device)
-        except Exception as err:    # e.g. stories260K's file missing or not the pinned one: the others still run
+        except Exception as err:  # e.g. stories260K's file missing or not the pinned one: the others still run
             res["error"] = f"{type(err).__name__}: {err}"
             print(f"{family}: SKIPPED: {res['error']}", flush=True)
             continue
         try:
-            res["checks"] = {name: check_correctness(f"{family} {name}", w["bf16"][0], w["w12"][0])
-                             for name, w in weights.items()}
-            print(f"check {family}: " + ", ".join(f"{n} {c['bits_per_weight']:.4f} bits, {100 * c['escape_rate']:.4f}%"
-                                                  for n, c in res["checks"].items()), flush=True)
+            res["checks"] = {
+                name: check_correctness(f"{family} {name}", w["bf16"][0], w["w12"][0]) for name, w in weights.items()
+            }
+            print(
+                f"check {family}: "
+                + ", ".join(
+                    f"{n} {c['bits_per_weight']:.4f} bits, {100 * c['escape_rate']:.4f}%"
+                    for n, c in res["checks"].items()
+                ),
+                flush=True,
+            )
             if args.pick and family == "normal":
                 best = pick(weights)
                 TUNED.update(best)
@@ -794,8 +987,10 @@ def main(argv=None) -> dict | None:
         print(f"{family} done at {time.time() - t_start:.0f} s", flush=True)
     result["seconds"] = time.time() - t_start
     save()
-    print(f"\n{render(result, compact=True)}\n\nall tables: python -m specpilot_lab.w12_bench --render {args.out}  "
-          f"({result['seconds']:.0f} s)")
+    print(
+        f"\n{render(result, compact=True)}\n\nall tables: python -m specpilot_lab.w12_bench --render {args.out}  "
+        f"({result['seconds']:.0f} s)"
+    )
     return result
 
 

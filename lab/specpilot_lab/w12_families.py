@@ -20,6 +20,7 @@ escape-cliff check: magnitudes are first clamped into a band of 13 exponents aro
 W12's 16-exponent window always holds, so no natural escapes), then each weight is, with probability `rate`,
 scaled by 2^-20, far below the row's window, where W12 must store it as an escape.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,7 @@ OUTLIER_SCALE = (10.0, 30.0)
 # stories260K's model.safetensors as pinned in lockfiles/checkpoints.toml (and ../shared/models/stories260K/SOURCES.md)
 STORIES_SHA256 = "407a7c581bdd66972383ce9ad24857713fb98786d06ea564a2fe9b34ebe77dfd"
 STORIES_RELPATH = Path("models") / "stories260K" / "model.safetensors"
-ESCAPE_SHIFT = 2.0 ** -20       # a planted escape: 20 binades below its value, outside any window holding the row
+ESCAPE_SHIFT = 2.0**-20  # a planted escape: 20 binades below its value, outside any window holding the row
 
 
 def parse_families(spec: str) -> list[str]:
@@ -76,7 +77,7 @@ def normal_with_escapes(rows: int, cols: int, rate: float, seed: int, device="cp
     z = torch.randn(rows, cols, device=device, generator=g)
     # |z| in [2^-9, 2^3]: 13 binades of sigma (Normal z passes 2^3 = 8 with probability 1e-15), so one
     # even-start window of 16 binades holds the whole row and the only escapes are the planted ones.
-    z = torch.where(z < 0, -1.0, 1.0) * z.abs().clamp_(2.0 ** -9, 7.99)
+    z = torch.where(z < 0, -1.0, 1.0) * z.abs().clamp_(2.0**-9, 7.99)
     planted = torch.rand(rows, cols, device=device, generator=g) < rate
     z = torch.where(planted, z * ESCAPE_SHIFT, z)
     return (z * sigma).to(torch.bfloat16)
@@ -98,7 +99,7 @@ def student_t(rows: int, cols: int, df: int, g: torch.Generator, device) -> torc
 
 def outlier_columns(cols: int, seed: int, device="cpu") -> torch.Tensor:
     """The OUTLIER_COLUMNS columns the `outliers` family scales, chosen by the seed (ascending)."""
-    g = _generator(seed + 0x5EED, "cpu")        # a CPU draw: the same columns on every device
+    g = _generator(seed + 0x5EED, "cpu")  # a CPU draw: the same columns on every device
     return torch.randperm(cols, generator=g)[: min(OUTLIER_COLUMNS, cols)].sort().values.to(device)
 
 
@@ -113,7 +114,7 @@ def stories_tiled(rows: int, cols: int, seed: int, device="cpu") -> torch.Tensor
     g = _generator(seed, "cpu")
     pick = torch.randint(0, len(pool), (rows,), generator=g)
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
-    for width in sorted({len(r) for r in pool}):       # two widths (64, 172): whole-tensor ops per width
+    for width in sorted({len(r) for r in pool}):  # two widths (64, 172): whole-tensor ops per width
         ids = [i for i, r in enumerate(pool) if len(r) == width]
         block = torch.stack([pool[i] for i in ids]).to(device)
         tiled = block.repeat(1, -(-cols // width))[:, :cols]
@@ -136,8 +137,10 @@ def stories_matrices(path: str | None = None) -> dict[str, torch.Tensor]:
 
     file = Path(path) if path else stories_path()
     if not file.is_file():
-        raise FileNotFoundError(f"stories260K weights not found at {file} (set SPECPILOT_MIRROR to the folder "
-                                f"holding {STORIES_RELPATH}, or W12_STORIES to the file)")
+        raise FileNotFoundError(
+            f"stories260K weights not found at {file} (set SPECPILOT_MIRROR to the folder "
+            f"holding {STORIES_RELPATH}, or W12_STORIES to the file)"
+        )
     data = file.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != STORIES_SHA256:

@@ -8,6 +8,7 @@ the whole matrix up to sampling noise; full shapes take minutes on a 2-core CPU)
 controls of the cliff check and the real stories260K matrices. Every row is checked bit-exact
 (decode(encode(W)) == W) before it is printed. Prints a markdown table (the source of SIZE.md). CPU only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,14 @@ def measure(label: str, w: torch.Tensor, shape: str | None = None) -> dict:
     packed = encode(w)
     if not torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)):
         raise AssertionError(f"{label}: decode(encode(W)) differs from W")
-    return dict(label=label, shape=shape or "x".join(map(str, w.shape)), weights=w.numel(),
-                bytes=packed.nbytes(), escapes=packed.escapes, bits=packed.bits_per_weight())
+    return dict(
+        label=label,
+        shape=shape or "x".join(map(str, w.shape)),
+        weights=w.numel(),
+        bytes=packed.nbytes(),
+        escapes=packed.escapes,
+        bits=packed.bits_per_weight(),
+    )
 
 
 def family_rows(family: str, rows: int) -> list[dict]:
@@ -41,8 +48,14 @@ def family_rows(family: str, rows: int) -> list[dict]:
 
 def escape_control_rows(rows: int) -> list[dict]:
     n, k = SHAPES["qkv"]
-    return [measure(f"normal, planted escapes at {100 * rate:g}%", normal_with_escapes(min(rows, n), k, rate, seed=7),
-                    f"qkv {min(rows, n)}x{k}") for rate in ESCAPE_RATES]
+    return [
+        measure(
+            f"normal, planted escapes at {100 * rate:g}%",
+            normal_with_escapes(min(rows, n), k, rate, seed=7),
+            f"qkv {min(rows, n)}x{k}",
+        )
+        for rate in ESCAPE_RATES
+    ]
 
 
 def stories_real_rows(path: str | None, every_tensor: bool) -> list[dict]:
@@ -52,8 +65,12 @@ def stories_real_rows(path: str | None, every_tensor: bool) -> list[dict]:
         for key in total:
             total[key] += r[key]
         rows.append(r)
-    whole = dict(label="stories260K, all 2-D tensors (real, fp32 -> bf16)", shape="-", **total,
-                 bits=8 * total["bytes"] / total["weights"])
+    whole = dict(
+        label="stories260K, all 2-D tensors (real, fp32 -> bf16)",
+        shape="-",
+        **total,
+        bits=8 * total["bytes"] / total["weights"],
+    )
     return (rows if every_tensor else []) + [whole]
 
 
@@ -77,8 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     print("| weights | shape | escapes | escape rate | bits/weight |")
     print("| --- | --- | ---: | ---: | ---: |")
     for r in results:
-        print(f"| {r['label']} | {r['shape']} | {r['escapes']} | {100 * r['escapes'] / r['weights']:.4f}% "
-              f"| {r['bits']:.4f} |")
+        print(
+            f"| {r['label']} | {r['shape']} | {r['escapes']} | {100 * r['escapes'] / r['weights']:.4f}% "
+            f"| {r['bits']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

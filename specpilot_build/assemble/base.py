@@ -1,5 +1,6 @@
 """The reference runtime's base: an in-repo directory, checked and copied into a new engine tree (an SGLang
 base is its pinned wheel: pins/wheels.py)."""
+
 from __future__ import annotations
 
 import os

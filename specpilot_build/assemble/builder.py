@@ -3,6 +3,7 @@
 A build whose inputs (effective config, pins, base, overlays, kernels, builder source) were built before is a
 no-op found through engines/.index/, without reading the runtime base. The index is a cache, never an
 authority: an entry is used only when it names an engine whose manifest records exactly the head being built."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from pathlib import Path
 import blake3
 
 from specpilot_build import __version__
-from specpilot_build.assemble.tree import assemble_tree
 from specpilot_build.assemble.inputs import resolve_inputs
+from specpilot_build.assemble.tree import assemble_tree
 from specpilot_build.config.compose import Composed, compose_setting
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.pins.lockfile import Lock, load_lock
@@ -54,17 +55,22 @@ class BuildResult:
         return sum(f["size"] for f in self.engine.manifest["files"])
 
 
-def build_engine(setting: str, arm: str = "final", overrides: list[str] = (), lock: Lock | None = None
-                 ) -> BuildResult:
+def build_engine(setting: str, arm: str = "final", overrides: list[str] = (), lock: Lock | None = None) -> BuildResult:
     return build_composed(compose_setting(setting, arm, list(overrides)), lock=lock)
 
 
 def build_head(composed: Composed, lock: Lock | None = None):
     """(resolved inputs, the manifest head: everything but the files and the base record)."""
     inputs = resolve_inputs(composed, lock or load_lock())
-    head = {"schema": SCHEMA, "builder": {"name": "specpilot", "version": __version__},
-            "setting": composed.setting, "arm": composed.arm, "choices": composed.choices,
-            "config": inputs.config, "inputs": inputs.record()}
+    head = {
+        "schema": SCHEMA,
+        "builder": {"name": "specpilot", "version": __version__},
+        "setting": composed.setting,
+        "arm": composed.arm,
+        "choices": composed.choices,
+        "config": inputs.config,
+        "inputs": inputs.record(),
+    }
     return inputs, head
 
 
@@ -129,4 +135,3 @@ def _index_store(root: Path, key: str, eid: str) -> None:
 def describe(result: BuildResult) -> str:
     what = "built" if result.created else "exists"
     return f"{result.engine.id}  {result.engine.path}  ({what}, {result.seconds:.2f} s)"
-

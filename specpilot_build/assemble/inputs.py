@@ -1,25 +1,27 @@
 """Resolve a composed setting's inputs once: the effective config, the runtime pin, the checkpoint pins, the
 overlays and the kernels, each with its digest. Hashing (the manifest's `inputs`, the no-op index key) and
 assembly both read this one object, so nothing is looked up or digested twice."""
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpilot_build.assemble.overlays import overlay_inputs
 from specpilot_build.assemble.base import local_runtime_dir
+from specpilot_build.assemble.overlays import overlay_inputs
 from specpilot_build.config.compose import Composed
 from specpilot_build.config.effective import effective_config, overlays_in_order
 from specpilot_build.errors import PinError, SpecPilotError
-from specpilot_build.pins.lockfile import CheckpointPin, LocalRuntimePin, Lock, WheelPin
 from specpilot_build.locations import KERNELS_DIR
+from specpilot_build.pins.lockfile import CheckpointPin, LocalRuntimePin, Lock, WheelPin
 from specpilot_build.store.manifest import (
     files_digest,
     source_dir_digest,
     source_files,
 )
 from specpilot_build.store.names import plain_name
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -42,10 +44,12 @@ class BuildInputs:
 
     def record(self) -> dict:
         """The manifest's `inputs` section."""
-        record = {"checkpoints": {k: (p.as_record() if p else None) for k, p in self.checkpoints.items()},
-                  "runtime": self.runtime_record,
-                  "overlays": [dict(o) for o in self.overlays],
-                  "kernels": [{"name": k.name, "digest": k.digest} for k in self.kernels]}
+        record = {
+            "checkpoints": {k: (p.as_record() if p else None) for k, p in self.checkpoints.items()},
+            "runtime": self.runtime_record,
+            "overlays": [dict(o) for o in self.overlays],
+            "kernels": [{"name": k.name, "digest": k.digest} for k in self.kernels],
+        }
         if self.environment is not None:
             record["environment"] = self.environment
         return record
@@ -61,21 +65,38 @@ def resolve_inputs(composed: Composed, lock: Lock) -> BuildInputs:
         plain_name(mech.get("name"), "mechanism name")
     runtime = runtime_pin(cfg, lock)
     if isinstance(runtime, WheelPin):  # the lockfile's filename becomes <data>/wheels/<filename>
-        plain_name(runtime.filename, f"runtime '{runtime.name}': wheel filename (lockfiles/runtimes.toml)",
-                   error=PinError)
-        runtime_record = {"name": runtime.name, "kind": "wheel", "version": runtime.version,
-                          "filename": runtime.filename, "sha256": runtime.sha256}
+        plain_name(
+            runtime.filename, f"runtime '{runtime.name}': wheel filename (lockfiles/runtimes.toml)", error=PinError
+        )
+        runtime_record = {
+            "name": runtime.name,
+            "kind": "wheel",
+            "version": runtime.version,
+            "filename": runtime.filename,
+            "sha256": runtime.sha256,
+        }
     else:
-        runtime_record = {"name": runtime.name, "kind": "directory", "dir": runtime.dir,
-                          "digest": source_dir_digest(local_runtime_dir(runtime))}
+        runtime_record = {
+            "name": runtime.name,
+            "kind": "directory",
+            "dir": runtime.dir,
+            "digest": source_dir_digest(local_runtime_dir(runtime)),
+        }
     kernels = []
     for name in kernels_of(cfg):
         files = tuple(kernel_files(name))
         kernels.append(Kernel(name, files, files_digest(list(files))))
-    return BuildInputs(composed=composed, config=cfg, lock=lock, runtime=runtime, runtime_record=runtime_record,
-                       checkpoints=resolve_checkpoints(composed.setting, cfg, lock),
-                       overlays=tuple(overlay_inputs(overlays_in_order(cfg), cfg)), kernels=tuple(kernels),
-                       environment=environment_record(cfg, runtime, host, lock))
+    return BuildInputs(
+        composed=composed,
+        config=cfg,
+        lock=lock,
+        runtime=runtime,
+        runtime_record=runtime_record,
+        checkpoints=resolve_checkpoints(composed.setting, cfg, lock),
+        overlays=tuple(overlay_inputs(overlays_in_order(cfg), cfg)),
+        kernels=tuple(kernels),
+        environment=environment_record(cfg, runtime, host, lock),
+    )
 
 
 def environment_record(cfg: dict, runtime, host: str | None, lock: Lock) -> dict | None:
@@ -92,8 +113,13 @@ def environment_record(cfg: dict, runtime, host: str | None, lock: Lock) -> dict
     env_lock = load_env_lock(runtime.name, host, lock.directory)
     rules = native_rules(cfg)
     kept, _dropped = select_distributions(env_lock, rules, cfg)
-    return {"host": host, **env_lock.record(), "native_prune": [r["why"] for r in rules if rule_applies(r, cfg)],
-            "wheels": len(kept), "wheel_bytes": sum(w.size for w in kept)}
+    return {
+        "host": host,
+        **env_lock.record(),
+        "native_prune": [r["why"] for r in rules if rule_applies(r, cfg)],
+        "wheels": len(kept),
+        "wheel_bytes": sum(w.size for w in kept),
+    }
 
 
 def runtime_pin(cfg: dict, lock: Lock) -> WheelPin | LocalRuntimePin:
@@ -114,7 +140,8 @@ def resolve_checkpoints(setting: str, cfg: dict, lock: Lock) -> dict[str, Checkp
         if repo not in lock.checkpoints:
             raise SpecPilotError(
                 f"checkpoint {repo} ({role} of {setting}) is not pinned in {lock.directory / 'checkpoints.toml'}; "
-                f"run `make lock SETTING={setting}` where the Hugging Face hub is reachable")
+                f"run `make lock SETTING={setting}` where the Hugging Face hub is reachable"
+            )
         pins[role] = lock.checkpoints[repo]
     return pins
 

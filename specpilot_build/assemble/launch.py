@@ -1,13 +1,17 @@
 """The launch spec of an engine: the argv and environment serve runs, with placeholders serve fills in.
 
 Placeholders: {python} {engine} {engine_id} {model} {draft_model} {host} {port}."""
+
 from __future__ import annotations
 
 from specpilot_build.models.synthetic import is_synthetic
 
 REFERENCE_MODULE = "specpilot_runtime.server"
-DRAFTER_FLAGS = {"num_steps": "speculative-num-steps", "eagle_topk": "speculative-eagle-topk",
-                 "num_draft_tokens": "speculative-num-draft-tokens"}
+DRAFTER_FLAGS = {
+    "num_steps": "speculative-num-steps",
+    "eagle_topk": "speculative-eagle-topk",
+    "num_draft_tokens": "speculative-num-draft-tokens",
+}
 
 
 def launch_spec(cfg: dict) -> dict:
@@ -17,8 +21,21 @@ def launch_spec(cfg: dict) -> dict:
 
 
 def _reference(cfg: dict) -> dict:
-    argv = ["{python}", "-m", REFERENCE_MODULE, "--engine", "{engine}", "--engine-id", "{engine_id}",
-            "--model", "{model}", "--host", "{host}", "--port", "{port}"]
+    argv = [
+        "{python}",
+        "-m",
+        REFERENCE_MODULE,
+        "--engine",
+        "{engine}",
+        "--engine-id",
+        "{engine_id}",
+        "--model",
+        "{model}",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+    ]
     if cfg["drafter"].get("repo"):
         argv += ["--draft-model", "{draft_model}"]
     env = {"PYTHONPATH": "{engine}/runtime:{engine}/kernels", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -63,9 +80,14 @@ def sglang_args(cfg: dict) -> list[str]:
 
 def flag_origins(cfg: dict, composed_final: dict | None) -> dict[str, str]:
     """Where each SGLang flag of `sglang_flags(cfg)` was set: a config field or a final-arm mechanism."""
-    where = {"dtype": "model.dtype", "quantization": "model.quantization",
-             "speculative-algorithm": "drafter.algorithm", "speculative-draft-model-path": "drafter.repo",
-             "load-format": "model.repo (synthetic)", "speculative-draft-load-format": "drafter.repo (synthetic)"}
+    where = {
+        "dtype": "model.dtype",
+        "quantization": "model.quantization",
+        "speculative-algorithm": "drafter.algorithm",
+        "speculative-draft-model-path": "drafter.repo",
+        "load-format": "model.repo (synthetic)",
+        "speculative-draft-load-format": "drafter.repo (synthetic)",
+    }
     where.update({flag: f"drafter.{key}" for key, flag in DRAFTER_FLAGS.items()})
     for name, body in ((composed_final or {}).get("mechanisms") or {}).items():
         for flag in (body or {}).get("launch_args") or {}:
@@ -76,7 +98,21 @@ def flag_origins(cfg: dict, composed_final: dict | None) -> dict[str, str]:
 
 
 def _sglang(cfg: dict) -> dict:
-    argv = ["{python}", "-m", "sglang.launch_server", "--model-path", "{model}", "--host", "{host}",
-            "--port", "{port}", *sglang_args(cfg)]
-    env = {"PYTHONPATH": "{engine}/python:{engine}/kernels", "PYTHONDONTWRITEBYTECODE": "1", "SPECPILOT_ENGINE_ID": "{engine_id}"}
+    argv = [
+        "{python}",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "{model}",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        *sglang_args(cfg),
+    ]
+    env = {
+        "PYTHONPATH": "{engine}/python:{engine}/kernels",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "SPECPILOT_ENGINE_ID": "{engine_id}",
+    }
     return {"runtime": "sglang", "argv": argv, "env": env}

@@ -5,6 +5,7 @@ This catches a prune rule that dropped a module the launcher imports, an overlay
 tuned argument SGLang does not know. One subprocess checks many engines: torch and transformers are imported
 once, and between engines every `sglang` module is dropped from sys.modules and sys.path becomes the next
 engine's PYTHONPATH from its launch spec (the check asserts SGLang was imported from inside that engine)."""
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,7 @@ def server_argv(engine: Engine, model_dir: Path, draft_dir: Path | None = None) 
     refuses one with no accelerator, which says nothing about the engine."""
     argv = [arg.format(**_values(engine, model_dir, draft_dir)) for arg in _spec(engine)["argv"]]
     module = argv.index("sglang.launch_server")
-    argv = argv[module + 1:]
+    argv = argv[module + 1 :]
     device = _hardware_device(engine)
     return argv + ["--device", device] if device and "--device" not in argv else argv
 
@@ -75,8 +76,14 @@ def _spec(engine: Engine) -> dict:
 
 
 def _values(engine: Engine, model_dir: Path, draft_dir: Path | None) -> dict:
-    return {**PLACEHOLDER_DEFAULTS, "engine": str(engine.path), "engine_id": engine.id, "python": sys.executable,
-            "model": str(model_dir), "draft_model": str(draft_dir or model_dir)}
+    return {
+        **PLACEHOLDER_DEFAULTS,
+        "engine": str(engine.path),
+        "engine_id": engine.id,
+        "python": sys.executable,
+        "model": str(model_dir),
+        "draft_model": str(draft_dir or model_dir),
+    }
 
 
 def check_launch_args(engines: list[Engine], model_dir: Path, timeout: float = 900) -> dict[str, str | None]:
@@ -104,19 +111,34 @@ def _flag_check_of(engine: Engine) -> dict:
 def _check_group(engines: list[Engine], flag_check: dict, model_dir: Path, timeout: float) -> dict[str, str | None]:
     paths = [python_path(e) for e in engines]
     everyone = sorted({entry for path in paths for entry in path})
-    jobs = [{"id": e.id, "python": str(e.path / "python"), "path": path, "others": everyone,
-             "argv": server_argv(e, model_dir)} for e, path in zip(engines, paths)]
+    jobs = [
+        {
+            "id": e.id,
+            "python": str(e.path / "python"),
+            "path": path,
+            "others": everyone,
+            "argv": server_argv(e, model_dir),
+        }
+        for e, path in zip(engines, paths)
+    ]
     packages = list(flag_check.get("packages") or [])
     first = [str(flag_env(packages))] if packages else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(first + paths[0]), "PYTHONDONTWRITEBYTECODE": "1"}
     driver = f"STAND_INS = {json.dumps(list(flag_check.get('stand_ins') or []))}\n" + STAND_IN_PREAMBLE + _DRIVER
-    proc = subprocess.run([sys.executable, "-c", driver], input=json.dumps(jobs), capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=str(model_dir))
+    proc = subprocess.run(
+        [sys.executable, "-c", driver],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=str(model_dir),
+    )
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULTS ")), None)
     if line is None:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         return {e.id: f"the check did not finish (exit {proc.returncode}): {tail}" for e in engines}
-    return json.loads(line[len("RESULTS "):])
+    return json.loads(line[len("RESULTS ") :])
 
 
 def compile_engines(engines: list[Engine]) -> dict[str, str]:

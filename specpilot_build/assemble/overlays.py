@@ -5,6 +5,7 @@ every context and removed line must match exactly at the line the hunk names (no
 
 Paths are confined to the tree: absolute paths, `..` and paths through links are refused before anything is
 written. The manifest records each overlay's digest and, per touched file, its digest before and after."""
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,8 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import OVERLAYS_DIR
 from specpilot_build.store.manifest import (
     OVERLAY_DESCRIPTOR as DESCRIPTOR,
+)
+from specpilot_build.store.manifest import (
     digest_bytes,
     overlay_digest,
     overlay_files_dir,
@@ -70,8 +73,13 @@ def apply_overlays(tree: Path, overlays: list[dict], cfg: dict) -> list[dict]:
         files = []
         for rel in sorted(touched, key=lambda p: p.encode()):
             after = tree / rel
-            files.append({"path": rel, "before": touched[rel]["before"],
-                          "after": digest_bytes(after.read_bytes()) if after.exists() else None})
+            files.append(
+                {
+                    "path": rel,
+                    "before": touched[rel]["before"],
+                    "after": digest_bytes(after.read_bytes()) if after.exists() else None,
+                }
+            )
         records.append({"name": name, "digest": overlay["digest"], "files": files})
     return records
 
@@ -109,7 +117,7 @@ def installed_version(tree: Path, runtime: str) -> str | None:
     prefix = runtime.split("-", 1)[0] + "-"
     for entry in os.listdir(base):
         if entry.endswith(".dist-info") and entry.startswith(prefix):
-            return entry[len(prefix):-len(".dist-info")]
+            return entry[len(prefix) : -len(".dist-info")]
     return None
 
 
@@ -121,11 +129,16 @@ def version_in_range(version: str, spec: str) -> bool:
     for clause in spec.split(","):
         m = re.fullmatch(r"\s*(==|!=|>=|<=|>|<)\s*([0-9][0-9.]*)\s*", clause)
         if not m:
-            raise SpecPilotError(f"version range clause {clause.strip()!r} is not <op><version> "
-                                 f"(ops: == != >= <= > <)")
+            raise SpecPilotError(f"version range clause {clause.strip()!r} is not <op><version> (ops: == != >= <= > <)")
         op, want = m.group(1), _version_key(m.group(2))
-        ok = {"==": have == want, "!=": have != want, ">=": have >= want, "<=": have <= want,
-              ">": have > want, "<": have < want}[op]
+        ok = {
+            "==": have == want,
+            "!=": have != want,
+            ">=": have >= want,
+            "<=": have <= want,
+            ">": have > want,
+            "<": have < want,
+        }[op]
         if not ok:
             return False
     return True
@@ -139,11 +152,14 @@ def _version_key(version: str) -> tuple[int, ...]:
 def _check_runtime(name: str, descriptor: dict, runtime: str, version: str | None) -> None:
     where = f"overlays/{name}/{DESCRIPTOR}"
     if descriptor["runtime"] != runtime:
-        raise SpecPilotError(f"{where}: applies to runtime '{descriptor['runtime']}', "
-                             f"but this setting runs '{runtime}'")
+        raise SpecPilotError(
+            f"{where}: applies to runtime '{descriptor['runtime']}', but this setting runs '{runtime}'"
+        )
     if version is not None and not version_in_range(version, descriptor["versions"]):
-        raise SpecPilotError(f"{where}: applies to {runtime} {descriptor['versions']}, but the pinned "
-                             f"{runtime} is {version}; update the overlay for this version")
+        raise SpecPilotError(
+            f"{where}: applies to {runtime} {descriptor['versions']}, but the pinned "
+            f"{runtime} is {version}; update the overlay for this version"
+        )
 
 
 def _overlay_files(directory: Path) -> list[tuple[str, Path]]:
@@ -158,8 +174,9 @@ def _patch_files(directory: Path, name: str) -> list[Path]:
     patches = directory / "patches"
     if not os.path.lexists(patches):
         return []
-    return [path for rel, path in source_files(patches, f"overlay '{name}'") if rel.endswith(".patch")
-            and "/" not in rel]
+    return [
+        path for rel, path in source_files(patches, f"overlay '{name}'") if rel.endswith(".patch") and "/" not in rel
+    ]
 
 
 def _note_before(touched: dict, tree: Path, rel: str) -> None:
@@ -178,8 +195,10 @@ def confined(tree: Path, rel: str, where: str) -> Path:
     for part in path.parts:
         current = current / part
         if current.is_symlink():
-            raise SpecPilotError(f"{where}: path {rel!r} goes through a link ({current.relative_to(tree)}); "
-                                 f"refused (nothing was written)")
+            raise SpecPilotError(
+                f"{where}: path {rel!r} goes through a link ({current.relative_to(tree)}); "
+                f"refused (nothing was written)"
+            )
     return tree / rel
 
 
@@ -291,13 +310,15 @@ def apply_file_patch(tree: Path, fp: FilePatch, where: str) -> None:
         start = hunk.old_start - 1 if hunk.old_lines else hunk.old_start  # an empty old side inserts after
         if start < cursor:
             raise SpecPilotError(f"{where}: {fp.path}: hunk #{number} ({hunk.header}) overlaps the hunk before it")
-        actual = original[start:start + len(hunk.old_lines)]
+        actual = original[start : start + len(hunk.old_lines)]
         if actual != hunk.old_lines:
             bad = next((k for k, (a, b) in enumerate(zip(actual, hunk.old_lines)) if a != b), len(actual))
             found = actual[bad].rstrip("\n") if bad < len(actual) else "<end of file>"
             expected = hunk.old_lines[bad].rstrip("\n")
-            raise SpecPilotError(f"{where}: {fp.path}: hunk #{number} ({hunk.header}) does not apply: "
-                                 f"line {start + bad + 1} is {found!r}, the patch expects {expected!r}")
+            raise SpecPilotError(
+                f"{where}: {fp.path}: hunk #{number} ({hunk.header}) does not apply: "
+                f"line {start + bad + 1} is {found!r}, the patch expects {expected!r}"
+            )
         out += original[cursor:start] + hunk.new_lines
         cursor = start + len(hunk.old_lines)
     out += original[cursor:]

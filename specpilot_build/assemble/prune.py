@@ -8,6 +8,7 @@ sources, tuning JSON). The rules are data in conf/runtime/sglang.yaml (`prune`);
 
 The wheel's import graph is derived data: it is computed once per wheel sha256 and cached under
 <data>/cache/import-graph/, so a build only walks a graph and matches globs."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -25,8 +26,9 @@ from specpilot_build.locations import data_dir
 GRAPH_FORMAT = 1
 
 
-def select_members(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo], cfg: dict
-                   ) -> tuple[list[zipfile.ZipInfo], dict]:
+def select_members(
+    zf: zipfile.ZipFile, members: list[zipfile.ZipInfo], cfg: dict
+) -> tuple[list[zipfile.ZipInfo], dict]:
     rules = cfg["runtime"].get("prune")
     total_bytes = sum(m.file_size for m in members)
     if not rules:
@@ -66,10 +68,15 @@ def reach(graph: dict, roots: list[str]) -> set[str]:
 
 def _record(kept: list, members: list, total_bytes: int, applied: list[dict]) -> dict:
     kept_bytes = sum(m.file_size for m in kept)
-    return {"total_files": len(members), "total_bytes": total_bytes,
-            "kept_files": len(kept), "kept_bytes": kept_bytes,
-            "dropped_files": len(members) - len(kept), "dropped_bytes": total_bytes - kept_bytes,
-            "rules": [r.get("why", "") for r in applied]}
+    return {
+        "total_files": len(members),
+        "total_bytes": total_bytes,
+        "kept_files": len(kept),
+        "kept_bytes": kept_bytes,
+        "dropped_files": len(members) - len(kept),
+        "dropped_bytes": total_bytes - kept_bytes,
+        "rules": [r.get("why", "") for r in applied],
+    }
 
 
 def _expand_modules(patterns: list[str], graph: dict, rule: dict) -> list[str]:
@@ -83,8 +90,10 @@ def _expand_modules(patterns: list[str], graph: dict, rule: dict) -> list[str]:
             rx = re.compile(re.escape(pattern).replace(r"\*", r"[^.]*") + r"\Z")
             found = [m for m in graph["modules"] if rx.match(m)]
         if not found:
-            raise SpecPilotError(f"conf/runtime/sglang.yaml prune rule '{rule.get('why', '?')}': module "
-                                 f"{pattern} is not in the wheel; fix the rule for this SGLang version")
+            raise SpecPilotError(
+                f"conf/runtime/sglang.yaml prune rule '{rule.get('why', '?')}': module "
+                f"{pattern} is not in the wheel; fix the rule for this SGLang version"
+            )
         out += found
     return out
 
@@ -161,7 +170,7 @@ def _statement_starts(src: bytes):
         start = src.rfind(b"\n", 0, pos) + 1
         if start != last:
             last = start
-            head = src[start:start + 200].lstrip(b" \t")
+            head = src[start : start + 200].lstrip(b" \t")
             if head.startswith((b"from ", b"import ", b"from\t", b"import\t")):
                 yield start
         pos = src.find(b"import", pos + 6)
@@ -172,14 +181,14 @@ def _without_type_checking_blocks(src: bytes) -> bytes:
     cuts = []
     for m in _TYPE_CHECKING_IF.finditer(src):
         start = src.rfind(b"\n", 0, m.start()) + 1
-        indent = src[start:m.start()]
+        indent = src[start : m.start()]
         if indent.strip(b" \t"):
             continue
         end = m.end()
         while end < len(src):
             nl = src.find(b"\n", end)
-            line = src[end:nl if nl >= 0 else len(src)]
-            if line.strip() and not (line.startswith(indent) and line[len(indent):len(indent) + 1] in (b" ", b"\t")):
+            line = src[end : nl if nl >= 0 else len(src)]
+            if line.strip() and not (line.startswith(indent) and line[len(indent) : len(indent) + 1] in (b" ", b"\t")):
                 break
             end = nl + 1 if nl >= 0 else len(src)
         cuts.append((m.end(), end))

@@ -2,6 +2,7 @@
 use. The store mends engines (store/maintain.py) but holds only objects; the build knows the pinned base wheel,
 the checkout's runtime, overlay and kernel files, the config and launch spec a manifest records, and how to
 rebuild a setting's arm."""
+
 from __future__ import annotations
 
 import os
@@ -10,14 +11,14 @@ from pathlib import Path
 
 from specpilot_build.assemble import inputs as _inputs
 from specpilot_build.assemble import overlays as _overlay
-from specpilot_build.assemble.tree import assemble_tree
 from specpilot_build.assemble.builder import build_head
 from specpilot_build.assemble.launch import launch_spec
-from specpilot_build.pins.wheels import wheel_file
+from specpilot_build.assemble.tree import assemble_tree
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.pins.lockfile import WheelPin
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.pins.lockfile import WheelPin
+from specpilot_build.pins.wheels import wheel_file
 from specpilot_build.store import maintain
 from specpilot_build.store.engines import (
     Engine,
@@ -58,9 +59,12 @@ class EngineSources:
             self._zip.close()
 
     def find(self, rel: str, entry: dict) -> bytes | None:
-        for origin, reader in (("the pinned base wheel", self._from_wheel), ("the checkout", self._from_checkout),
-                               ("the manifest's config", self._from_config),
-                               ("a rebuild of its setting", self._from_rebuild)):
+        for origin, reader in (
+            ("the pinned base wheel", self._from_wheel),
+            ("the checkout", self._from_checkout),
+            ("the manifest's config", self._from_config),
+            ("a rebuild of its setting", self._from_rebuild),
+        ):
             try:
                 data = reader(rel)
             except (OSError, SpecPilotError, KeyError, ValueError, zipfile.BadZipFile):
@@ -68,8 +72,9 @@ class EngineSources:
             if data is not None and len(data) == entry["size"] and digest_bytes(data) == entry["blake3"]:
                 self.origin[rel] = origin
                 return data
-        self._why_not[rel] = self._rebuild_note or ("no good object, and neither the pinned base, the checkout "
-                                                   "nor the recorded config holds these bytes")
+        self._why_not[rel] = self._rebuild_note or (
+            "no good object, and neither the pinned base, the checkout nor the recorded config holds these bytes"
+        )
         return None
 
     _rebuild_note: str | None = None
@@ -82,10 +87,11 @@ class EngineSources:
         if runtime.get("kind") != "wheel" or not rel.startswith("python/"):
             return None
         if self._zip is None:
-            pin = WheelPin(name=runtime["name"], version=runtime["version"], filename=runtime["filename"],
-                           sha256=runtime["sha256"])
+            pin = WheelPin(
+                name=runtime["name"], version=runtime["version"], filename=runtime["filename"], sha256=runtime["sha256"]
+            )
             self._zip = zipfile.ZipFile(wheel_file(pin))  # sha256-checked against the manifest's pin
-        return self._zip.read(rel[len("python/"):])
+        return self._zip.read(rel[len("python/") :])
 
     def _from_checkout(self, rel: str) -> bytes | None:
         inputs = self.manifest["inputs"]
@@ -94,9 +100,9 @@ class EngineSources:
         runtime = inputs["runtime"]
         if runtime.get("kind") == "directory" and rel.startswith("runtime/"):
             plain_relpath(runtime["dir"], "runtime directory")
-            candidates.append((REPO_ROOT / runtime["dir"], rel[len("runtime/"):]))
+            candidates.append((REPO_ROOT / runtime["dir"], rel[len("runtime/") :]))
         if rel.startswith("kernels/"):
-            name, _, inner = rel[len("kernels/"):].partition("/")
+            name, _, inner = rel[len("kernels/") :].partition("/")
             candidates.append((_inputs.KERNELS_DIR / plain_name(name, "kernel name"), inner))
         for overlay in inputs.get("overlays", []):
             directory = _overlay.OVERLAYS_DIR / plain_name(overlay["name"], "overlay name")
@@ -128,8 +134,10 @@ class EngineSources:
             self._rebuild_note = f"rebuilding {m['setting']} / {m['arm']} fails: {exc}"
             return {}
         if canonical_json(head) != canonical_json(manifest_head(m)):
-            self._rebuild_note = (f"rebuilding {m['setting']} / {m['arm']} from this checkout gives another engine "
-                                  f"(its config, pins, overlays or overrides differ)")
+            self._rebuild_note = (
+                f"rebuilding {m['setting']} / {m['arm']} from this checkout gives another engine "
+                f"(its config, pins, overlays or overrides differ)"
+            )
             return {}
         tree = new_build_dir(self.root)
         try:

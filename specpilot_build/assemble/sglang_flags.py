@@ -13,6 +13,7 @@ its exact pins are installed once with `pip install --target --no-deps` into <da
 the child's sys.path; each stand-in is an import-only placeholder module, put in place only when the real module
 fails to import in the child, so that argparse's table can be read. The flags still come from SGLang's own
 parser; the table records which stand-ins were used."""
+
 from __future__ import annotations
 
 import difflib
@@ -69,7 +70,9 @@ if used:
     sys.meta_path.insert(0, _StandIns(u["module"] for u in used))
 
 """
-_EXTRACT = STAND_IN_PREAMBLE + r"""
+_EXTRACT = (
+    STAND_IN_PREAMBLE
+    + r"""
 from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
@@ -82,9 +85,16 @@ for action in parser._actions:
 print("STANDINS " + json.dumps(used))
 print("FLAGS " + json.dumps(flags))
 """
+)
 CHECKED_TYPES = {"int": int, "float": float}
-BARE = ("_StoreTrueAction", "_StoreFalseAction", "BooleanOptionalAction", "DeprecatedStoreTrueAction",
-        "_StoreConstAction", "DeprecatedStoreConstAction")
+BARE = (
+    "_StoreTrueAction",
+    "_StoreFalseAction",
+    "BooleanOptionalAction",
+    "DeprecatedStoreTrueAction",
+    "_StoreConstAction",
+    "DeprecatedStoreConstAction",
+)
 
 
 def check_launch_args(args: dict, table: dict, where: dict[str, str], version: str) -> None:
@@ -101,8 +111,9 @@ def check_launch_args(args: dict, table: dict, where: dict[str, str], version: s
             continue
         if spec["kind"] in BARE:
             if value is not True:
-                raise ConfigError(f"{option} (set by {origin}) is a switch in SGLang {version}: give it `true`, "
-                                  f"not {value!r}")
+                raise ConfigError(
+                    f"{option} (set by {origin}) is a switch in SGLang {version}: give it `true`, not {value!r}"
+                )
             continue
         if value is True:
             raise ConfigError(f"{option} (set by {origin}) takes a value in SGLang {version}, not a bare switch")
@@ -112,19 +123,23 @@ def check_launch_args(args: dict, table: dict, where: dict[str, str], version: s
         for item in values:
             text = str(item)
             if spec["choices"] is not None and text not in spec["choices"]:
-                raise ConfigError(f"{option} (set by {origin}): {text!r} is not one of SGLang {version}'s "
-                                  f"choices ({', '.join(spec['choices'])})")
+                raise ConfigError(
+                    f"{option} (set by {origin}): {text!r} is not one of SGLang {version}'s "
+                    f"choices ({', '.join(spec['choices'])})"
+                )
             convert = CHECKED_TYPES.get(spec["type"])
             if convert is not None and "{" not in text:  # a {placeholder} is filled in at serve time
                 try:
                     convert(text)
                 except ValueError:
-                    raise ConfigError(f"{option} (set by {origin}): {text!r} is not {spec['type']} as SGLang "
-                                      f"{version} requires") from None
+                    raise ConfigError(
+                        f"{option} (set by {origin}): {text!r} is not {spec['type']} as SGLang {version} requires"
+                    ) from None
 
 
-def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict], version: str,
-               flag_check: dict | None = None) -> tuple[dict, list[dict]]:
+def flag_table(
+    python_dir: Path, wheel_sha256: str, overlays: list[dict], version: str, flag_check: dict | None = None
+) -> tuple[dict, list[dict]]:
     """The flag table of the SGLang in `python_dir` (an assembled tree's python/), cached by its inputs, and the
     stand-ins used to read it ([] without `flag_check`: the builder's own packages)."""
     inputs = {"wheel": wheel_sha256, "overlays": overlays}
@@ -150,7 +165,7 @@ def flag_table(python_dir: Path, wheel_sha256: str, overlays: list[dict], versio
 
 
 ENV_RECORD = ".specpilot-flag-env.json"
-_CHECKED: set[Path] = set()   # flag-check environments re-hashed against their record in this process
+_CHECKED: set[Path] = set()  # flag-check environments re-hashed against their record in this process
 
 
 def flag_env(packages: list[str]) -> Path:
@@ -167,9 +182,24 @@ def flag_env(packages: list[str]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))
     try:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                               "--no-deps", "--no-compile", "--target", str(tmp), *spec["packages"]],
-                              capture_output=True, text=True, timeout=1200)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--no-compile",
+                "--target",
+                str(tmp),
+                *spec["packages"],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             raise SpecPilotError(f"installing runtime.flag_check.packages for the flag check failed: {last}")
@@ -182,8 +212,11 @@ def flag_env(packages: list[str]) -> Path:
 
 
 def _listing(root: Path) -> dict:
-    return {p.relative_to(root).as_posix(): digest_file(p)
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ENV_RECORD}
+    return {
+        p.relative_to(root).as_posix(): digest_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ENV_RECORD
+    }
 
 
 def _check_env(target: Path, spec: dict) -> None:
@@ -191,29 +224,45 @@ def _check_env(target: Path, spec: dict) -> None:
         record = json.loads((target / ENV_RECORD).read_text())
     except (OSError, ValueError):
         record = None
-    if not isinstance(record, dict) or {k: record.get(k) for k in spec} != spec \
-            or record.get("files") != _listing(target):
-        raise SpecPilotError(f"the flag-check environment {target} differs from its record {ENV_RECORD}; "
-                             f"remove that folder and build again")
+    if (
+        not isinstance(record, dict)
+        or {k: record.get(k) for k in spec} != spec
+        or record.get("files") != _listing(target)
+    ):
+        raise SpecPilotError(
+            f"the flag-check environment {target} differs from its record {ENV_RECORD}; "
+            f"remove that folder and build again"
+        )
 
 
 def _extract(python_dir: Path, version: str, env_dir: Path | None, stand_ins: list[str]) -> tuple[dict, list]:
     path = [str(env_dir)] if env_dir is not None else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [str(python_dir)]), "PYTHONDONTWRITEBYTECODE": "1"}
     try:
-        done = subprocess.run([sys.executable, "-c", f"STAND_INS = {json.dumps(stand_ins)}\n" + _EXTRACT],
-                              capture_output=True,
-                              text=True, env=env, timeout=600, cwd=python_dir)
+        done = subprocess.run(
+            [sys.executable, "-c", f"STAND_INS = {json.dumps(stand_ins)}\n" + _EXTRACT],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            cwd=python_dir,
+        )
     except subprocess.TimeoutExpired:
         raise SpecPilotError("reading SGLang's launch flags took over 600 s; try again") from None
-    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in done.stdout.splitlines()
-             if ln.startswith(("FLAGS ", "STANDINS "))}
+    lines = {
+        ln.split(" ", 1)[0]: ln.split(" ", 1)[1]
+        for ln in done.stdout.splitlines()
+        if ln.startswith(("FLAGS ", "STANDINS "))
+    }
     if done.returncode != 0 or "FLAGS" not in lines:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        hint = ("add what it imports to the runtime's flag_check (packages or stand_ins)" if env_dir is not None
-                or stand_ins else
-                "the builder's Python needs what that SGLang's argument parsing imports (for the default SGLang: "
-                ".venv/bin/pip install -e '.[sglang-check]'), or the runtime a flag_check")
-        raise SpecPilotError(f"cannot read SGLang {version}'s launch flags from the engine tree to check them "
-                             f"({last}); {hint}")
+        hint = (
+            "add what it imports to the runtime's flag_check (packages or stand_ins)"
+            if env_dir is not None or stand_ins
+            else "the builder's Python needs what that SGLang's argument parsing imports (for the default SGLang: "
+            ".venv/bin/pip install -e '.[sglang-check]'), or the runtime a flag_check"
+        )
+        raise SpecPilotError(
+            f"cannot read SGLang {version}'s launch flags from the engine tree to check them ({last}); {hint}"
+        )
     return json.loads(lines["FLAGS"]), json.loads(lines["STANDINS"])

@@ -1,16 +1,17 @@
 """Assemble an engine tree from resolved inputs: the runtime base (wheel members or an in-repo directory), the
 overlays, the kernels, the effective config and the launch spec. Pruning refines the SGLang base (prune.py)."""
+
 from __future__ import annotations
 
 import os
 import zipfile
 from pathlib import Path, PurePosixPath
 
+from specpilot_build.assemble.base import copy_files, copy_source_dir, local_runtime_dir
 from specpilot_build.assemble.inputs import BuildInputs
 from specpilot_build.assemble.launch import flag_origins, launch_spec, sglang_flags
 from specpilot_build.assemble.overlays import apply_overlays
 from specpilot_build.assemble.prune import select_members
-from specpilot_build.assemble.base import copy_files, copy_source_dir, local_runtime_dir
 from specpilot_build.assemble.sglang_flags import check_launch_args, flag_table
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.pins.lockfile import WheelPin
@@ -37,8 +38,7 @@ def assemble_tree(tree: Path, inputs: BuildInputs, store: Path) -> tuple[dict, d
         table, stand_ins = flag_table(tree / "python", pin.sha256, list(inputs.overlays), pin.version, flag_check)
         if flag_check is not None:  # the table was read in that environment: say so in the manifest
             record["flag_check"] = {"stand_ins_used": stand_ins}
-        check_launch_args(sglang_flags(cfg), table, flag_origins(cfg, inputs.composed.config.get("final")),
-                          pin.version)
+        check_launch_args(sglang_flags(cfg), table, flag_origins(cfg, inputs.composed.config.get("final")), pin.version)
     for kernel in inputs.kernels:
         copy_files(list(kernel.files), tree / "kernels" / kernel.name)
     (tree / "config.json").write_bytes(canonical_json(cfg) + b"\n")
@@ -69,8 +69,10 @@ def _unpack_wheel(wheel: Path, dest: Path, cfg: dict, store: Path, checked: dict
             if checked is not None:
                 st = os.lstat(target)
                 rel = f"{dest.name}/{info.filename}"
-                checked[rel] = ({"path": rel, "size": len(data), "exec": executable, "blake3": digest},
-                                (st.st_dev, st.st_ino))
+                checked[rel] = (
+                    {"path": rel, "size": len(data), "exec": executable, "blake3": digest},
+                    (st.st_dev, st.st_ino),
+                )
     return {"kind": "wheel", "wheel": wheel.name, **prune_record}
 
 
@@ -80,8 +82,9 @@ def _check_member(wheel: Path, info: zipfile.ZipInfo) -> None:
     if path.is_absolute() or ".." in path.parts or "\\" in info.filename or (mode & 0o170000) == 0o120000:
         raise SpecPilotError(f"{wheel}: member {info.filename!r} escapes the engine tree; refusing the wheel")
     if mode & 0o170000 not in (0, 0o100000):
-        raise SpecPilotError(f"{wheel}: member {info.filename!r} is a {entry_kind(mode)}, not a file; "
-                             f"refusing the wheel")
+        raise SpecPilotError(
+            f"{wheel}: member {info.filename!r} is a {entry_kind(mode)}, not a file; refusing the wheel"
+        )
     try:
         plain_relpath(info.filename, f"{wheel.name}: member")
     except SpecPilotError as exc:

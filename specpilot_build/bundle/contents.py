@@ -17,6 +17,7 @@ The layout is the installed prefix's:
 
 so that on the host serve finds the engine in the store, and `hub.checkpoints.model_dirs` finds and verifies
 the models in the data directory, exactly as on the build machine."""
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot_build.errors import IntegrityError, SpecPilotError
+from specpilot_build.locations import REPO_ROOT, data_dir, hf_cache_dir, mirror_dir
 from specpilot_build.models.checkpoints import (
     LLAMA2C_FORMATS,
     model_dirs,
@@ -32,7 +34,6 @@ from specpilot_build.models.checkpoints import (
     synthetic_tokenizer_dir,
 )
 from specpilot_build.models.synthetic import is_synthetic
-from specpilot_build.locations import REPO_ROOT, data_dir, hf_cache_dir, mirror_dir
 from specpilot_build.store.engines import Engine, check_engine, checked_manifest
 from specpilot_build.store.manifest import MANIFEST_NAME, entry_kind
 
@@ -49,6 +50,7 @@ SKIPPED_DIRS = ("__pycache__",)
 class Member:
     """One archive member: `name` inside the archive, read from `source`; `blake3` ("blake3:<hex>") or
     `sha256` (hex) is what those bytes must hash to, checked while they are packed."""
+
     name: str
     source: Path
     executable: bool
@@ -56,16 +58,20 @@ class Member:
     sha256: str | None = None
 
 
-def bundle_members(engines: list[Engine], env_dir: Path | None = None,
-                   env_files: dict[str, str] | None = None) -> list[Member]:
+def bundle_members(
+    engines: list[Engine], env_dir: Path | None = None, env_files: dict[str, str] | None = None
+) -> list[Member]:
     """Every member of a bundle of `engines` (and the environment directory `env_dir`, whose files must be
     exactly `env_files`, path → "blake3:<hex>", when given), in a fixed order (`_order`)."""
     members: dict[str, Member] = {}
     for engine in engines:
         for member in engine_members(engine) + model_members(engine):
             _add(members, member)
-    groups = [specpilot_members(), dataset_members(),
-              [Member("bin/specpilot", LAUNCHER, True), Member("install.py", INSTALLER, True)]]
+    groups = [
+        specpilot_members(),
+        dataset_members(),
+        [Member("bin/specpilot", LAUNCHER, True), Member("install.py", INSTALLER, True)],
+    ]
     if env_dir is not None:
         groups.append(environment_members(env_dir, env_files))
     for group in groups:
@@ -88,13 +94,16 @@ def engine_members(engine: Engine) -> list[Member]:
     manifest = checked_manifest(engine)
     problems = check_engine(engine)
     if problems:
-        raise IntegrityError(f"engine {engine.id[:12]} differs from its manifest, refusing to bundle it: "
-                             f"{'; '.join(problems[:5])}; `specpilot engine verify --repair {engine.id[:12]}`")
+        raise IntegrityError(
+            f"engine {engine.id[:12]} differs from its manifest, refusing to bundle it: "
+            f"{'; '.join(problems[:5])}; `specpilot engine check --repair {engine.id[:12]}`"
+        )
     root = f"engines/{engine.id}"
     members = [Member(f"{root}/{MANIFEST_NAME}", engine.path / MANIFEST_NAME, False)]
     for entry in manifest["files"]:
-        members.append(Member(f"{root}/{entry['path']}", engine.path / entry["path"], entry["exec"],
-                              blake3=entry["blake3"]))
+        members.append(
+            Member(f"{root}/{entry['path']}", engine.path / entry["path"], entry["exec"], blake3=entry["blake3"])
+        )
     return members
 
 
@@ -115,43 +124,64 @@ def model_members(engine: Engine) -> list[Member]:
             continue
         files = [f for f in record.get("files", []) if not section.get("files") or f["path"] in section["files"]]
         if not files:
-            raise SpecPilotError(f"engine {engine.id[:12]}: {record['repo']} ({role}) is pinned without its files "
-                                 f"(no sizes/sha256 in checkpoints.toml), so the host could not verify them; "
-                                 f"run `make lock SETTING={config['setting']}` and rebuild")
-        members += _snapshot_members(cache, record["repo"], record["revision"],
-                                     [(f["path"], f["sha256"]) for f in files])
+            raise SpecPilotError(
+                f"engine {engine.id[:12]}: {record['repo']} ({role}) is pinned without its files "
+                f"(no sizes/sha256 in checkpoints.toml), so the host could not verify them; "
+                f"run `make lock SETTING={config['setting']}` and rebuild"
+            )
+        members += _snapshot_members(
+            cache, record["repo"], record["revision"], [(f["path"], f["sha256"]) for f in files]
+        )
         source_format = section.get("source_format") or "hf"
         if source_format in LLAMA2C_FORMATS:
-            members += _directory_members(dirs[role], data,
-                                          _converted_pins(record, padded=source_format == "llama2c-padded"))
+            members += _directory_members(
+                dirs[role], data, _converted_pins(record, padded=source_format == "llama2c-padded")
+            )
     return members
 
 
 def _snapshot_members(cache: Path, repo: str, revision: str, files: list[tuple[str, str]]) -> list[Member]:
     """Pinned files (path, sha256) of a hub snapshot, at their place in the Hugging Face cache layout."""
     snapshot = snapshot_dir(cache, repo, revision)
-    return [Member("data/huggingface/hub/" + (snapshot / path).relative_to(cache).as_posix(),
-                   (snapshot / path).resolve(), False, sha256=sha256) for path, sha256 in files]
+    return [
+        Member(
+            "data/huggingface/hub/" + (snapshot / path).relative_to(cache).as_posix(),
+            (snapshot / path).resolve(),
+            False,
+            sha256=sha256,
+        )
+        for path, sha256 in files
+    ]
 
 
 def _directory_members(directory: Path, data: Path, expected: dict[str, str]) -> list[Member]:
     """Every file of a converted or generated directory under the data directory, with its pinned sha256."""
-    return [Member("data/" + path.relative_to(data).as_posix(), path, False, sha256=expected.get(path.name))
-            for path in sorted(directory.iterdir())]
+    return [
+        Member("data/" + path.relative_to(data).as_posix(), path, False, sha256=expected.get(path.name))
+        for path in sorted(directory.iterdir())
+    ]
 
 
 def _synthetic_members(record: dict, directory: Path, cache: Path, data: Path) -> list[Member]:
     """A checkpoint SpecPilot writes itself (models/synthetic.py): its generated files, checked against the pin's
     `converted`, and the tokenizer source serve materializes (and verifies) before it finds them already written."""
-    from specpilot_build.pins.lockfile import load_lock
     from specpilot_build.models.synthetic import TOKENIZER_SOURCE
+    from specpilot_build.pins.lockfile import load_lock
 
-    members = [Member("data/" + (directory / f["path"]).relative_to(data).as_posix(), directory / f["path"], False,
-                      sha256=f["sha256"]) for f in record["converted"]]
+    members = [
+        Member(
+            "data/" + (directory / f["path"]).relative_to(data).as_posix(),
+            directory / f["path"],
+            False,
+            sha256=f["sha256"],
+        )
+        for f in record["converted"]
+    ]
     repo = TOKENIZER_SOURCE["repo"]
     pin = load_lock().checkpoints[repo]
-    members += _snapshot_members(cache, repo, pin.revision,
-                                 [(f.path, f.sha256) for f in pin.files if f.path in TOKENIZER_SOURCE["files"]])
+    members += _snapshot_members(
+        cache, repo, pin.revision, [(f.path, f.sha256) for f in pin.files if f.path in TOKENIZER_SOURCE["files"]]
+    )
     members += _directory_members(synthetic_tokenizer_dir(), data, {f.path: f.sha256 for f in pin.converted})
     return members
 
@@ -170,12 +200,12 @@ def environment_members(env_dir: Path, env_files: dict[str, str] | None) -> list
     members = directory_members(env_dir, "env", where="the environment directory")
     if env_files is None:
         return members
-    present = {m.name[len("env/"):] for m in members}
+    present = {m.name[len("env/") :] for m in members}
     extra, missing = sorted(present - set(env_files)), sorted(set(env_files) - present)
     if extra or missing:
         what = f"{extra[0]} is not in its record" if extra else f"{missing[0]} is missing"
         raise IntegrityError(f"environment {env_dir}: {what}; refusing to bundle it")
-    return [Member(m.name, m.source, m.executable, blake3=env_files[m.name[len("env/"):]]) for m in members]
+    return [Member(m.name, m.source, m.executable, blake3=env_files[m.name[len("env/") :]]) for m in members]
 
 
 def dataset_members() -> list[Member]:
@@ -187,12 +217,15 @@ def dataset_members() -> list[Member]:
     lock_path = REPO_ROOT / "lockfiles" / "datasets.toml"
     members = []
     for name, pin in sorted(tomllib.loads(lock_path.read_text()).items()):
-        places = [data_dir() / "datasets" / pin["file"]] + \
-                 ([mirror_dir() / "datasets" / pin["file"]] if mirror_dir() is not None else [])
+        places = [data_dir() / "datasets" / pin["file"]] + (
+            [mirror_dir() / "datasets" / pin["file"]] if mirror_dir() is not None else []
+        )
         source = next((p for p in places if p.is_file()), None)
         if source is None:
-            raise SpecPilotError(f"{lock_path} [{name}]: {pin['file']} is in neither {places[0].parent.parent} nor "
-                                 f"the mirror; run `specpilot bench` once here (it fetches it) and bundle again")
+            raise SpecPilotError(
+                f"{lock_path} [{name}]: {pin['file']} is in neither {places[0].parent.parent} nor "
+                f"the mirror; run `specpilot bench` once here (it fetches it) and bundle again"
+            )
         members.append(Member(f"data/datasets/{pin['file']}", source.resolve(), False, sha256=pin["sha256"]))
     return members
 
@@ -225,6 +258,8 @@ def directory_members(root: Path, prefix: str, *, where: str) -> list[Member]:
 def _add(members: dict[str, Member], member: Member) -> None:
     existing = members.get(member.name)
     if existing is not None and existing != member:
-        raise SpecPilotError(f"bundle member {member.name} comes from two places ({existing.source}, "
-                             f"{member.source}) with different contents or modes")
+        raise SpecPilotError(
+            f"bundle member {member.name} comes from two places ({existing.source}, "
+            f"{member.source}) with different contents or modes"
+        )
     members[member.name] = member

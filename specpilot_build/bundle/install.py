@@ -8,6 +8,7 @@ the blake3 module happens to be importable), every member is checked to be a pla
 stays inside the prefix, and only then is anything unpacked: into a temporary folder beside PREFIX, renamed
 to PREFIX in one step, so a failed install leaves nothing behind. PREFIX must not exist yet.
 Prints the `specpilot serve` command line for each engine in the bundle."""
+
 import hashlib
 import json
 import os
@@ -41,8 +42,10 @@ def main(argv=None) -> int:
     for engine in index["engines"]:
         print(f"engine {engine['id']} ({engine['setting']}, {engine['arm']}); serve it with:")
         print(f"  {prefix}/bin/specpilot serve --engine {engine['id']} --port 30000")
-    print(f"(bin/specpilot runs `python3 -m specpilot_build.cli` with PYTHONPATH, SPECPILOT_ENGINES, "
-          f"SPECPILOT_DATA and HF_HUB_CACHE pointed into {prefix}; PYTHON=... picks another interpreter)")
+    print(
+        f"(bin/specpilot runs `python3 -m specpilot_build.cli` with PYTHONPATH, SPECPILOT_ENGINES, "
+        f"SPECPILOT_DATA and HF_HUB_CACHE pointed into {prefix}; PYTHON=... picks another interpreter)"
+    )
     return 0
 
 
@@ -80,15 +83,23 @@ def read_index(bundle_dir: Path) -> dict:
         archive, parts = index["archive"], index["parts"]
         sizes = [p["size"] for p in parts]
         names = [p["name"] for p in parts]
-        ok = (isinstance(archive["sha256"], str) and isinstance(archive["size"], int) and parts
-              and all(isinstance(s, int) and s >= 0 for s in sizes) and sum(sizes) == archive["size"]
-              and all(isinstance(p["sha256"], str) for p in parts) and len(set(names)) == len(names)
-              and all(isinstance(n, str) and n and "/" not in n and n not in (".", "..") for n in names))
+        ok = (
+            isinstance(archive["sha256"], str)
+            and isinstance(archive["size"], int)
+            and parts
+            and all(isinstance(s, int) and s >= 0 for s in sizes)
+            and sum(sizes) == archive["size"]
+            and all(isinstance(p["sha256"], str) for p in parts)
+            and len(set(names)) == len(names)
+            and all(isinstance(n, str) and n and "/" not in n and n not in (".", "..") for n in names)
+        )
     except (KeyError, TypeError):
         ok = False
     if not ok:
-        raise InstallError(f"{path}: malformed index (parts must be plain names whose sizes add up to the "
-                           f"archive size, each with a sha256)")
+        raise InstallError(
+            f"{path}: malformed index (parts must be plain names whose sizes add up to the "
+            f"archive size, each with a sha256)"
+        )
     return index
 
 
@@ -96,13 +107,14 @@ def check_parts(bundle_dir: Path, index: dict) -> None:
     """Every part present with its recorded size, before anything is read (all missing ones are named)."""
     missing = [p["name"] for p in index["parts"] if not (bundle_dir / p["name"]).is_file()]
     if missing:
-        raise InstallError(f"missing part{'s' if len(missing) > 1 else ''} {', '.join(missing)} in {bundle_dir} "
-                           f"(the bundle has {len(index['parts'])} parts)")
+        raise InstallError(
+            f"missing part{'s' if len(missing) > 1 else ''} {', '.join(missing)} in {bundle_dir} "
+            f"(the bundle has {len(index['parts'])} parts)"
+        )
     for part in index["parts"]:
         size = (bundle_dir / part["name"]).stat().st_size
         if size != part["size"]:
-            raise InstallError(f"part {part['name']}: {size} bytes, the index says {part['size']}; "
-                               f"copy it again")
+            raise InstallError(f"part {part['name']}: {size} bytes, the index says {part['size']}; copy it again")
 
 
 def join_parts(bundle_dir: Path, index: dict, archive: Path) -> None:
@@ -120,11 +132,15 @@ def join_parts(bundle_dir: Path, index: dict, archive: Path) -> None:
                     out.write(chunk)
                     size += len(chunk)
             if size != part["size"] or digest.hexdigest() != part["sha256"]:
-                raise InstallError(f"part {part['name']}: sha256 {digest.hexdigest()[:16]}… differs from the "
-                                   f"index ({part['sha256'][:16]}…); it is damaged: copy it again")
+                raise InstallError(
+                    f"part {part['name']}: sha256 {digest.hexdigest()[:16]}… differs from the "
+                    f"index ({part['sha256'][:16]}…); it is damaged: copy it again"
+                )
     if whole.hexdigest() != index["archive"]["sha256"]:
-        raise InstallError(f"the joined archive's sha256 {whole.hexdigest()[:16]}… differs from the index "
-                           f"({index['archive']['sha256'][:16]}…)")
+        raise InstallError(
+            f"the joined archive's sha256 {whole.hexdigest()[:16]}… differs from the index "
+            f"({index['archive']['sha256'][:16]}…)"
+        )
     if whole_b3 is not None and "blake3:" + whole_b3.hexdigest() != index["archive"].get("id"):
         raise InstallError(f"the joined archive's BLAKE3 differs from the bundle id {index['archive'].get('id')}")
 
@@ -152,8 +168,11 @@ def unpack(archive: Path, tree: Path) -> None:
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _check_inside(tree, target.parent, member.name)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                             0o755 if member.mode & 0o111 else 0o644)
+                fd = os.open(
+                    target,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                    0o755 if member.mode & 0o111 else 0o644,
+                )
                 with os.fdopen(fd, "wb") as out, tar.extractfile(member) as src:
                     shutil.copyfileobj(src, out, CHUNK)
     except FileExistsError as exc:
@@ -163,13 +182,25 @@ def unpack(archive: Path, tree: Path) -> None:
 
 
 def checked_name(member: tarfile.TarInfo) -> PurePosixPath:
-    kind = ("symbolic link" if member.issym() else "hard link" if member.islnk() else
-            None if member.isfile() or member.isdir() else "device or FIFO")
+    kind = (
+        "symbolic link"
+        if member.issym()
+        else "hard link"
+        if member.islnk()
+        else None
+        if member.isfile() or member.isdir()
+        else "device or FIFO"
+    )
     if kind:
         raise InstallError(f"archive member {member.name!r} is a {kind}; refused (a bundle holds files only)")
     name = PurePosixPath(member.name)
-    if name.is_absolute() or not name.parts or any(p in ("..", "") for p in name.parts) or "\\" in member.name \
-            or "\0" in member.name:
+    if (
+        name.is_absolute()
+        or not name.parts
+        or any(p in ("..", "") for p in name.parts)
+        or "\\" in member.name
+        or "\0" in member.name
+    ):
         raise InstallError(f"archive member {member.name!r} would land outside the prefix; refused")
     return name
 

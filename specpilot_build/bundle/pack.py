@@ -1,10 +1,11 @@
 """`make bundle`: engines, their models, their environment and SpecPilot itself as one content-addressed
 archive, split into parts that fit the host's transfer limit, with an index of every digest.
 
-The archive is deterministic (members in a fixed order — the same file of several engines side by side —, files only, mtime/uid/gid/owner names
-fixed, mode 0644 or 0755 from the executable bit, tar + xz at a fixed preset), so two bundles of the same
+The archive is deterministic (members in a fixed order — the same file of several engines side by side —, files
+only, mtime/uid/gid/owner names fixed, mode 0644 or 0755 from the executable bit, tar + xz at a fixed preset), so two bundles of the same
 engines are byte-identical. Its id is the BLAKE3 of the archive bytes; the index also records the archive's
 and every part's sha256, which is what the installer checks on a host without blake3."""
+
 from __future__ import annotations
 
 import hashlib
@@ -33,12 +34,19 @@ CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class Bundle:
-    path: Path     # the folder holding index.json, the parts and install.py
+    path: Path  # the folder holding index.json, the parts and install.py
     index: dict
 
 
-def make_bundle(engines: list[Engine], *, part_bytes: int, env_dir: Path | None = None,
-                env_files: dict[str, str] | None = None, host: str | None = None, out: Path | None = None) -> Bundle:
+def make_bundle(
+    engines: list[Engine],
+    *,
+    part_bytes: int,
+    env_dir: Path | None = None,
+    env_files: dict[str, str] | None = None,
+    host: str | None = None,
+    out: Path | None = None,
+) -> Bundle:
     """Pack `engines` (with `env_dir` as their environment for `host`, holding exactly `env_files` when given:
     path → blake3) into <data>/bundles/<archive id>/ or `out`."""
     if part_bytes < 1:
@@ -52,8 +60,13 @@ def make_bundle(engines: list[Engine], *, part_bytes: int, env_dir: Path | None 
     try:
         archive = scratch / "archive.tar.xz"
         write_archive(members, archive)
-        meta = {"engines": [{"id": e.id, "setting": e.manifest.get("setting"), "arm": e.manifest.get("arm")}
-                            for e in engines], "host": host, "environment": env_dir is not None}
+        meta = {
+            "engines": [
+                {"id": e.id, "setting": e.manifest.get("setting"), "arm": e.manifest.get("arm")} for e in engines
+            ],
+            "host": host,
+            "environment": env_dir is not None,
+        }
         folder = scratch / "bundle"
         index = split_archive(archive, folder, part_bytes, meta)
         final = Path(out) if out else base / index["archive"]["id"].split(":", 1)[1]
@@ -65,8 +78,10 @@ def make_bundle(engines: list[Engine], *, part_bytes: int, env_dir: Path | None 
 def write_archive(members: list[Member], path: Path) -> None:
     """Write `members` as a deterministic tar.xz at `path`, checking each file's bytes against its digest
     as they are packed (a file that differs is refused naming it; the partial archive is the caller's to drop)."""
-    with lzma.open(path, "wb", format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET) as xz, \
-            tarfile.open(fileobj=xz, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar:
+    with (
+        lzma.open(path, "wb", format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET) as xz,
+        tarfile.open(fileobj=xz, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar,
+    ):
         for member in members:
             _add_member(tar, member)
 
@@ -75,7 +90,9 @@ def _add_member(tar: tarfile.TarFile, member: Member) -> None:
     try:
         fd = os.open(member.source, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise SpecPilotError(f"{member.source}: cannot read it for bundle member {member.name} ({exc.strerror})") from None
+        raise SpecPilotError(
+            f"{member.source}: cannot read it for bundle member {member.name} ({exc.strerror})"
+        ) from None
     with os.fdopen(fd, "rb") as fh:
         info = tarfile.TarInfo(member.name)
         info.size = os.fstat(fd).st_size
@@ -86,11 +103,15 @@ def _add_member(tar: tarfile.TarFile, member: Member) -> None:
     if reader.read_bytes != info.size:
         raise IntegrityError(f"{member.source}: changed size while it was packed as {member.name}")
     if member.blake3 and "blake3:" + reader.blake3.hexdigest() != member.blake3:
-        raise IntegrityError(f"{member.source}: its bytes differ from the digest recorded for {member.name} "
-                             f"({member.blake3[:19]}…); refusing to bundle it")
+        raise IntegrityError(
+            f"{member.source}: its bytes differ from the digest recorded for {member.name} "
+            f"({member.blake3[:19]}…); refusing to bundle it"
+        )
     if member.sha256 and reader.sha256.hexdigest() != member.sha256:
-        raise IntegrityError(f"{member.source}: sha256 differs from the pin of {member.name} "
-                             f"({member.sha256[:16]}…); refusing to bundle it")
+        raise IntegrityError(
+            f"{member.source}: sha256 differs from the pin of {member.name} "
+            f"({member.sha256[:16]}…); refusing to bundle it"
+        )
 
 
 class _HashingReader:
@@ -124,14 +145,22 @@ def split_archive(archive: Path, folder: Path, part_bytes: int, meta: dict) -> d
                         hasher.update(chunk)
                     dst.write(chunk)
                     written += len(chunk)
-            parts.append({"name": name, "size": written, "sha256": part_sha.hexdigest(),
-                          "blake3": part_b3.hexdigest()})
+            parts.append({"name": name, "size": written, "sha256": part_sha.hexdigest(), "blake3": part_b3.hexdigest()})
     if sum(p["size"] for p in parts) != size:
         raise IntegrityError(f"{archive}: changed size while it was split")
-    index = {"format": FORMAT, **meta,
-             "archive": {"id": "blake3:" + whole_b3.hexdigest(), "sha256": whole_sha.hexdigest(), "size": size,
-                         "compression": "xz", "part_bytes": part_bytes},
-             "parts": parts, "installer": INSTALLER.name}
+    index = {
+        "format": FORMAT,
+        **meta,
+        "archive": {
+            "id": "blake3:" + whole_b3.hexdigest(),
+            "sha256": whole_sha.hexdigest(),
+            "size": size,
+            "compression": "xz",
+            "part_bytes": part_bytes,
+        },
+        "parts": parts,
+        "installer": INSTALLER.name,
+    }
     (folder / INDEX_NAME).write_bytes(json.dumps(index, indent=1, sort_keys=True).encode() + b"\n")
     shutil.copyfile(INSTALLER, folder / INSTALLER.name)
     os.chmod(folder / INSTALLER.name, 0o755)

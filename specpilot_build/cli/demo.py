@@ -9,6 +9,7 @@ benches n times, each time on freshly started servers (the final arm's shared n-
 again), and prints the run-to-run spread of final/ar; the last repetition is scored and verified. The default
 is the embedded CPU setting with a small split, so it runs in minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -19,13 +20,20 @@ from rich.console import Console
 from specpilot_build.defaults import ARMS, DEFAULT_PORT, DEFAULT_SETTING
 
 
-def demo(setting: str = DEFAULT_SETTING, limit: int = 3, max_new_tokens: int = 128,
-         port: int = DEFAULT_PORT, datasets: list[str] | None = None, console: Console | None = None,
-         repeat: int = 1) -> dict:
+def demo(
+    setting: str = DEFAULT_SETTING,
+    limit: int = 3,
+    max_new_tokens: int = 128,
+    port: int = DEFAULT_PORT,
+    datasets: list[str] | None = None,
+    console: Console | None = None,
+    repeat: int = 1,
+) -> dict:
     from specpilot_build.assemble.builder import build_engine
     from specpilot_build.errors import SpecPilotError
     from specpilot_build.measure.compare import OVERALL, compare
-    from specpilot_build.measure.score import print_table as print_score, score_run
+    from specpilot_build.measure.score import print_table as print_score
+    from specpilot_build.measure.score import score_run
     from specpilot_build.measure.sidebyside import bench_side_by_side, cpu_speedups, print_cpu_table
     from specpilot_build.measure.verify import verify
     from specpilot_build.serve.process import serve, stop
@@ -47,22 +55,48 @@ def demo(setting: str = DEFAULT_SETTING, limit: int = 3, max_new_tokens: int = 1
         try:
             for arm in ARMS:
                 pids[arm] = serve(engines[arm].id, ports[arm])["pid"]
-            runs = bench_side_by_side(engines, names, ports, limit=limit, max_new_tokens=max_new_tokens,
-                                      datasets=datasets, pids=pids, overwrite=True)
+            runs = bench_side_by_side(
+                engines,
+                names,
+                ports,
+                limit=limit,
+                max_new_tokens=max_new_tokens,
+                datasets=datasets,
+                pids=pids,
+                overwrite=True,
+            )
         finally:
             for arm in ARMS:
                 stop(ports[arm])
-        console.print(f"bench ar|stock|final side by side{f' (repetition {r}/{repeat})' if repeat > 1 else ''} → "
-                      f"{', '.join(str(runs[a]) for a in ARMS)} ({time.perf_counter() - started:.0f} s)")
-        report = compare(str(runs["ar"]), str(runs["stock"]), str(runs["final"]),
-                         name=f"demo_{setting}_compare{suffix}", console=console, overwrite=True)
+        console.print(
+            f"bench ar|stock|final side by side{f' (repetition {r}/{repeat})' if repeat > 1 else ''} → "
+            f"{', '.join(str(runs[a]) for a in ARMS)} ({time.perf_counter() - started:.0f} s)"
+        )
+        report = compare(
+            str(runs["ar"]),
+            str(runs["stock"]),
+            str(runs["final"]),
+            name=f"demo_{setting}_compare{suffix}",
+            console=console,
+            overwrite=True,
+        )
         cpu = cpu_speedups(runs["ar"], runs["stock"], runs["final"])
         print_cpu_table(cpu, console)
-        repetitions.append({"runs": {a: str(p) for a, p in runs.items()}, "compare": report, "cpu": cpu,
-                            "final/ar": {"wall": report["speedups"]["final/ar"][OVERALL]["speedup"],
-                                         "cpu": cpu["speedups"]["final/ar"][OVERALL]["speedup"],
-                                         "engine_cpu": (cpu["by_measure"].get("cpu_s") or {}).get(
-                                             "final/ar", {}).get(OVERALL, {}).get("speedup")}})
+        repetitions.append(
+            {
+                "runs": {a: str(p) for a, p in runs.items()},
+                "compare": report,
+                "cpu": cpu,
+                "final/ar": {
+                    "wall": report["speedups"]["final/ar"][OVERALL]["speedup"],
+                    "cpu": cpu["speedups"]["final/ar"][OVERALL]["speedup"],
+                    "engine_cpu": (cpu["by_measure"].get("cpu_s") or {})
+                    .get("final/ar", {})
+                    .get(OVERALL, {})
+                    .get("speedup"),
+                },
+            }
+        )
     console.print(f"chart → {report['chart']} ({time.perf_counter() - started:.0f} s)")
     spread = print_spread(repetitions, console) if repeat > 1 else None
     score = score_run(runs["final"])
@@ -71,33 +105,52 @@ def demo(setting: str = DEFAULT_SETTING, limit: int = 3, max_new_tokens: int = 1
     verification = verify(str(runs["final"]), oracle=engines["ar"].id, port=port, console=console)
     seconds = time.perf_counter() - started
     console.print(f"demo done in {seconds:.0f} s: verdict {verification['verdict']}")
-    return {"engines": {arm: e.id for arm, e in engines.items()}, "runs": {a: str(p) for a, p in runs.items()},
-            "compare": report, "cpu": cpu, "repetitions": repetitions, "spread": spread, "score": score,
-            "verify": verification, "seconds": seconds}
+    return {
+        "engines": {arm: e.id for arm, e in engines.items()},
+        "runs": {a: str(p) for a, p in runs.items()},
+        "compare": report,
+        "cpu": cpu,
+        "repetitions": repetitions,
+        "spread": spread,
+        "score": score,
+        "verify": verification,
+        "seconds": seconds,
+    }
 
 
 def spread_of(values: list[float]) -> dict:
     """Median, range, and the largest relative distance of a value from the median."""
     median = statistics.median(values)
-    return {"median": median, "min": min(values), "max": max(values),
-            "max_deviation": max(abs(v / median - 1) for v in values) if median else None}
+    return {
+        "median": median,
+        "min": min(values),
+        "max": max(values),
+        "max_deviation": max(abs(v / median - 1) for v in values) if median else None,
+    }
 
 
 def print_spread(repetitions: list[dict], console: Console) -> dict:
     from rich.table import Table
 
     table = Table(title="final/ar, run to run (overall point estimates)")
-    for column in ("repetition", "per wall second", f"per server CPU-second ({repetitions[0]['cpu']['measure_label']})",
-                   "per engine-thread CPU-second"):
+    for column in (
+        "repetition",
+        "per wall second",
+        f"per server CPU-second ({repetitions[0]['cpu']['measure_label']})",
+        "per engine-thread CPU-second",
+    ):
         table.add_column(column, justify="right")
     for i, rep in enumerate(repetitions, 1):
         s = rep["final/ar"]
-        table.add_row(str(i), f"{s['wall']:.3f}×", f"{s['cpu']:.3f}×",
-                      f"{s['engine_cpu']:.3f}×" if s["engine_cpu"] else "-")
+        table.add_row(
+            str(i), f"{s['wall']:.3f}×", f"{s['cpu']:.3f}×", f"{s['engine_cpu']:.3f}×" if s["engine_cpu"] else "-"
+        )
     spread = {key: spread_of([rep["final/ar"][key] for rep in repetitions]) for key in ("wall", "cpu")}
     console.print(table)
     for key, label in (("wall", "per wall second"), ("cpu", "per server CPU-second")):
         s = spread[key]
-        console.print(f"final/ar {label}: median {s['median']:.3f}× [{s['min']:.3f}–{s['max']:.3f}], every "
-                      f"repetition within ±{s['max_deviation']:.1%} of the median")
+        console.print(
+            f"final/ar {label}: median {s['median']:.3f}× [{s['min']:.3f}–{s['max']:.3f}], every "
+            f"repetition within ±{s['max_deviation']:.1%} of the median"
+        )
     return spread

@@ -1,5 +1,6 @@
 """`specpilot`: every verb's parser, in one place. Stages return data and raise typed errors; this module
 prints the data and turns the errors into one line and an exit code (a traceback only with SPECPILOT_DEBUG=1)."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug, not a user error: still one line unless asked for the traceback
         if debug_enabled():
             raise
-        print(f"error: internal error in `specpilot {args.verb}`: {type(exc).__name__}: {exc} "
-              f"(SPECPILOT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(
+            f"error: internal error in `specpilot {args.verb}`: {type(exc).__name__}: {exc} "
+            f"(SPECPILOT_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 70
 
 
@@ -55,13 +59,17 @@ def console():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specpilot", description="Declarative builds of speculative-decoding "
-                                     "engines: a Hydra setting becomes a content-addressed engine you serve, "
-                                     "bench and verify by its id.")
+    parser = argparse.ArgumentParser(
+        prog="specpilot",
+        description="Declarative builds of speculative-decoding "
+        "engines: a Hydra setting becomes a content-addressed engine you serve, "
+        "bench and verify by its id.",
+    )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    engine = verbs.add_parser("engine", help="build an engine, or inspect and maintain the store (build, verify, "
-                              "show, ls, fsck, rm, gc)")
+    engine = verbs.add_parser(
+        "engine", help="build an engine, or inspect and maintain the store (build, check, show, ls, fsck, rm, gc)"
+    )
     store = engine.add_subparsers(dest="engine_verb", required=True, metavar="ACTION")
     p = store.add_parser("build", help="build (or find) the engine of a setting and arm; prints id and path")
     p.add_argument("--setting", default=DEFAULT_SETTING)
@@ -69,31 +77,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter.num_draft_tokens=6")
     p.set_defaults(handler=_engine_build)
     from specpilot_build.store.maintain import EXIT_CODES_HELP
-    p = store.add_parser("verify", help="re-hash an engine and compare its whole listing with its manifest; "
-                         "--repair mends it", epilog=EXIT_CODES_HELP)
+
+    p = store.add_parser(
+        "check",
+        help="re-hash an engine and compare its whole listing with its manifest; --repair mends it",
+        epilog=EXIT_CODES_HELP,
+    )
     p.add_argument("engine")
-    p.add_argument("--repair", action="store_true", help="re-link damaged files from good objects, re-make damaged "
-                   "objects from the pinned base wheel, the checkout or a rebuild; name what cannot be mended")
-    p.set_defaults(handler=_engine_verify)
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="re-link damaged files from good objects, re-make damaged "
+        "objects from the pinned base wheel, the checkout or a rebuild; name what cannot be mended",
+    )
+    p.set_defaults(handler=_engine_check)
     p = store.add_parser("show", help="setting, arm, pins, mechanisms and size of an engine")
     p.add_argument("engine")
     p.set_defaults(handler=_engine_show)
-    store.add_parser("ls", help="list the engines in the store (damaged directories with the reason)"
-                     ).set_defaults(handler=_engine_ls)
-    p = store.add_parser("fsck", help="hash every object and check every engine in the store; counts printed",
-                         epilog=EXIT_CODES_HELP)
+    store.add_parser("ls", help="list the engines in the store (damaged directories with the reason)").set_defaults(
+        handler=_engine_ls
+    )
+    p = store.add_parser(
+        "fsck", help="hash every object and check every engine in the store; counts printed", epilog=EXIT_CODES_HELP
+    )
     p.add_argument("--repair", action="store_true", help="delete damaged objects, reset modes, repair engines")
     p.set_defaults(handler=_engine_fsck)
-    p = store.add_parser("rm", help="remove engines (damaged ones too); refuses one being served or in "
-                         "engines/.roots", epilog=EXIT_CODES_HELP)
+    p = store.add_parser(
+        "rm",
+        help="remove engines (damaged ones too); refuses one being served or in engines/.roots",
+        epilog=EXIT_CODES_HELP,
+    )
     p.add_argument("engines", nargs="+", help="engine ids or unique prefixes")
     p.add_argument("--force", action="store_true", help="remove even an engine being served or listed as a root")
     p.set_defaults(handler=_engine_rm)
-    p = store.add_parser("gc", help="remove unreferenced objects, stale temporary trees, dangling index entries",
-                         epilog=EXIT_CODES_HELP)
+    p = store.add_parser(
+        "gc", help="remove unreferenced objects, stale temporary trees, dangling index entries", epilog=EXIT_CODES_HELP
+    )
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    p.add_argument("--engines", action="store_true", help="also remove every engine that is neither served (a live "
-                   "run record) nor listed in engines/.roots (one id per line)")
+    p.add_argument(
+        "--engines",
+        action="store_true",
+        help="also remove every engine that is neither served (a live "
+        "run record) nor listed in engines/.roots (one id per line)",
+    )
     p.set_defaults(handler=_engine_gc)
 
     p = verbs.add_parser("sweep", help="build many setting x arm engines as one Hydra multirun; summary table")
@@ -108,24 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--update", action="store_true", help="re-resolve `main` even for repos already pinned")
     p.set_defaults(handler=_lock)
 
-    p = verbs.add_parser("env", help="an SGLang engine's environment on a GPU host: host profiles, the "
-                                     "environment lock, installing it pruned")
+    p = verbs.add_parser(
+        "env",
+        help="an SGLang engine's environment on a GPU host: host profiles, the environment lock, installing it pruned",
+    )
     env = p.add_subparsers(dest="env_verb", required=True, metavar="ACTION")
-    q = env.add_parser("lock", help="resolve the wheels RUNTIME needs on HOST beyond what the host has "
-                                    "(pip's resolver for the host's platform) into lockfiles/envs/RUNTIME@HOST.toml")
+    q = env.add_parser(
+        "lock",
+        help="resolve the wheels RUNTIME needs on HOST beyond what the host has "
+        "(pip's resolver for the host's platform) into lockfiles/envs/RUNTIME@HOST.toml",
+    )
     q.add_argument("--runtime", required=True, help="a wheel runtime of lockfiles/runtimes.toml, e.g. sglang-0.5.17")
     q.add_argument("--host", required=True, help="a host profile, lockfiles/hosts/HOST.toml")
     q.set_defaults(handler=_env_lock)
-    q = env.add_parser("host-profile", help="write lockfiles/hosts/NAME.toml from the host's "
-                                            "`pip list --format=freeze`")
+    q = env.add_parser(
+        "host-profile", help="write lockfiles/hosts/HOST.toml from the host's `pip list --format=freeze`"
+    )
     q.add_argument("--freeze", required=True, type=Path)
-    q.add_argument("--name", required=True)
+    q.add_argument("--host", required=True, help="the profile's name: writes lockfiles/hosts/HOST.toml")
     q.add_argument("--python", required=True, help="the host's full Python version, e.g. 3.12.3")
     q.add_argument("--glibc", required=True, help="the host's glibc (ldd --version), e.g. 2.39")
     q.add_argument("--cuda", required=True, type=int, help="the host's CUDA major (nvidia-smi), e.g. 13")
     q.set_defaults(handler=_env_host_profile)
-    q = env.add_parser("install", help="fetch, check, unpack and prune a setting's environment into a prefix "
-                                       "(what the bundle carries)")
+    q = env.add_parser(
+        "install", help="fetch, check, unpack and prune a setting's environment into a prefix (what the bundle carries)"
+    )
     q.add_argument("--setting", required=True)
     q.add_argument("--arm", default="final", choices=ARMS)
     q.add_argument("--target", required=True, type=Path, help="a new directory (the prefix)")
@@ -134,8 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("models", help="fetch and verify exactly a setting's pinned checkpoint files")
     p.add_argument("--setting", required=True)
-    p.add_argument("--mirror", type=Path, help="offline mirror of pinned files (default: $SPECPILOT_MIRROR, "
-                                               "else ../shared beside the checkout)")
+    p.add_argument(
+        "--mirror",
+        type=Path,
+        help="offline mirror of pinned files (default: $SPECPILOT_MIRROR, else ../shared beside the checkout)",
+    )
     p.set_defaults(handler=_models)
 
     p = verbs.add_parser("serve", help="re-hash, gate, and serve exactly one engine tree; waits for health")
@@ -156,22 +192,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("bench", help="the dev splits' first turns, greedy, through the server of one engine id")
     p.add_argument("--engine", required=True, help="engine id or unique prefix (served on --port)")
-    p.add_argument("--name", required=True, help="run name: writes <data>/results/<name>.json")
+    p.add_argument("--run", required=True, help="run name: writes <data>/results/<run>.json")
     p.add_argument("--limit", type=int, default=None, help="items per dataset (default: whole split)")
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
-    p.add_argument("--oracle", default=None,
-                   help="the setting's ar engine by id, already in the store (default: build or find it from this "
-                        "checkout; on a host without the builder, e.g. an installed bundle, name it)")
+    p.add_argument(
+        "--oracle",
+        default=None,
+        help="the setting's ar engine by id, already in the store (default: build or find it from this "
+        "checkout; on a host without the builder, e.g. an installed bundle, name it)",
+    )
     p.set_defaults(handler=_bench)
 
     p = verbs.add_parser("compare", help="speedups with 95%% CIs and output identity of ar, stock and final runs")
     p.add_argument("--ar", required=True, help="results of the ar arm (path or run name)")
     p.add_argument("--stock", required=True, help="results of the stock arm")
     p.add_argument("--final", required=True, help="results of the final arm")
-    p.add_argument("--name", help="output name (default compare_<final run name>)")
+    p.add_argument("--report", help="report name (default compare_<final run name>)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report of that name")
     p.set_defaults(handler=_compare)
 
@@ -182,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(handler=_attest_check)
 
     from specpilot_build.measure.sandbox import Limits
+
     p = verbs.add_parser("score", help="grade a bench run: answers, and code run against its tests in a sandbox")
     p.add_argument("run", help="results JSON written by bench: a path or a run name")
     p.add_argument("--workers", type=int, default=None, help="sandboxed programs run in parallel")
@@ -191,8 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("verify", help="token forcing: every emitted token is the target's own greedy choice")
     p.add_argument("run", help="results JSON path or run name")
-    p.add_argument("--oracle", help="oracle engine id (default: the run's recorded oracle, built only if the "
-                                    "build gives exactly that id)")
+    p.add_argument(
+        "--oracle",
+        help="oracle engine id (default: the run's recorded oracle, built only if the build gives exactly that id)",
+    )
     p.add_argument("--port", type=port_number, default=ORACLE_PORT)
     p.add_argument("--tolerance", type=float, help="near-tie log-prob margin (default: from the dtype)")
     p.add_argument("--concurrency", type=int)
@@ -205,12 +247,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", action="store_true", help="show unified diffs of changed text files")
     p.set_defaults(handler=_diff)
 
-    p = verbs.add_parser("bundle", help="engines, their models, environment and SpecPilot as one archive in parts, "
-                                        "with an index and a standard-library installer, for an air-gapped host")
-    p.add_argument("engines", nargs="+", metavar="ENGINE", help="engine id(s) or unique prefixes (one prefix serves them all)")
-    p.add_argument("--host", default=None, help="host profile (lockfiles/hosts/<host>.toml) whose environment to include")
-    p.add_argument("--env", type=Path, default=None, help="an environment directory to include as <prefix>/env "
-                                                          "(first on the engine's PYTHONPATH after its tree)")
+    p = verbs.add_parser(
+        "bundle",
+        help="engines, their models, environment and SpecPilot as one archive in parts, "
+        "with an index and a standard-library installer, for an air-gapped host",
+    )
+    p.add_argument(
+        "engines", nargs="+", metavar="ENGINE", help="engine id(s) or unique prefixes (one prefix serves them all)"
+    )
+    p.add_argument(
+        "--host", default=None, help="host profile (lockfiles/hosts/<host>.toml) whose environment to include"
+    )
+    p.add_argument(
+        "--env",
+        type=Path,
+        default=None,
+        help="an environment directory to include as <prefix>/env (first on the engine's PYTHONPATH after its tree)",
+    )
     p.add_argument("--part-mb", type=float, default=60.0, help="largest part in MiB (default 60; the host takes 64)")
     p.add_argument("--out", type=Path, default=None, help="folder to write (default <data>/bundles/<archive id>)")
     p.set_defaults(handler=_bundle)
@@ -221,13 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
-    p.add_argument("--repeat", type=int, default=1, help="bench the three arms side by side this many times, "
-                   "each on fresh servers, and print the run-to-run spread of final/ar")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="bench the three arms side by side this many times, "
+        "each on fresh servers, and print the run-to-run spread of final/ar",
+    )
     p.set_defaults(handler=_demo)
     return parser
 
 
 # --- engine and store ----------------------------------------------------------------------------------------
+
 
 def _engine_build(args) -> int:
     from specpilot_build.assemble.builder import build_engine, describe
@@ -236,7 +295,7 @@ def _engine_build(args) -> int:
     return 0
 
 
-def _engine_verify(args) -> int:
+def _engine_check(args) -> int:
     from specpilot_build.assemble.repair import repair_engine
     from specpilot_build.store.engines import check_engine, resolve_engine
     from specpilot_build.store.maintain import EXIT_DAMAGED
@@ -249,18 +308,24 @@ def _engine_verify(args) -> int:
         for line in report.unrepairable:
             print(f"{engine.id[:12]}: cannot repair {line}")
         if report.unrepairable:
-            print(f"engine {engine.id[:12]}: {len(report.unrepairable)} difference(s) could not be repaired; remove "
-                  f"it with `specpilot engine rm {engine.id[:12]}` and build its setting again")
+            print(
+                f"engine {engine.id[:12]}: {len(report.unrepairable)} difference(s) could not be repaired; remove "
+                f"it with `specpilot engine rm {engine.id[:12]}` and build its setting again"
+            )
         else:
-            print(f"engine {engine.id[:12]}: {len(report.found)} difference(s) repaired; "
-                  f"{len(engine.manifest['files'])} files match the manifest")
+            print(
+                f"engine {engine.id[:12]}: {len(report.found)} difference(s) repaired; "
+                f"{len(engine.manifest['files'])} files match the manifest"
+            )
         return report.exit_code
     problems = check_engine(engine)
     for line in problems:
         print(f"{engine.id[:12]}: {line}")
     if problems:
-        print(f"engine {engine.id[:12]}: {len(problems)} file(s) differ from its manifest; "
-              f"`specpilot engine verify --repair {engine.id[:12]}` mends them")
+        print(
+            f"engine {engine.id[:12]}: {len(problems)} file(s) differ from its manifest; "
+            f"`specpilot engine check --repair {engine.id[:12]}` mends them"
+        )
         return EXIT_DAMAGED
     print(f"engine {engine.id[:12]}: {len(engine.manifest['files'])} files match the manifest")
     return 0
@@ -280,12 +345,14 @@ def _engine_fsck(args) -> int:
     for repair in report.repairs:
         for line in repair.unrepairable:
             print(f"{repair.engine.id[:12]}: cannot repair {line}")
-    print(f"checked {report.objects} objects ({len(report.objects_bad)} damaged, {len(report.objects_mode)} with "
-          f"a wrong mode, {report.temporaries} temporaries) and {report.engines + len(report.damaged)} engines "
-          f"({len(report.engines_bad)} with differing files, {len(report.damaged)} damaged directories) "
-          f"in {report.seconds:.2f} s" + (f"; repaired {len(report.repairs)} engines" if args.repair else ""))
+    print(
+        f"checked {report.objects} objects ({len(report.objects_bad)} damaged, {len(report.objects_mode)} with "
+        f"a wrong mode, {report.temporaries} temporaries) and {report.engines + len(report.damaged)} engines "
+        f"({len(report.engines_bad)} with differing files, {len(report.damaged)} damaged directories) "
+        f"in {report.seconds:.2f} s" + (f"; repaired {len(report.repairs)} engines" if args.repair else "")
+    )
     if report.exit_code == 1:
-        print("`specpilot engine fsck --repair` (or `engine verify --repair <id>`) mends them")
+        print("`specpilot engine fsck --repair` (or `engine check --repair <id>`) mends them")
     return report.exit_code
 
 
@@ -308,9 +375,11 @@ def _engine_gc(args) -> int:
         print(f"{verb} {path}")
     for eid, why in report.kept.items():
         print(f"kept engine {eid[:12]}: {why}")
-    print(f"{verb} {len(report.engines)} engines, {report.objects} unreferenced objects "
-          f"({report.object_bytes:,} bytes), {len(report.temporaries)} temporaries, "
-          f"{len(report.index_entries)} dangling index entries")
+    print(
+        f"{verb} {len(report.engines)} engines, {report.objects} unreferenced objects "
+        f"({report.object_bytes:,} bytes), {len(report.temporaries)} temporaries, "
+        f"{len(report.index_entries)} dangling index entries"
+    )
     return 0
 
 
@@ -323,9 +392,14 @@ def _engine_show(args) -> int:
     m = engine.manifest
     files = m["files"]
     table = Table(show_header=False, box=None)
-    rows = [("engine", engine.id), ("path", str(engine.path)), ("setting", m["setting"]), ("arm", m["arm"]),
-            ("choices", ", ".join(f"{k}={v}" for k, v in sorted(m["choices"].items()))),
-            ("runtime", _runtime_line(m["inputs"]["runtime"]))]
+    rows = [
+        ("engine", engine.id),
+        ("path", str(engine.path)),
+        ("setting", m["setting"]),
+        ("arm", m["arm"]),
+        ("choices", ", ".join(f"{k}={v}" for k, v in sorted(m["choices"].items()))),
+        ("runtime", _runtime_line(m["inputs"]["runtime"])),
+    ]
     for role, pin in m["inputs"]["checkpoints"].items():
         if pin:
             locked = f", {len(pin.get('files', []))} files locked" if pin.get("files") else ""
@@ -335,8 +409,13 @@ def _engine_show(args) -> int:
     rows.append(("size", f"{len(files)} files, {sum(f['size'] for f in files):,} bytes"))
     base = m.get("base", {})
     if "dropped_files" in base:
-        rows.append(("pruned", f"kept {base['kept_files']} files / {base['kept_bytes']:,} bytes, dropped "
-                               f"{base['dropped_files']} files / {base['dropped_bytes']:,} bytes"))
+        rows.append(
+            (
+                "pruned",
+                f"kept {base['kept_files']} files / {base['kept_bytes']:,} bytes, dropped "
+                f"{base['dropped_files']} files / {base['dropped_bytes']:,} bytes",
+            )
+        )
     for key, value in rows:
         table.add_row(f"[bold]{key}[/]", value)
     console().print(table)
@@ -359,14 +438,21 @@ def _engine_ls(args) -> int:
     engines, damaged = scan_store()
     for engine in engines:
         m = engine.manifest
-        table.add_row(engine.id if full else engine.id[:12], m["setting"], m["arm"], str(len(m["files"])),
-                      f"{sum(f['size'] for f in m['files']):,}")
+        table.add_row(
+            engine.id if full else engine.id[:12],
+            m["setting"],
+            m["arm"],
+            str(len(m["files"])),
+            f"{sum(f['size'] for f in m['files']):,}",
+        )
     for bad in damaged:
         table.add_row(bad.id if full else bad.id[:12], f"[red]damaged[/]: {bad.reason}", "-", "-", "-")
     console().print(table)
     if damaged:
-        print(f"{len(damaged)} damaged engine director{'y' if len(damaged) == 1 else 'ies'}: "
-              f"`specpilot engine rm <id>` removes one")
+        print(
+            f"{len(damaged)} damaged engine director{'y' if len(damaged) == 1 else 'ies'}: "
+            f"`specpilot engine rm <id>` removes one"
+        )
     return 0
 
 
@@ -393,6 +479,7 @@ def _diff(args) -> int:
 
 # --- pins ----------------------------------------------------------------------------------------------------
 
+
 def _env_lock(args) -> int:
     from specpilot_build.hosts.profiles import load_env_lock, load_host_profile
     from specpilot_build.hosts.resolve import resolve_env_lock, write_env_lock
@@ -403,8 +490,10 @@ def _env_lock(args) -> int:
         raise SpecPilotError(f"runtime '{args.runtime}' is not a wheel runtime of lockfiles/runtimes.toml")
     path = write_env_lock(resolve_env_lock(args.runtime, pin, load_host_profile(args.host)))
     lock = load_env_lock(args.runtime, args.host)
-    print(f"{len(lock.wheels)} wheels travel ({sum(w.size for w in lock.wheels) / 2**20:.1f} MiB), "
-          f"{len(lock.staying)} stay on the host: {', '.join(f'{k} {v}' for k, v in lock.staying.items())}")
+    print(
+        f"{len(lock.wheels)} wheels travel ({sum(w.size for w in lock.wheels) / 2**20:.1f} MiB), "
+        f"{len(lock.staying)} stay on the host: {', '.join(f'{k} {v}' for k, v in lock.staying.items())}"
+    )
     print(f"wrote {path}")
     return 0
 
@@ -413,45 +502,52 @@ def _env_host_profile(args) -> int:
     from specpilot_build.hosts.profiles import load_host_profile
     from specpilot_build.hosts.resolve import write_host_profile
 
-    path = write_host_profile(args.name, args.freeze, args.python, args.glibc, args.cuda)
-    profile = load_host_profile(args.name)
+    path = write_host_profile(args.host, args.freeze, args.python, args.glibc, args.cuda)
+    profile = load_host_profile(args.host)
     print(f"{len(profile.packages)} packages, profile {profile.digest}; wrote {path}")
     return 0
 
 
 def _env_install(args) -> int:
-    from specpilot_build.hosts.install import install_environment, native_rules
     from specpilot_build.assemble.inputs import resolve_inputs
     from specpilot_build.config.compose import compose_setting
+    from specpilot_build.hosts.install import install_environment, native_rules
     from specpilot_build.hosts.profiles import load_env_lock
     from specpilot_build.pins.lockfile import load_lock
 
     inputs = resolve_inputs(compose_setting(args.setting, args.arm, list(args.overrides)), load_lock())
     if inputs.environment is None:
-        raise SpecPilotError(f"{args.setting}: not an SGLang setting on hardware with a host profile; it has no "
-                             f"environment to install")
+        raise SpecPilotError(
+            f"{args.setting}: not an SGLang setting on hardware with a host profile; it has no environment to install"
+        )
     if os.path.lexists(args.target):
         raise SpecPilotError(f"{args.target} exists; give a new directory")
     lock = load_env_lock(inputs.runtime.name, inputs.environment["host"])
     record = install_environment(lock, native_rules(inputs.config), inputs.config, args.target)
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    print(f"{len(record['wheels'])} wheels ({mib(inputs.environment['wheel_bytes'])} fetched), "
-          f"{len(record['dropped_distributions'])} distributions left out; {len(record['kept'])} files "
-          f"kept ({mib(record['kept_bytes'])}), {len(record['dropped'])} dropped ({mib(record['dropped_bytes'])}) "
-          f"into {args.target}")
+    print(
+        f"{len(record['wheels'])} wheels ({mib(inputs.environment['wheel_bytes'])} fetched), "
+        f"{len(record['dropped_distributions'])} distributions left out; {len(record['kept'])} files "
+        f"kept ({mib(record['kept_bytes'])}), {len(record['dropped'])} dropped ({mib(record['dropped_bytes'])}) "
+        f"into {args.target}"
+    )
     return 0
 
 
 def _lock(args) -> int:
     from specpilot_build.config.compose import compose_setting
+    from specpilot_build.locations import lockfiles_dir
     from specpilot_build.models.checkpoints import checkpoint_requests
     from specpilot_build.models.lock import lock_repos
-    from specpilot_build.locations import lockfiles_dir
 
     requests = checkpoint_requests(compose_setting(args.setting).config)
     lockfile = lockfiles_dir() / "checkpoints.toml"
-    locked = lock_repos({r.repo: list(r.files) for r in requests}, lockfile, update=args.update,
-                        source_formats={r.repo: r.source_format for r in requests})
+    locked = lock_repos(
+        {r.repo: list(r.files) for r in requests},
+        lockfile,
+        update=args.update,
+        source_formats={r.repo: r.source_format for r in requests},
+    )
     for repo, pin in locked.items():
         converted = f", {len(pin.converted)} converted" if pin.converted else ""
         print(f"{repo}@{pin.revision}  {len(pin.files)} files{converted}")
@@ -474,12 +570,12 @@ def _models(args) -> int:
 
 # --- run -----------------------------------------------------------------------------------------------------
 
+
 def _serve(args) -> int:
     from specpilot_build.serve.process import serve
 
     engine = _engine_of(args.engine, args.setting, args.arm)
-    serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, dry_run=args.dry_run,
-          timeout=args.timeout)
+    serve(engine, args.port, args.gpu, ignore_hardware=args.ignore_hardware, dry_run=args.dry_run, timeout=args.timeout)
     return 0
 
 
@@ -488,8 +584,10 @@ def _engine_of(engine_ref: str | None, setting: str | None, arm: str):
     on the way to running something."""
     if setting:
         from specpilot_build.assemble.builder import build_engine
+
         return build_engine(setting, arm).engine
     from specpilot_build.store.engines import resolve_engine
+
     return resolve_engine(engine_ref)
 
 
@@ -516,21 +614,26 @@ def _bundle(args) -> int:
     host = args.host
     if host is None and args.env is None and recorded - {None}:
         if len(recorded) > 1:
-            raise SpecPilotError(f"bundle: these engines were built for different hosts "
-                                 f"({', '.join(sorted(map(str, recorded)))}); bundle them separately")
+            raise SpecPilotError(
+                f"bundle: these engines were built for different hosts "
+                f"({', '.join(sorted(map(str, recorded)))}); bundle them separately"
+            )
         host = recorded.pop()  # the host the engines were built for (their manifests' inputs.environment)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bundle-env-") as scratch:
         env_dir, env_files = args.env, None
         if host is not None:
             env_dir, env_files = _host_environment(engines, host, Path(scratch))
-        result = make_bundle(engines, part_bytes=int(args.part_mb * 2**20), env_dir=env_dir, env_files=env_files,
-                             host=host, out=args.out)
+        result = make_bundle(
+            engines, part_bytes=int(args.part_mb * 2**20), env_dir=env_dir, env_files=env_files, host=host, out=args.out
+        )
     archive = result.index["archive"]
     print(f"{archive['id']}  {result.path}")
-    print(f"{archive['size']:,} bytes in {len(result.index['parts'])} part(s) of at most {archive['part_bytes']:,} "
-          f"bytes, {time.monotonic() - start:.1f} s; on the host: python3 {result.path}/install.py "
-          f"{result.path} PREFIX")
+    print(
+        f"{archive['size']:,} bytes in {len(result.index['parts'])} part(s) of at most {archive['part_bytes']:,} "
+        f"bytes, {time.monotonic() - start:.1f} s; on the host: python3 {result.path}/install.py "
+        f"{result.path} PREFIX"
+    )
     return 0
 
 
@@ -543,26 +646,33 @@ def _host_environment(engines, host: str, target: Path) -> tuple[Path, dict[str,
         from specpilot_build.hosts.install import install_environment, native_rules
         from specpilot_build.hosts.profiles import load_env_lock
     except ImportError as exc:
-        raise SpecPilotError(f"--host {host}: environment locks are not available in this checkout ({exc}); "
-                             "pass an installed environment directory with --env DIR") from None
+        raise SpecPilotError(
+            f"--host {host}: environment locks are not available in this checkout ({exc}); "
+            "pass an installed environment directory with --env DIR"
+        ) from None
     configs = [e.config for e in engines]
     runtimes = {cfg["runtime"]["name"] for cfg in configs}
     applied = {tuple(r["why"] for r in native_rules(cfg) if rule_applies(r, cfg)) for cfg in configs}
     if len(runtimes) != 1 or len(applied) != 1:
-        raise SpecPilotError(f"bundle --host {host}: these engines need different environments (runtimes "
-                             f"{', '.join(sorted(runtimes))}); bundle them separately")
+        raise SpecPilotError(
+            f"bundle --host {host}: these engines need different environments (runtimes "
+            f"{', '.join(sorted(runtimes))}); bundle them separately"
+        )
     lock = load_env_lock(runtimes.pop(), host)
     for engine in engines:
         built = engine.manifest["inputs"].get("environment")
         if built is not None and (built.get("host") != host or built.get("digest") != lock.digest):
-            raise SpecPilotError(f"engine {engine.id[:12]} was built for host {built.get('host')} with environment "
-                                 f"lock {built.get('digest', '?')[:19]}…, not {host} with {lock.digest[:19]}… "
-                                 f"({lock.path.name}); rebuild it or bundle for its host")
+            raise SpecPilotError(
+                f"engine {engine.id[:12]} was built for host {built.get('host')} with environment "
+                f"lock {built.get('digest', '?')[:19]}…, not {host} with {lock.digest[:19]}… "
+                f"({lock.path.name}); rebuild it or bundle for its host"
+            )
     record = install_environment(lock, native_rules(configs[0]), configs[0], target)
     return target, {f["path"]: f["blake3"] for f in record["kept"]}
 
 
 # --- measure -------------------------------------------------------------------------------------------------
+
 
 def _bench(args) -> int:
     import json
@@ -571,13 +681,22 @@ def _bench(args) -> int:
     from specpilot_build.store.engines import resolve_engine
 
     engine = resolve_engine(args.engine)
-    path = bench(engine, args.name, args.limit, args.max_new_tokens, args.port,
-                 args.datasets.split(",") if args.datasets else None, overwrite=args.overwrite,
-                 oracle_engine_id=_oracle_of(engine, args.oracle).id)
+    path = bench(
+        engine,
+        args.run,
+        args.limit,
+        args.max_new_tokens,
+        args.port,
+        args.datasets.split(",") if args.datasets else None,
+        overwrite=args.overwrite,
+        oracle_engine_id=_oracle_of(engine, args.oracle).id,
+    )
     data = json.loads(path.read_text())
     skipped = f", {len(data['skipped'])} prompts skipped (too long)" if data.get("skipped") else ""
-    print(f"wrote {path}: {len(data['requests'])} requests{skipped}, {data['wall_s']:.1f} s, client overhead "
-          f"{data['client']['overhead_fraction']:.3%} of slot time; oracle {data['oracle_engine_id'][:12]}")
+    print(
+        f"wrote {path}: {len(data['requests'])} requests{skipped}, {data['wall_s']:.1f} s, client overhead "
+        f"{data['client']['overhead_fraction']:.3%} of slot time; oracle {data['oracle_engine_id'][:12]}"
+    )
     return 0
 
 
@@ -597,15 +716,19 @@ def _oracle_of(engine, named: str | None = None):
 
         oracle = resolve_engine(named)
         if (oracle.manifest.get("setting"), oracle.manifest.get("arm")) != (setting, "ar"):
-            raise SpecPilotError(f"--oracle {oracle.id[:12]} is {oracle.manifest.get('setting')}/"
-                                 f"{oracle.manifest.get('arm')}, not the ar arm of {setting}")
+            raise SpecPilotError(
+                f"--oracle {oracle.id[:12]} is {oracle.manifest.get('setting')}/"
+                f"{oracle.manifest.get('arm')}, not the ar arm of {setting}"
+            )
     else:
         oracle = _build_ar(setting, "--oracle")
     if dict(oracle.model_pin) != dict(engine.model_pin):
-        raise SpecPilotError(f"the ar engine {oracle.id[:12]} of setting {setting} serves target "
-                             f"{oracle.model_pin['repo']}@{oracle.model_pin['revision'][:12]}, engine "
-                             f"{engine.id[:12]} {engine.model_pin['repo']}@{engine.model_pin['revision'][:12]}: "
-                             "rebuild the engine from this checkout's pins")
+        raise SpecPilotError(
+            f"the ar engine {oracle.id[:12]} of setting {setting} serves target "
+            f"{oracle.model_pin['repo']}@{oracle.model_pin['revision'][:12]}, engine "
+            f"{engine.id[:12]} {engine.model_pin['repo']}@{engine.model_pin['revision'][:12]}: "
+            "rebuild the engine from this checkout's pins"
+        )
     return oracle
 
 
@@ -619,17 +742,20 @@ def _build_ar(setting: str, flag: str):
     except ModuleNotFoundError as exc:
         from specpilot_build.store.engines import list_engines
 
-        ars = [e.id[:12] for e in list_engines()
-               if (e.manifest.get("setting"), e.manifest.get("arm")) == (setting, "ar")]
-        raise SpecPilotError(f"cannot build the ar engine of {setting} here: no module named '{exc.name}' (the "
-                             f"builder is not installed, e.g. on a host with an installed bundle); pass {flag} "
-                             f"{ars[0] if len(ars) == 1 else '<its ar engine id>'}") from None
+        ars = [
+            e.id[:12] for e in list_engines() if (e.manifest.get("setting"), e.manifest.get("arm")) == (setting, "ar")
+        ]
+        raise SpecPilotError(
+            f"cannot build the ar engine of {setting} here: no module named '{exc.name}' (the "
+            f"builder is not installed, e.g. on a host with an installed bundle); pass {flag} "
+            f"{ars[0] if len(ars) == 1 else '<its ar engine id>'}"
+        ) from None
 
 
 def _compare(args) -> int:
     from specpilot_build.measure.compare import compare
 
-    report = compare(args.ar, args.stock, args.final, name=args.name, overwrite=args.overwrite)
+    report = compare(args.ar, args.stock, args.final, name=args.report, overwrite=args.overwrite)
     print(f"wrote {report['json']}, {report['chart']} and {report['statement']}")
     return 0
 
@@ -651,8 +777,9 @@ def _score(args) -> int:
     from specpilot_build.measure import sandbox
     from specpilot_build.measure.score import print_table, score_run
 
-    score = score_run(args.run, workers=args.workers,
-                      limits=sandbox.Limits(cpu_s=args.cpu_seconds, wall_s=args.wall_seconds))
+    score = score_run(
+        args.run, workers=args.workers, limits=sandbox.Limits(cpu_s=args.cpu_seconds, wall_s=args.wall_seconds)
+    )
     print_table(score)
     print(f"wrote {score['path']}")
     return 0
@@ -682,8 +809,9 @@ def _default_oracle(run: str):
     if found:
         return found[0]
     if not data.get("setting"):
-        raise SpecPilotError(f"{path} names no setting and its oracle {recorded[:12]} is not in the store; "
-                             "pass ORACLE=<engine id>")
+        raise SpecPilotError(
+            f"{path} names no setting and its oracle {recorded[:12]} is not in the store; pass ORACLE=<engine id>"
+        )
     built = _build_ar(data["setting"], "--oracle")
     if built.id == recorded:
         return built
@@ -694,14 +822,22 @@ def _default_oracle(run: str):
         why = diff_engines(recorded_engine, built)["why"]
     else:
         why = ["the run records no oracle manifest to diff"]
-    raise SpecPilotError(f"{path}: its oracle is engine {recorded[:12]}, which is not in the store, and building "
-                         f"the {data['setting']} ar engine from this checkout gives {built.id[:12]}; what differs "
-                         f"(recorded → built): " + "; ".join(why))
+    raise SpecPilotError(
+        f"{path}: its oracle is engine {recorded[:12]}, which is not in the store, and building "
+        f"the {data['setting']} ar engine from this checkout gives {built.id[:12]}; what differs "
+        f"(recorded → built): " + "; ".join(why)
+    )
 
 
 def _demo(args) -> int:
     from specpilot_build.cli.demo import demo
 
-    result = demo(args.setting, args.limit, args.max_new_tokens, args.port,
-                  args.datasets.split(",") if args.datasets else None, repeat=args.repeat)
+    result = demo(
+        args.setting,
+        args.limit,
+        args.max_new_tokens,
+        args.port,
+        args.datasets.split(",") if args.datasets else None,
+        repeat=args.repeat,
+    )
     return 0 if result["verify"]["real_mismatches"] == 0 else 1

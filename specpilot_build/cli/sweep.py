@@ -2,6 +2,7 @@
 
 Each job composes through Hydra (the joblib or Slurm launcher may run it elsewhere), builds its engine and writes
 build.json into its job directory; the summary callback reads those files when the multirun ends."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,10 +17,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from specpilot_build.errors import SpecPilotError, debug_enabled
-from specpilot_build.locations import conf_dir, data_dir
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.schema import register
+from specpilot_build.errors import SpecPilotError, debug_enabled
+from specpilot_build.locations import conf_dir, data_dir
 
 RESULT = "build.json"
 
@@ -34,8 +35,13 @@ def build_job(cfg: DictConfig) -> dict:
     row = {"setting": composed.setting, "arm": composed.arm}
     try:
         result = build_composed(composed)
-        row.update(id=result.engine.id, files=result.files, bytes=result.bytes, seconds=round(result.seconds, 3),
-                   created=result.created)
+        row.update(
+            id=result.engine.id,
+            files=result.files,
+            bytes=result.bytes,
+            seconds=round(result.seconds, 3),
+            created=result.created,
+        )
     except SpecPilotError as exc:
         if debug_enabled():
             raise
@@ -49,15 +55,23 @@ class SummaryCallback(Callback):
         from rich.console import Console
         from rich.table import Table
 
-        rows = [json.loads(p.read_text()) for p in sorted(Path(config.hydra.sweep.dir).glob(f"*/{RESULT}"),
-                                                           key=lambda p: int(p.parent.name))]
+        rows = [
+            json.loads(p.read_text())
+            for p in sorted(Path(config.hydra.sweep.dir).glob(f"*/{RESULT}"), key=lambda p: int(p.parent.name))
+        ]
         table = Table("setting", "arm", "engine", "files", "bytes", "seconds", title="sweep")
         for r in rows:
             if "error" in r:
                 table.add_row(r["setting"], r["arm"], f"[red]{r['error']}[/]", "", "", "")
             else:
-                table.add_row(r["setting"], r["arm"], r["id"][:12], str(r["files"]), f"{r['bytes']:,}",
-                              f"{r['seconds']:.2f}{'' if r['created'] else ' (existed)'}")
+                table.add_row(
+                    r["setting"],
+                    r["arm"],
+                    r["id"][:12],
+                    str(r["files"]),
+                    f"{r['bytes']:,}",
+                    f"{r['seconds']:.2f}{'' if r['created'] else ' (existed)'}",
+                )
         Console(width=160).print(table)
         summary = Path(config.hydra.sweep.dir) / "summary.json"
         summary.write_text(json.dumps(rows, indent=1) + "\n")
@@ -67,10 +81,16 @@ class SummaryCallback(Callback):
 def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: list[str] = ()) -> list[dict]:
     """A Hydra multirun of `settings` x `arms` (comma-separated); the summary callback prints the table."""
     sweep_dir = data_dir() / "hydra" / "multirun" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    hydra_args = ["--multirun", f"setting@_global_={settings}", f"arm={arms}",
-                  f"hydra.sweep.dir={sweep_dir}", f"hydra.run.dir={data_dir() / 'hydra' / 'run'}",
-                  "+hydra.callbacks.summary._target_=specpilot_build.cli.sweep.SummaryCallback",
-                  "hydra.job.chdir=false", *overrides]
+    hydra_args = [
+        "--multirun",
+        f"setting@_global_={settings}",
+        f"arm={arms}",
+        f"hydra.sweep.dir={sweep_dir}",
+        f"hydra.run.dir={data_dir() / 'hydra' / 'run'}",
+        "+hydra.callbacks.summary._target_=specpilot_build.cli.sweep.SummaryCallback",
+        "hydra.job.chdir=false",
+        *overrides,
+    ]
     if launcher:
         _check_launcher(launcher)
         hydra_args.append(f"hydra/launcher={launcher}")
@@ -100,11 +120,15 @@ def _jobs(settings: str, arms: str, overrides: list[str]) -> list[tuple[str, str
     axes = []
     for override in OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("hydra")]):
         key = override.input_line.split("=", 1)[0]
-        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else \
-            [override.get_value_element_as_str()]
+        values = (
+            list(override.sweep_string_iterator())
+            if override.is_sweep_override()
+            else [override.get_value_element_as_str()]
+        )
         axes.append([f"{key}={value}" for value in values])
-    return [(s, a, list(combo)) for s in settings.split(",") for a in arms.split(",")
-            for combo in itertools.product(*axes)]
+    return [
+        (s, a, list(combo)) for s in settings.split(",") for a in arms.split(",") for combo in itertools.product(*axes)
+    ]
 
 
 LAUNCHER_EXTRAS = {"slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm")}
@@ -122,5 +146,4 @@ def _check_launcher(launcher: str) -> None:
     except ModuleNotFoundError:
         found = False
     if not found:
-        raise SpecPilotError(f"LAUNCHER={launcher} needs the '{extra}' extra: "
-                             f".venv/bin/pip install -e '.[{extra}]'")
+        raise SpecPilotError(f"LAUNCHER={launcher} needs the '{extra}' extra: .venv/bin/pip install -e '.[{extra}]'")

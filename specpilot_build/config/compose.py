@@ -1,4 +1,5 @@
 """Compose a named setting and arm into a validated config with Hydra's compose API."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specpilot_build.defaults import ARMS  # noqa: F401  (re-exported: the arms a setting composes as)
 from specpilot_build.errors import ConfigError
 from specpilot_build.locations import conf_dir, data_dir
 
-from specpilot_build.defaults import ARMS  # noqa: F401  (re-exported: the arms a setting composes as)
 GROUPS = ("hardware", "model", "drafter", "batching", "runtime", "arm")
 
 
@@ -30,8 +31,9 @@ def list_settings() -> list[str]:
 def compose_setting(setting: str, arm: str = "final", overrides: list[str] = ()) -> Composed:
     """Compose `setting` as `arm`; unknown settings, options, keys and wrong types fail naming them."""
     if setting not in list_settings():
-        raise ConfigError(f"unknown setting '{setting}' (no conf/setting/{setting}.yaml); "
-                             f"known: {', '.join(list_settings())}")
+        raise ConfigError(
+            f"unknown setting '{setting}' (no conf/setting/{setting}.yaml); known: {', '.join(list_settings())}"
+        )
     if arm not in ARMS:
         raise ConfigError(f"unknown arm '{arm}'; choose one of {', '.join(ARMS)}")
     args = [f"setting@_global_={setting}", f"arm={arm}", *overrides]
@@ -107,8 +109,10 @@ def _name_setting(cfg, choices: dict[str, str]) -> None:
     if name is None:
         raise ConfigError("config: no setting chosen (setting@_global_=<name>)")
     if not OmegaConf.is_missing(cfg, "setting"):
-        raise ConfigError(f"{_shown(conf_dir() / 'setting' / f'{name}.yaml')}: drop the `setting:` key; "
-                          f"a setting's name is its file name")
+        raise ConfigError(
+            f"{_shown(conf_dir() / 'setting' / f'{name}.yaml')}: drop the `setting:` key; "
+            f"a setting's name is its file name"
+        )
     cfg.setting = name
 
 
@@ -121,10 +125,10 @@ def _shown(path: Path) -> str:
 def _compose(overrides: list[str]):
     import yaml
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from specpilot_build.config.schema import check_composed, register
@@ -150,6 +154,7 @@ def _compose(overrides: list[str]):
 
 def _open_struct(cfg):
     from omegaconf import open_dict
+
     return open_dict(cfg)
 
 
@@ -158,8 +163,11 @@ def _one_line(exc: Exception) -> str:
     text = re.sub(r"\w+ raised while composing config:", "", text)
     text = re.sub(r"\nConfig search path:(\n\t.*)*", "", text)
     # "Available options in 'g':\n\ta\n\tb" → one clause
-    text = re.sub(r"Available options in '([^']+)':((?:\n\t.*)*)",
-                  lambda m: f"available in {m.group(1)}: {', '.join(_options(m.group(2)))}", text)
+    text = re.sub(
+        r"Available options in '([^']+)':((?:\n\t.*)*)",
+        lambda m: f"available in {m.group(1)}: {', '.join(_options(m.group(2)))}",
+        text,
+    )
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type=", "reference_type="))]
     text = "; ".join(keep[:2]) if keep else type(exc).__name__

@@ -2,6 +2,7 @@
 
 The engine id depends only on this, so changing a setting's `final` tuning never changes its `ar` or `stock`
 engines, and an `ar` engine does not depend on the drafter it does not run."""
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,9 @@ def effective_config(config: dict) -> dict:
     if cfg["runtime"].get("flag_check", "absent") is None:  # undeclared: not part of any engine id
         del cfg["runtime"]["flag_check"]
     runtime = cfg["runtime"]["name"]
-    cfg["mechanisms"] = [{"name": m["name"], "overlay": (m.get("overlay_cuts") or {}).get(runtime, m.get("overlay"))}
-                         for m in mechanisms]
+    cfg["mechanisms"] = [
+        {"name": m["name"], "overlay": (m.get("overlay_cuts") or {}).get(runtime, m.get("overlay"))} for m in mechanisms
+    ]
     cfg["runtime_options"] = runtime_options
     cfg["kernels"] = kernels
     cfg["runtime"]["launch_args"] = launch_args
@@ -55,8 +57,10 @@ def overlays_in_order(cfg: dict) -> list[str]:
 
 def rule_applies(rule: dict, cfg: dict) -> bool:
     """Every `when` key (dotted, into the config) has the value given, or one of the values of a list."""
-    return all(lookup(cfg, key) in (value if isinstance(value, list) else [value])
-               for key, value in (rule.get("when") or {}).items())
+    return all(
+        lookup(cfg, key) in (value if isinstance(value, list) else [value])
+        for key, value in (rule.get("when") or {}).items()
+    )
 
 
 def lookup(cfg: dict, dotted: str):

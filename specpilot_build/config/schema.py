@@ -8,6 +8,7 @@ Every group is validated at compose time: an unknown key or a wrong type fails n
   fields, `runtime_options:` → the reference runtime's RUNTIME_OPTIONS), or a value of the wrong type;
 - a key added with `+key=...` that the schema does not know, naming the nearest valid key;
 - on an arm that applies mechanisms, an override of a key a mechanism also sets (the mechanism would win)."""
+
 from __future__ import annotations
 
 import difflib
@@ -85,6 +86,7 @@ class FlagCheck:
     """Where the build-time flag check (assemble/sglang_flags.py) reads an SGLang's parser when this interpreter's own
     packages cannot import it: exact pins installed once into a cached folder put first on the child's path, and
     modules replaced by import-only placeholders only where the real one fails to import there."""
+
     packages: List[str] = field(default_factory=list)  # "name==version", each exact
     stand_ins: List[str] = field(default_factory=list)  # top-level module names
 
@@ -138,8 +140,14 @@ class SpecPilotConfig:
     final: Final = field(default_factory=Final)
 
 
-GROUP_SCHEMAS = (("hardware", Hardware), ("model", Model), ("drafter", Drafter), ("batching", Batching),
-                 ("arm", Arm), ("runtime", Runtime))
+GROUP_SCHEMAS = (
+    ("hardware", Hardware),
+    ("model", Model),
+    ("drafter", Drafter),
+    ("batching", Batching),
+    ("arm", Arm),
+    ("runtime", Runtime),
+)
 MECHANISM_GROUP = "mechanism"
 MECHANISMS_AT = "final.mechanisms"  # where a setting puts them: - /mechanism@final.mechanisms.<name>: <file>
 
@@ -249,11 +257,13 @@ def _check_unknown_keys(config: dict, src: _Sources) -> None:
             where = f"override {o.input_line}" if o is not None else "the command line"
             raise ConfigError(f"unknown key '{path}' ({where}){_nearest(leaf, parent, known)}")
         # a key in a mechanism's file: name it as the file spells it
-        name = path[len(MECHANISMS_AT) + 1:].split(".", 1)[0]
+        name = path[len(MECHANISMS_AT) + 1 :].split(".", 1)[0]
         at = f"{MECHANISMS_AT}.{name}"
-        inner = parent[len(at) + 1:] if parent != at else ""
-        raise ConfigError(f"unknown key '{path[len(at) + 1:]}' in {src.mechanism_file(name)} (mechanism '{name}')"
-                          f"{_nearest(leaf, inner, known, everywhere=False)}")
+        inner = parent[len(at) + 1 :] if parent != at else ""
+        raise ConfigError(
+            f"unknown key '{path[len(at) + 1 :]}' in {src.mechanism_file(name)} (mechanism '{name}')"
+            f"{_nearest(leaf, inner, known, everywhere=False)}"
+        )
 
 
 def _walk(node: Any, schema: Any, path: str):
@@ -282,7 +292,7 @@ def _walk(node: Any, schema: Any, path: str):
 
 
 def _nearest(leaf: str, parent: str, known: list[str], everywhere: bool = True) -> str:
-    """"did you mean" the nearest valid key (difflib): a sibling first, else (from the root) any schema path."""
+    """ "did you mean" the nearest valid key (difflib): a sibling first, else (from the root) any schema path."""
     close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{_join(parent, close[0])}'?"
@@ -291,8 +301,9 @@ def _nearest(leaf: str, parent: str, known: list[str], everywhere: bool = True) 
         if close:
             return f"; did you mean '{close[0]}'?"
     nearest = difflib.get_close_matches(leaf, known, n=1, cutoff=0.0)
-    return (f"; the nearest valid key is '{_join(parent, nearest[0])}'" if nearest else "") + \
-        f" (valid keys{' of ' + parent if parent else ''}: {', '.join(known)})"
+    return (
+        f"; the nearest valid key is '{_join(parent, nearest[0])}'" if nearest else ""
+    ) + f" (valid keys{' of ' + parent if parent else ''}: {', '.join(known)})"
 
 
 def _all_paths(schema: Any, path: str) -> list[str]:
@@ -427,8 +438,10 @@ def _check_mechanism(name: str, mech: dict, runtime: str, src: _Sources) -> None
             _check_range(schema, key, value, path, where)
     options = mech.get("runtime_options") or {}
     if options and runtime != "reference":
-        raise ConfigError(f"{at}.runtime_options ({where_of(at + '.runtime_options')}): runtime options are the reference runtime's; "
-                          f"this setting runs {runtime}")
+        raise ConfigError(
+            f"{at}.runtime_options ({where_of(at + '.runtime_options')}): runtime options are the reference runtime's; "
+            f"this setting runs {runtime}"
+        )
     for key, value in options.items():
         expected = _runtime_options()[key]
         path = f"{at}.runtime_options.{key}"
@@ -438,8 +451,10 @@ def _check_mechanism(name: str, mech: dict, runtime: str, src: _Sources) -> None
         _check_bounds(RUNTIME_OPTION_RANGES.get(key, {}), value, path, where)
     _check_overlay_cuts(at, mech, where_of)
     if mech.get("launch_args") and runtime != "sglang" and not runtime.startswith("sglang-"):  # sglang-<version>
-        raise ConfigError(f"{at}.launch_args ({where_of(at + '.launch_args')}): launch arguments are SGLang's; this setting runs {runtime} "
-                          f"(the reference runtime takes runtime_options)")
+        raise ConfigError(
+            f"{at}.launch_args ({where_of(at + '.launch_args')}): launch arguments are SGLang's; this setting runs {runtime} "
+            f"(the reference runtime takes runtime_options)"
+        )
 
 
 def _check_overlay_cuts(at: str, mech: dict, where_of) -> None:
@@ -448,13 +463,17 @@ def _check_overlay_cuts(at: str, mech: dict, where_of) -> None:
 
     cuts = mech.get("overlay_cuts") or {}
     if cuts and not mech.get("overlay"):
-        raise ConfigError(f"{at}.overlay_cuts ({where_of(at + '.overlay_cuts')}): cuts of an overlay need the "
-                          f"mechanism's own `overlay`")
+        raise ConfigError(
+            f"{at}.overlay_cuts ({where_of(at + '.overlay_cuts')}): cuts of an overlay need the "
+            f"mechanism's own `overlay`"
+        )
     known = sorted(p.stem for p in (conf_dir() / "runtime").glob("*.yaml"))
     for runtime in cuts:
         if runtime not in known:
-            raise ConfigError(f"{at}.overlay_cuts.{runtime} ({where_of(f'{at}.overlay_cuts.{runtime}')}): no runtime "
-                              f"'{runtime}' (conf/runtime/{runtime}.yaml); known: {', '.join(known)}")
+            raise ConfigError(
+                f"{at}.overlay_cuts.{runtime} ({where_of(f'{at}.overlay_cuts.{runtime}')}): no runtime "
+                f"'{runtime}' (conf/runtime/{runtime}.yaml); known: {', '.join(known)}"
+            )
 
 
 # collisions ---------------------------------------------------------------------------------------------
@@ -478,5 +497,5 @@ def _check_collisions(mechanisms: dict, src: _Sources) -> None:
                     raise ConfigError(
                         f"override {o.input_line} collides with mechanism '{name}' ({src.mechanism_file(name)}), "
                         f"which sets {path} on the final arm; override {MECHANISMS_AT}.{name}.{own} instead, "
-                        f"or drop the mechanism with ~{MECHANISM_GROUP}@{MECHANISMS_AT}.{name}")
-
+                        f"or drop the mechanism with ~{MECHANISM_GROUP}@{MECHANISMS_AT}.{name}"
+                    )

@@ -9,6 +9,7 @@ The native prune rules are data beside the Python ones (conf/runtime/<runtime>.y
 - `files: [globs]` leaves files out of the kept wheels (paths in the prefix; `*` crosses `/`); a glob that
   matches no file is an error (a rule gone stale with a new wheel must not silently keep more).
 A kept distribution built for another CUDA major than the host's (`…-cu12` on a CUDA 13 host) is refused."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -21,9 +22,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from specpilot_build.config.effective import rule_applies
-from specpilot_build.pins.wheels import cached_wheel, wheel_sha256
 from specpilot_build.errors import ConfigError, PinError, SpecPilotError
 from specpilot_build.hosts.profiles import EnvLock, LockedWheel
+from specpilot_build.pins.wheels import cached_wheel, wheel_sha256
 from specpilot_build.store.manifest import digest_bytes
 from specpilot_build.store.names import plain_relpath
 
@@ -61,14 +62,16 @@ def select_distributions(lock: EnvLock, rules: list[dict], cfg: dict) -> tuple[l
     for rule in rules:
         for name in map(canonicalize_name, rule.get("keep") or ()):
             if name not in by_name and name not in lock.staying:
-                raise ConfigError(f"prune.native rule '{rule['why']}': distribution {name} is not in "
-                                  f"{lock.path.name}; fix the rule")
+                raise ConfigError(
+                    f"prune.native rule '{rule['why']}': distribution {name} is not in {lock.path.name}; fix the rule"
+                )
             if rule_applies(rule, cfg):
                 roots.append(name)
         for name in map(canonicalize_name, rule.get("distributions") or ()):
             if name not in by_name and name not in lock.staying:
-                raise ConfigError(f"prune.native rule '{rule['why']}': distribution {name} is not in "
-                                  f"{lock.path.name}; fix the rule")
+                raise ConfigError(
+                    f"prune.native rule '{rule['why']}': distribution {name} is not in {lock.path.name}; fix the rule"
+                )
             if rule_applies(rule, cfg) and name in by_name:
                 dropped[name] = rule["why"]
     keep: set[str] = set()
@@ -88,10 +91,13 @@ def select_distributions(lock: EnvLock, rules: list[dict], cfg: dict) -> tuple[l
 
 def fetch_wheel(wheel: LockedWheel) -> Path:
     """The locked wheel in <data>/wheels (from there, the mirror's wheels/, or its https url), checked."""
-    return cached_wheel(wheel.filename, f"{wheel.name}: wheel filename",
-                        check=lambda path, hint: _check(path, wheel, hint),
-                        download=lambda into: _download(wheel, into),
-                        fresh_hint="the download is not what the lock pins; nothing was kept")
+    return cached_wheel(
+        wheel.filename,
+        f"{wheel.name}: wheel filename",
+        check=lambda path, hint: _check(path, wheel, hint),
+        download=lambda into: _download(wheel, into),
+        fresh_hint="the download is not what the lock pins; nothing was kept",
+    )
 
 
 def _download(wheel: LockedWheel, into: Path) -> Path:
@@ -99,8 +105,7 @@ def _download(wheel: LockedWheel, into: Path) -> Path:
 
     target = into / wheel.filename
     try:
-        with httpx.stream("GET", wheel.url, follow_redirects=True, timeout=120) as response, \
-                open(target, "wb") as out:
+        with httpx.stream("GET", wheel.url, follow_redirects=True, timeout=120) as response, open(target, "wb") as out:
             response.raise_for_status()
             for chunk in response.iter_bytes(1 << 20):
                 out.write(chunk)
@@ -115,8 +120,10 @@ def _check(path: Path, wheel: LockedWheel, hint: str) -> None:
     except OSError:
         raise PinError(f"{path}: not a regular file; {hint}") from None
     if sha256 != wheel.sha256 or size != wheel.size:
-        raise PinError(f"wheel {wheel.filename}: sha256 {sha256[:16]}… ({size} bytes) does not match "
-                       f"the lock's {wheel.sha256[:16]}… ({wheel.size} bytes); {hint}")
+        raise PinError(
+            f"wheel {wheel.filename}: sha256 {sha256[:16]}… ({size} bytes) does not match "
+            f"the lock's {wheel.sha256[:16]}… ({wheel.size} bytes); {hint}"
+        )
 
 
 def prefix_path(member: str) -> str | None:
@@ -141,8 +148,10 @@ def install_environment(lock: EnvLock, rules: list[dict], config: dict, target_d
     for wheel in kept_wheels:
         major = cuda_major_of(wheel.name)
         if major is not None and major != lock.cuda_major:
-            raise PinError(f"{lock.path.name}: {wheel.name} is built for CUDA {major}, host {lock.host} has CUDA "
-                           f"{lock.cuda_major}; drop it with a prune.native rule or fix the lock")
+            raise PinError(
+                f"{lock.path.name}: {wheel.name} is built for CUDA {major}, host {lock.host} has CUDA "
+                f"{lock.cuda_major}; drop it with a prune.native rule or fix the lock"
+            )
     file_rules = [(r["why"], g) for r in applied for g in r.get("files") or ()]
     matched = {g: 0 for _, g in file_rules}
     kept, dropped = [], []
@@ -176,10 +185,16 @@ def install_environment(lock: EnvLock, rules: list[dict], config: dict, target_d
     if stale:
         why = next(w for w, g in file_rules if g == stale[0])
         raise ConfigError(f"prune.native rule '{why}': {stale[0]} matches no file of the kept wheels; fix the rule")
-    return {"lock": lock.record(), "target": str(target_dir),
-            "wheels": [{"name": w.name, "version": w.version, "filename": w.filename, "sha256": w.sha256}
-                       for w in kept_wheels],
-            "dropped_distributions": dict(sorted(dropped_dists.items())),
-            "kept": sorted(kept, key=lambda f: f["path"]), "dropped": sorted(dropped, key=lambda f: f["path"]),
-            "kept_bytes": sum(f["size"] for f in kept), "dropped_bytes": sum(f["size"] for f in dropped),
-            "rules": [r["why"] for r in applied]}
+    return {
+        "lock": lock.record(),
+        "target": str(target_dir),
+        "wheels": [
+            {"name": w.name, "version": w.version, "filename": w.filename, "sha256": w.sha256} for w in kept_wheels
+        ],
+        "dropped_distributions": dict(sorted(dropped_dists.items())),
+        "kept": sorted(kept, key=lambda f: f["path"]),
+        "dropped": sorted(dropped, key=lambda f: f["path"]),
+        "kept_bytes": sum(f["size"] for f in kept),
+        "dropped_bytes": sum(f["size"] for f in dropped),
+        "rules": [r["why"] for r in applied],
+    }

@@ -6,6 +6,7 @@ A host profile is the host's Python, the platform tags its pip accepts, its CUDA
 do not move it. An environment lock names the profile digest it was resolved against and carries a digest of its
 own entries: a lock edited by hand, or resolved against a profile that has changed since, is refused naming
 `make env-lock`. Resolution itself (pip) is hosts/resolve.py."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,18 @@ SHA256 = re.compile(r"^[0-9a-f]{64}$")
 DIGEST = re.compile(r"^blake3:[0-9a-f]{64}$")
 PLAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 PROFILE_KEYS = {"name", "python", "platforms", "cuda_major", "packages"}
-LOCK_KEYS = {"runtime", "host", "profile_digest", "python", "platforms", "cuda_major", "requirements",
-             "staying", "wheel", "digest"}
+LOCK_KEYS = {
+    "runtime",
+    "host",
+    "profile_digest",
+    "python",
+    "platforms",
+    "cuda_major",
+    "requirements",
+    "staying",
+    "wheel",
+    "digest",
+}
 WHEEL_KEYS = {"name", "version", "filename", "url", "sha256", "size", "requires"}
 
 
@@ -111,8 +122,13 @@ def _read(path: Path, hint: str) -> dict:
 
 def profile_body(name: str, python: str, platforms: list[str], cuda_major: int, packages: dict) -> dict:
     """The values a profile's digest covers (also what the profile writer writes)."""
-    return {"name": name, "python": python, "platforms": list(platforms), "cuda_major": cuda_major,
-            "packages": {canonicalize_name(k): str(v) for k, v in sorted(packages.items())}}
+    return {
+        "name": name,
+        "python": python,
+        "platforms": list(platforms),
+        "cuda_major": cuda_major,
+        "packages": {canonicalize_name(k): str(v) for k, v in sorted(packages.items())},
+    }
 
 
 def host_profile_path(name: str, directory: Path | None = None) -> Path:
@@ -121,16 +137,19 @@ def host_profile_path(name: str, directory: Path | None = None) -> Path:
 
 def load_host_profile(name: str, directory: Path | None = None) -> HostProfile:
     path = host_profile_path(name, directory)
-    data = _read(path, f"a host profile is made with `specpilot env host-profile --freeze FILE --name {name}`")
+    data = _read(path, f"a host profile is made with `specpilot env host-profile --freeze FILE --host {name}`")
     unknown = sorted(set(data) - PROFILE_KEYS)
     missing = sorted(PROFILE_KEYS - set(data))
     if unknown or missing:
-        raise PinError(f"{path}: keys {', '.join(unknown)} are not profile keys" if unknown
-                       else f"{path}: missing key {', '.join(missing)}")
+        raise PinError(
+            f"{path}: keys {', '.join(unknown)} are not profile keys"
+            if unknown
+            else f"{path}: missing key {', '.join(missing)}"
+        )
     if data["name"] != name:
         raise PinError(f"{path}: name is {data['name']!r}, the file says {name!r}")
     if not isinstance(data["python"], str) or not re.fullmatch(r"3\.\d+\.\d+", data["python"]):
-        raise PinError(f"{path}: python must be a full version like \"3.12.3\", got {data['python']!r}")
+        raise PinError(f'{path}: python must be a full version like "3.12.3", got {data["python"]!r}')
     platforms = data["platforms"]
     if not platforms or not all(isinstance(p, str) and PLAIN.fullmatch(p) for p in platforms):
         raise PinError(f"{path}: platforms must be a non-empty list of platform tags, got {platforms!r}")
@@ -140,21 +159,45 @@ def load_host_profile(name: str, directory: Path | None = None) -> HostProfile:
     if not isinstance(packages, dict) or not all(isinstance(v, str) and v for v in packages.values()):
         raise PinError(f"{path}: [packages] must map each package name to its version string")
     body = profile_body(name, data["python"], platforms, data["cuda_major"], packages)
-    return HostProfile(name=name, python=data["python"], platforms=tuple(platforms), cuda_major=data["cuda_major"],
-                       packages=body["packages"], path=path, digest=digest_of(body))
+    return HostProfile(
+        name=name,
+        python=data["python"],
+        platforms=tuple(platforms),
+        cuda_major=data["cuda_major"],
+        packages=body["packages"],
+        path=path,
+        digest=digest_of(body),
+    )
 
 
-def lock_body(runtime: str, host: str, profile_digest: str, python: str, platforms, cuda_major: int,
-              requirements, staying: dict, wheels) -> dict:
+def lock_body(
+    runtime: str,
+    host: str,
+    profile_digest: str,
+    python: str,
+    platforms,
+    cuda_major: int,
+    requirements,
+    staying: dict,
+    wheels,
+) -> dict:
     """The values a lock's digest covers (also what the lock writer writes)."""
-    return {"runtime": runtime, "host": host, "profile_digest": profile_digest, "python": python,
-            "platforms": list(platforms), "cuda_major": cuda_major, "requirements": list(requirements),
-            "staying": dict(sorted(staying.items())),
-            "wheel": [dict(sorted(w.items())) for w in sorted(wheels, key=lambda w: w["name"])]}
+    return {
+        "runtime": runtime,
+        "host": host,
+        "profile_digest": profile_digest,
+        "python": python,
+        "platforms": list(platforms),
+        "cuda_major": cuda_major,
+        "requirements": list(requirements),
+        "staying": dict(sorted(staying.items())),
+        "wheel": [dict(sorted(w.items())) for w in sorted(wheels, key=lambda w: w["name"])],
+    }
 
 
-def load_env_lock(runtime: str, host: str, directory: Path | None = None, profile: HostProfile | None = None
-                  ) -> EnvLock:
+def load_env_lock(
+    runtime: str, host: str, directory: Path | None = None, profile: HostProfile | None = None
+) -> EnvLock:
     """The lock of `runtime` on `host`, checked: its shape, every wheel entry, its own digest, and that it was
     resolved against the host profile as it is now."""
     path = env_lock_path(runtime, host, directory)
@@ -162,31 +205,54 @@ def load_env_lock(runtime: str, host: str, directory: Path | None = None, profil
     data = _read(path, f"{again} to resolve it")
     unknown, missing = sorted(set(data) - LOCK_KEYS), sorted(LOCK_KEYS - set(data))
     if unknown or missing:
-        raise PinError(f"{path}: " + (f"unknown keys {', '.join(unknown)}" if unknown
-                                      else f"missing key {', '.join(missing)}") + f"; {again}")
+        raise PinError(
+            f"{path}: "
+            + (f"unknown keys {', '.join(unknown)}" if unknown else f"missing key {', '.join(missing)}")
+            + f"; {again}"
+        )
     if (data["runtime"], data["host"]) != (runtime, host):
         raise PinError(f"{path}: records runtime {data['runtime']!r} on host {data['host']!r}; {again}")
     wheels = tuple(_wheel(row, path, again) for row in data["wheel"])
-    body = lock_body(runtime, host, data["profile_digest"], data["python"], data["platforms"], data["cuda_major"],
-                     data["requirements"], data["staying"],
-                     [dict(vars(w), requires=list(w.requires)) for w in wheels])
+    body = lock_body(
+        runtime,
+        host,
+        data["profile_digest"],
+        data["python"],
+        data["platforms"],
+        data["cuda_major"],
+        data["requirements"],
+        data["staying"],
+        [dict(vars(w), requires=list(w.requires)) for w in wheels],
+    )
     if not isinstance(data["digest"], str) or digest_of(body) != data["digest"]:
-        raise PinError(f"{path}: its entries do not hash to its digest {str(data['digest'])[:23]}… (edited by "
-                       f"hand?); {again}")
+        raise PinError(
+            f"{path}: its entries do not hash to its digest {str(data['digest'])[:23]}… (edited by hand?); {again}"
+        )
     profile = profile or load_host_profile(host, directory)
     if profile.digest != data["profile_digest"]:
-        raise PinError(f"{path} was resolved against host profile {data['profile_digest'][:23]}…, but "
-                       f"{profile.path} is now {profile.digest[:23]}… (stale lock); {again}")
+        raise PinError(
+            f"{path} was resolved against host profile {data['profile_digest'][:23]}…, but "
+            f"{profile.path} is now {profile.digest[:23]}… (stale lock); {again}"
+        )
     names = [w.name for w in wheels]
     if len(set(names)) != len(names):
         raise PinError(f"{path}: a distribution is listed twice; {again}")
     dangling = sorted({r for w in wheels for r in w.requires} - set(names))
     if dangling:
         raise PinError(f"{path}: wheels require {', '.join(dangling)}, which the lock does not list; {again}")
-    return EnvLock(runtime=runtime, host=host, profile_digest=data["profile_digest"], python=data["python"],
-                   platforms=tuple(data["platforms"]), cuda_major=data["cuda_major"],
-                   requirements=tuple(data["requirements"]), staying=dict(data["staying"]), wheels=wheels,
-                   path=path, digest=data["digest"])
+    return EnvLock(
+        runtime=runtime,
+        host=host,
+        profile_digest=data["profile_digest"],
+        python=data["python"],
+        platforms=tuple(data["platforms"]),
+        cuda_major=data["cuda_major"],
+        requirements=tuple(data["requirements"]),
+        staying=dict(data["staying"]),
+        wheels=wheels,
+        path=path,
+        digest=data["digest"],
+    )
 
 
 def _wheel(row, path: Path, again: str) -> LockedWheel:

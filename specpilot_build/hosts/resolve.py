@@ -7,6 +7,7 @@ that gives one consistent set. Then, walking from the requirements, a package th
 satisfies every requirement on it (from the requirements and from the packages that travel) stays on the host
 and its own dependencies are not followed; anything else travels, at the version pip chose. A later, stricter
 requirement can still make a staying package travel (the walk only ever moves packages to travelling)."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -34,8 +35,8 @@ from specpilot_build.hosts.profiles import (
     lock_body,
     profile_body,
 )
-from specpilot_build.pins.lockfile import WheelPin
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.pins.lockfile import WheelPin
 
 INDEX_URL = "https://pypi.org/simple"
 
@@ -56,20 +57,46 @@ def runtime_requirement(pin: WheelPin) -> str:
 def target_environment(profile: HostProfile) -> dict:
     """The marker environment of the host (Linux x86-64 CPython of the profile's version)."""
     env = default_environment()
-    env.update({"python_version": profile.python_short, "python_full_version": profile.python,
-                "implementation_name": "cpython", "implementation_version": profile.python,
-                "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
-                "platform_system": "Linux", "platform_machine": "x86_64"})
+    env.update(
+        {
+            "python_version": profile.python_short,
+            "python_full_version": profile.python,
+            "implementation_name": "cpython",
+            "implementation_version": profile.python,
+            "platform_python_implementation": "CPython",
+            "sys_platform": "linux",
+            "os_name": "posix",
+            "platform_system": "Linux",
+            "platform_machine": "x86_64",
+        }
+    )
     return env
 
 
 def pip_report(requirements: list[str], profile: HostProfile) -> list[dict]:
     """pip's resolution of `requirements` for the host's platform: the report's `install` items."""
     with tempfile.TemporaryDirectory(prefix="specpilot-envlock-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--only-binary=:all:", "--index-url", INDEX_URL, "--python-version", profile.python_short,
-               "--implementation", "cp", "--target", str(Path(tmp) / "target"),
-               "--report", str(Path(tmp) / "report.json")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "--isolated",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--only-binary=:all:",
+            "--index-url",
+            INDEX_URL,
+            "--python-version",
+            profile.python_short,
+            "--implementation",
+            "cp",
+            "--target",
+            str(Path(tmp) / "target"),
+            "--report",
+            str(Path(tmp) / "report.json"),
+        ]
         for tag in profile.platforms:
             cmd += ["--platform", tag]
         cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
@@ -77,15 +104,19 @@ def pip_report(requirements: list[str], profile: HostProfile) -> list[dict]:
             cmd += ["--cert", cert]
         done = subprocess.run(cmd + requirements, capture_output=True, text=True)
         if done.returncode != 0:
-            errors = [ln for ln in done.stderr.splitlines() if ln.startswith("ERROR")] or \
-                     (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])
-            raise SpecPilotError(f"pip could not resolve {' '.join(requirements)} for Python {profile.python} on "
-                                 f"{profile.platforms[0]} (host {profile.name}): {errors[-1]}")
+            errors = [ln for ln in done.stderr.splitlines() if ln.startswith("ERROR")] or (
+                done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+            )
+            raise SpecPilotError(
+                f"pip could not resolve {' '.join(requirements)} for Python {profile.python} on "
+                f"{profile.platforms[0]} (host {profile.name}): {errors[-1]}"
+            )
         return json.loads((Path(tmp) / "report.json").read_text())["install"]
 
 
-def split_travelling(items: list[dict], requirements: list[str], profile: HostProfile
-                     ) -> tuple[dict[str, dict], dict[str, str]]:
+def split_travelling(
+    items: list[dict], requirements: list[str], profile: HostProfile
+) -> tuple[dict[str, dict], dict[str, str]]:
     """(travelling: name -> report item, staying: name -> host version) — see the module docstring."""
     env = target_environment(profile)
     resolved = {canonicalize_name(i["metadata"]["name"]): i for i in items}
@@ -109,8 +140,9 @@ def split_travelling(items: list[dict], requirements: list[str], profile: HostPr
             continue
         staying.pop(name, None)
         travelling[name] = resolved[name]
-        extras_of[name] = tuple(sorted(set(extras_of.get(name, ())) | set(req.extras)
-                                       | set(resolved[name].get("requested_extras") or ())))
+        extras_of[name] = tuple(
+            sorted(set(extras_of.get(name, ())) | set(req.extras) | set(resolved[name].get("requested_extras") or ()))
+        )
         for dep in resolved[name]["metadata"].get("requires_dist") or ():
             queue.append((_requirement(dep, name), extras_of[name]))
     return travelling, staying
@@ -120,6 +152,7 @@ def travelling_edges(travelling: dict[str, dict], profile: HostProfile, requirem
     """name -> the travelling distributions it requires (markers evaluated for the host), and "" -> those the
     requirements name: what the environment's fetch walks to leave out distributions no kept one needs."""
     env = target_environment(profile)
+
     def needs(texts, extras):
         out = set()
         for text in texts:
@@ -128,6 +161,7 @@ def travelling_edges(travelling: dict[str, dict], profile: HostProfile, requirem
                 if canonicalize_name(req.name) in travelling:
                     out.add(canonicalize_name(req.name))
         return sorted(out)
+
     edges = {"": needs(requirements, ())}
     for name, item in travelling.items():
         extras = tuple(item.get("requested_extras") or ())
@@ -158,17 +192,24 @@ def wheel_entry(item: dict) -> dict:
     sha256 = (info.get("archive_info") or {}).get("hashes", {}).get("sha256")
     if not url.startswith("https://") or not sha256:
         raise SpecPilotError(f"pip found {item['metadata']['name']} at {url} without a sha256 over https")
-    return {"name": canonicalize_name(item["metadata"]["name"]), "version": item["metadata"]["version"],
-            "filename": urllib.parse.unquote(url.rsplit("/", 1)[-1].split("#")[0]), "url": url,
-            "sha256": sha256, "size": 0}
+    return {
+        "name": canonicalize_name(item["metadata"]["name"]),
+        "version": item["metadata"]["version"],
+        "filename": urllib.parse.unquote(url.rsplit("/", 1)[-1].split("#")[0]),
+        "url": url,
+        "sha256": sha256,
+        "size": 0,
+    }
 
 
 def _sizes(entries: list[dict]) -> None:
     """Each wheel's size, from the index's HTTP headers (no download)."""
+
     def head(entry):
         response = httpx.head(entry["url"], follow_redirects=True, timeout=60)
         response.raise_for_status()
         entry["size"] = int(response.headers["content-length"])
+
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         for future in [pool.submit(head, e) for e in entries]:
             try:
@@ -185,15 +226,26 @@ def resolve_env_lock(runtime: str, pin: WheelPin, profile: HostProfile, extra: l
     edges = travelling_edges(travelling, profile, requirements)
     entries = [dict(wheel_entry(i), requires=edges[n]) for n, i in travelling.items()]
     _sizes(entries)
-    return lock_body(runtime, profile.name, profile.digest, profile.python, profile.platforms, profile.cuda_major,
-                     requirements, staying, entries)
+    return lock_body(
+        runtime,
+        profile.name,
+        profile.digest,
+        profile.python,
+        profile.platforms,
+        profile.cuda_major,
+        requirements,
+        staying,
+        entries,
+    )
 
 
 def write_env_lock(body: dict, directory: Path | None = None) -> Path:
     path = env_lock_path(body["runtime"], body["host"], directory)
-    head = (f"# The wheels runtime {body['runtime']} needs on host {body['host']} beyond what the host has.\n"
-            f"# Written by `make env-lock RUNTIME={body['runtime']} HOST={body['host']}`; do not edit (the loader "
-            f"checks `digest`).\n")
+    head = (
+        f"# The wheels runtime {body['runtime']} needs on host {body['host']} beyond what the host has.\n"
+        f"# Written by `make env-lock RUNTIME={body['runtime']} HOST={body['host']}`; do not edit (the loader "
+        f"checks `digest`).\n"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + to_toml(dict(body, digest=digest_of(body))))
     return path
@@ -225,8 +277,11 @@ def manylinux_tags(glibc: str) -> list[str]:
     major, minor = (int(x) for x in glibc.split("."))
     if major != 2 or minor < 17:
         raise SpecPilotError(f"glibc {glibc}: host profiles cover glibc 2.17 and later")
-    return [f"manylinux_2_{m}_x86_64" for m in range(minor, 16, -1)] + \
-        ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+    return [f"manylinux_2_{m}_x86_64" for m in range(minor, 16, -1)] + [
+        "manylinux2014_x86_64",
+        "manylinux2010_x86_64",
+        "manylinux1_x86_64",
+    ]
 
 
 def parse_freeze(text: str, where: str) -> dict[str, str]:
@@ -243,14 +298,17 @@ def parse_freeze(text: str, where: str) -> dict[str, str]:
     return packages
 
 
-def write_host_profile(name: str, freeze: Path, python: str, glibc: str, cuda_major: int,
-                       directory: Path | None = None, note: str = "") -> Path:
-    path = host_profile_path(name, directory)     # a plain name, checked before anything is read or written
+def write_host_profile(
+    name: str, freeze: Path, python: str, glibc: str, cuda_major: int, directory: Path | None = None, note: str = ""
+) -> Path:
+    path = host_profile_path(name, directory)  # a plain name, checked before anything is read or written
     packages = parse_freeze(freeze.read_text(), str(freeze))
     body = profile_body(name, python, manylinux_tags(glibc), cuda_major, packages)
     path.parent.mkdir(parents=True, exist_ok=True)
-    head = (f"# Host profile {name}: what the host's Python already has (written by `specpilot env host-profile "
-            f"--freeze {freeze.name} --name {name} --python {python} --glibc {glibc} --cuda {cuda_major}`).\n"
-            + "".join(f"# {line}\n" for line in note.splitlines()))
+    head = (
+        f"# Host profile {name}: what the host's Python already has (written by `specpilot env host-profile "
+        f"--freeze {freeze.name} --host {name} --python {python} --glibc {glibc} --cuda {cuda_major}`).\n"
+        + "".join(f"# {line}\n" for line in note.splitlines())
+    )
     path.write_text(head + to_toml(body))
     return path

@@ -11,6 +11,7 @@ Its subjects are the results files the verdict read and the report it wrote, eac
 next to the report as <report>.intoto.json. `specpilot attest check <statement>` re-hashes every subject and
 fails on any change. Statements are not signed here; wrap one in a DSSE envelope to sign it (README).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,7 @@ def write_statement(report: Path, subjects: list[Path], predicate_type: str, pre
             continue
         seen.add(subject)
         entries.append({"name": _name(subject, out.parent), "digest": file_digests(subject)})
-    statement = {"_type": STATEMENT_TYPE, "subject": entries, "predicateType": predicate_type,
-                 "predicate": predicate}
+    statement = {"_type": STATEMENT_TYPE, "subject": entries, "predicateType": predicate_type, "predicate": predicate}
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(statement, indent=1, ensure_ascii=False) + "\n")

@@ -10,6 +10,7 @@ dataset). One results JSON holds everything compare, score and verify need, and 
 the server's /server_info as served, the engine's manifest (whose blake3 digest is the engine id) and the
 oracle's engine id and manifest (the setting's `ar` engine, built from the same pins when the run was benched).
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -18,31 +19,42 @@ import platform
 import subprocess
 import sys
 
-from specpilot_build.serve import client
-from specpilot_build.measure.datasets import BENCHMARKS, dataset_pin, load_split
 from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.models.checkpoints import model_dirs
-from specpilot_build.store.engines import Engine, resolve_engine
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.measure.datasets import BENCHMARKS, dataset_pin, load_split
 from specpilot_build.measure.prompts import PromptRenderer, prompts_digest
 from specpilot_build.measure.results import SCHEMA, manifest_record, results_path, write_json
+from specpilot_build.models.checkpoints import model_dirs
+from specpilot_build.serve import client
+from specpilot_build.store.engines import Engine, resolve_engine
 
 WARMUP_TOKENS = 32
 
 
-def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new_tokens: int = 2048,
-          port: int = DEFAULT_PORT, datasets: list[str] | None = None, host: str = "127.0.0.1",
-          overwrite: bool = False, progress: bool = True, oracle_engine_id: str | None = None):
+def bench(
+    engine_ref: Engine | str,
+    name: str,
+    limit: int | None = None,
+    max_new_tokens: int = 2048,
+    port: int = DEFAULT_PORT,
+    datasets: list[str] | None = None,
+    host: str = "127.0.0.1",
+    overwrite: bool = False,
+    progress: bool = True,
+    oracle_engine_id: str | None = None,
+):
     """Bench the engine served on host:port; returns the path of the results JSON.
 
-    `oracle_engine_id`: the engine verify forces the run's tokens through, the setting's `ar` engine (the
+    `oracle_engine_id`: the engine `verify` forces the run's tokens through, the setting's `ar` engine (the
     caller builds or finds it: measure/ builds nothing); an ar engine is its own oracle."""
     engine = resolve_engine(engine_ref) if isinstance(engine_ref, str) else engine_ref
     if oracle_engine_id is None:
         if engine.manifest.get("arm") != "ar":
-            raise SpecPilotError(f"bench of the {engine.manifest.get('arm')} engine {engine.id[:12]} needs the "
-                                 "oracle's engine id (the setting's ar engine) to record")
+            raise SpecPilotError(
+                f"bench of the {engine.manifest.get('arm')} engine {engine.id[:12]} needs the "
+                "oracle's engine id (the setting's ar engine) to record"
+            )
         oracle_engine_id = engine.id
     oracle = engine if oracle_engine_id == engine.id else resolve_engine(oracle_engine_id)
     if oracle.id != oracle_engine_id:
@@ -56,12 +68,16 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
     info = client.server_info(url)
     served = client.served_engine_id(info)
     if served != engine.id:
-        raise SpecPilotError(f"the server on port {port} serves engine {served or '(unnamed)'}, not "
-                             f"{engine.id[:16]}; run `make serve ENGINE={engine.id[:16]} PORT={port}` first")
+        raise SpecPilotError(
+            f"the server on port {port} serves engine {served or '(unnamed)'}, not "
+            f"{engine.id[:16]}; run `make serve ENGINE={engine.id[:16]} PORT={port}` first"
+        )
     config = engine.config
     concurrency = int(config["batching"]["concurrency"])
     names = list(datasets or config.get("datasets") or BENCHMARKS)
-    renderer = PromptRenderer(model_dirs(engine.manifest["inputs"]["checkpoints"], config)["model"], config["model"].get("chat_template"))
+    renderer = PromptRenderer(
+        model_dirs(engine.manifest["inputs"]["checkpoints"], config)["model"], config["model"].get("chat_template")
+    )
     context = config["model"].get("context_length") or renderer.context_length
     plan, skipped = plan_requests(renderer, names, limit, max_new_tokens, context)
     for entry in (e for entries in skipped.values() for e in entries):
@@ -69,7 +85,7 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
     if not any(plan.values()):
         raise SpecPilotError(f"no prompt fits the model's context of {context} tokens; nothing to bench")
 
-    date = dt.datetime.now(dt.timezone.utc)
+    date = dt.datetime.now(dt.UTC)
     warmup = _warm_up(url, plan, concurrency)
     requests, per_dataset, totals = [], {}, {"wall_s": 0.0, "client_gap_s": 0.0, "client_cpu_s": 0.0}
     with client.progress_bar(progress, sum(len(v) for v in plan.values())) as advance:
@@ -80,26 +96,62 @@ def bench(engine_ref: Engine | str, name: str, limit: int | None = None, max_new
             done = client.post_all(url, bodies, concurrency, on_answer=advance)
             for entry, answer in zip(entries, done.answers):
                 requests.append(request_record(entry, answer))
-            per_dataset[dataset] = {"requests": len(entries), "wall_s": done.wall_s,
-                                    "completion_tokens": sum(r["completion_tokens"] for r in requests
-                                                             if r["dataset"] == dataset),
-                                    "client_gap_s": done.client_gap_s}
+            per_dataset[dataset] = {
+                "requests": len(entries),
+                "wall_s": done.wall_s,
+                "completion_tokens": sum(r["completion_tokens"] for r in requests if r["dataset"] == dataset),
+                "client_gap_s": done.client_gap_s,
+            }
             totals["wall_s"] += done.wall_s
             totals["client_gap_s"] += done.client_gap_s
             totals["client_cpu_s"] += done.client_cpu_s
 
-    results = results_record(engine, oracle, info, name=name, renderer=renderer, context=context, names=names,
-                             plan=plan, skipped=skipped, limit=limit, max_new_tokens=max_new_tokens,
-                             concurrency=concurrency, date=date, warmup=warmup, requests=requests,
-                             per_dataset=per_dataset, wall_s=totals["wall_s"], gap_s=totals["client_gap_s"],
-                             client_cpu_s=totals["client_cpu_s"])
+    results = results_record(
+        engine,
+        oracle,
+        info,
+        name=name,
+        renderer=renderer,
+        context=context,
+        names=names,
+        plan=plan,
+        skipped=skipped,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        concurrency=concurrency,
+        date=date,
+        warmup=warmup,
+        requests=requests,
+        per_dataset=per_dataset,
+        wall_s=totals["wall_s"],
+        gap_s=totals["client_gap_s"],
+        client_cpu_s=totals["client_cpu_s"],
+    )
     return write_json(out, results)
 
 
-def results_record(engine: Engine, oracle: Engine, info: dict, *, name: str, renderer: PromptRenderer,
-                   context: int, names: list[str], plan: dict, skipped: dict, limit: int | None,
-                   max_new_tokens: int, concurrency: int, date: dt.datetime, warmup: dict, requests: list[dict],
-                   per_dataset: dict, wall_s: float, gap_s: float, client_cpu_s: float) -> dict:
+def results_record(
+    engine: Engine,
+    oracle: Engine,
+    info: dict,
+    *,
+    name: str,
+    renderer: PromptRenderer,
+    context: int,
+    names: list[str],
+    plan: dict,
+    skipped: dict,
+    limit: int | None,
+    max_new_tokens: int,
+    concurrency: int,
+    date: dt.datetime,
+    warmup: dict,
+    requests: list[dict],
+    per_dataset: dict,
+    wall_s: float,
+    gap_s: float,
+    client_cpu_s: float,
+) -> dict:
     """One bench run's results: bound to the engine's and the oracle's manifests and to what the server
     reported, with every request (bench and the side-by-side bench write the same record)."""
     engine_record, oracle_record = manifest_record(engine), manifest_record(oracle)
@@ -112,10 +164,16 @@ def results_record(engine: Engine, oracle: Engine, info: dict, *, name: str, ren
         "manifest_digest": engine_record["digest"],
         "engine_manifest": engine_record["manifest"],
         "oracle_engine_id": oracle.id,
-        "oracle": {"engine_id": oracle.id, "manifest_digest": oracle_record["digest"],
-                   "manifest": oracle_record["manifest"]},
-        "served": {"engine_id": client.served_engine_id(info), "runtime": info.get("runtime"),
-                   "version": info.get("version")},
+        "oracle": {
+            "engine_id": oracle.id,
+            "manifest_digest": oracle_record["digest"],
+            "manifest": oracle_record["manifest"],
+        },
+        "served": {
+            "engine_id": client.served_engine_id(info),
+            "runtime": info.get("runtime"),
+            "version": info.get("version"),
+        },
         "setting": config.get("setting"),
         "arm": config["arm"]["name"],
         "hardware": config.get("hardware"),
@@ -129,22 +187,33 @@ def results_record(engine: Engine, oracle: Engine, info: dict, *, name: str, ren
         "versions": _versions(info),
         "machine": {"host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0]},
         "server_info": info,
-        "datasets": {d: {"limit": limit, "requests": len(plan[d]), "sha256": dataset_pin(d)["sha256"],
-                         "skipped_too_long": [e["item_id"] for e in skipped[d]]} for d in names},
+        "datasets": {
+            d: {
+                "limit": limit,
+                "requests": len(plan[d]),
+                "sha256": dataset_pin(d)["sha256"],
+                "skipped_too_long": [e["item_id"] for e in skipped[d]],
+            }
+            for d in names
+        },
         "skipped": [e for d in names for e in skipped[d]],
         "prompts_digest": prompts_digest(requests),
         "warmup": warmup,
         "wall_s": wall_s,
         "per_dataset": per_dataset,
-        "client": {"gap_s": gap_s, "cpu_s": client_cpu_s,
-                   "overhead_fraction": gap_s / (slots * wall_s) if wall_s else 0.0,
-                   "cpu_fraction": client_cpu_s / wall_s if wall_s else 0.0},
+        "client": {
+            "gap_s": gap_s,
+            "cpu_s": client_cpu_s,
+            "overhead_fraction": gap_s / (slots * wall_s) if wall_s else 0.0,
+            "cpu_fraction": client_cpu_s / wall_s if wall_s else 0.0,
+        },
         "requests": requests,
     }
 
 
-def plan_requests(renderer: PromptRenderer, names: list[str], limit: int | None, max_new_tokens: int,
-                  context: int | None) -> tuple[dict, dict]:
+def plan_requests(
+    renderer: PromptRenderer, names: list[str], limit: int | None, max_new_tokens: int, context: int | None
+) -> tuple[dict, dict]:
     plan, skipped = {}, {}
     for dataset in names:
         plan[dataset], skipped[dataset] = [], []
@@ -152,32 +221,46 @@ def plan_requests(renderer: PromptRenderer, names: list[str], limit: int | None,
             prompt = renderer.prompt(dataset, item.id, item.prompt)
             budget = max_new_tokens if context is None else min(max_new_tokens, context - 1 - len(prompt.ids))
             if budget < 1:
-                skipped[dataset].append({"dataset": dataset, "item_id": item.id, "prompt_tokens": len(prompt.ids),
-                                         "reason": f"too long for the context: {len(prompt.ids)} prompt tokens "
-                                                   f"leave no room for a new token in {context}"})
+                skipped[dataset].append(
+                    {
+                        "dataset": dataset,
+                        "item_id": item.id,
+                        "prompt_tokens": len(prompt.ids),
+                        "reason": f"too long for the context: {len(prompt.ids)} prompt tokens "
+                        f"leave no room for a new token in {context}",
+                    }
+                )
                 continue
-            plan[dataset].append({"dataset": dataset, "item_id": item.id, "prompt_digest": prompt.digest,
-                                  "prompt_ids": prompt.ids, "max_new_tokens": budget})
+            plan[dataset].append(
+                {
+                    "dataset": dataset,
+                    "item_id": item.id,
+                    "prompt_digest": prompt.digest,
+                    "prompt_ids": prompt.ids,
+                    "max_new_tokens": budget,
+                }
+            )
     return plan, skipped
 
 
 def generate_body(prompt_ids: list[int], max_new_tokens: int) -> dict:
-    return {"input_ids": prompt_ids,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    return {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
 
 
 def request_record(entry: dict, answer: client.Answer) -> dict:
     meta = answer.body.get("meta_info", {})
     output_ids = list(answer.body.get("output_ids") or [])
     completion = int(meta.get("completion_tokens", len(output_ids)))
-    return {**entry,
-            "output_ids": output_ids,
-            "output_text": answer.body.get("text", ""),
-            "prompt_tokens": int(meta.get("prompt_tokens", len(entry["prompt_ids"]))),
-            "completion_tokens": completion,
-            "latency_s": answer.latency,
-            "accept_length": accept_length(meta, completion),
-            "finish_reason": finish_reason(meta)}
+    return {
+        **entry,
+        "output_ids": output_ids,
+        "output_text": answer.body.get("text", ""),
+        "prompt_tokens": int(meta.get("prompt_tokens", len(entry["prompt_ids"]))),
+        "completion_tokens": completion,
+        "latency_s": answer.latency,
+        "accept_length": accept_length(meta, completion),
+        "finish_reason": finish_reason(meta),
+    }
 
 
 def accept_length(meta: dict, completion_tokens: int) -> float | None:
@@ -198,7 +281,7 @@ def finish_reason(meta: dict) -> str | None:
 
 
 def _warm_up(url: str, plan: dict, concurrency: int) -> dict:
-    entries = [e for entries in plan.values() for e in entries][:max(1, concurrency)]
+    entries = [e for entries in plan.values() for e in entries][: max(1, concurrency)]
     bodies = [generate_body(e["prompt_ids"], min(WARMUP_TOKENS, e["max_new_tokens"])) for e in entries]
     done = client.post_all(url, bodies, concurrency)
     return {"requests": len(bodies), "max_new_tokens": WARMUP_TOKENS, "wall_s": done.wall_s}
@@ -212,8 +295,9 @@ def _versions(info: dict) -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     try:
-        git = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
+        git = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
         if git.returncode == 0:
             versions["specpilot_git"] = git.stdout.strip()
     except (OSError, subprocess.SubprocessError):

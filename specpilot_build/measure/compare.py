@@ -18,6 +18,7 @@ passed as (ar serves no drafter, stock and final do); the three runs must be thr
 setting, target pin, dtype and hardware. A report is never overwritten unless asked (`overwrite=True`), and
 each is written with an in-toto statement binding its speedups to the three results files (attest.py).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,8 +44,9 @@ SEED = 20261129
 OVERALL = "overall"
 
 
-def compare(ar: str, stock: str, final: str, name: str | None = None, chart: bool = True,
-            console=None, overwrite: bool = False) -> dict:
+def compare(
+    ar: str, stock: str, final: str, name: str | None = None, chart: bool = True, console=None, overwrite: bool = False
+) -> dict:
     """Compare three bench runs (paths or names); writes <results>/<name>.json, .png and .intoto.json, prints a
     table. Refuses to replace an existing report unless `overwrite`."""
     runs = {}
@@ -57,39 +59,63 @@ def compare(ar: str, stock: str, final: str, name: str | None = None, chart: boo
     name = name or f"compare_{runs['final'][1]['name']}"
     out = results_dir() / f"{name}.json"
     if out.exists() and not overwrite:
-        raise SpecPilotError(f"{out} exists (an earlier compare); choose another NAME or pass --overwrite "
-                             "(OVERWRITE=1) to replace it")
+        raise SpecPilotError(
+            f"{out} exists (an earlier compare); choose another NAME or pass --overwrite (OVERWRITE=1) to replace it"
+        )
     report = speed_report({arm: data for arm, (_, data) in runs.items()})
-    report["runs"] = {arm: {"path": str(path), "name": data["name"], "engine_id": data["engine_id"],
-                            "manifest_digest": data.get("manifest_digest"),
-                            "oracle_engine_id": data.get("oracle_engine_id"),
-                            "arm": data["arm"], "date_utc": data["date_utc"]} for arm, (path, data) in runs.items()}
+    report["runs"] = {
+        arm: {
+            "path": str(path),
+            "name": data["name"],
+            "engine_id": data["engine_id"],
+            "manifest_digest": data.get("manifest_digest"),
+            "oracle_engine_id": data.get("oracle_engine_id"),
+            "arm": data["arm"],
+            "date_utc": data["date_utc"],
+        }
+        for arm, (path, data) in runs.items()
+    }
     report["json"] = str(out)
     report["statement"] = str(attest.statement_path(out))
     if chart:
         report["chart"] = str(speedup_chart(report, out.with_suffix(".png")))
     write_json(out, report)
     subjects = [path for path, _ in runs.values()] + [out] + ([Path(report["chart"])] if chart else [])
-    attest.write_statement(out, subjects, attest.PREDICATE_COMPARE,
-                           compare_predicate(report, {arm: data for arm, (_, data) in runs.items()}))
+    attest.write_statement(
+        out,
+        subjects,
+        attest.PREDICATE_COMPARE,
+        compare_predicate(report, {arm: data for arm, (_, data) in runs.items()}),
+    )
     print_table(report, console)
     return report
 
 
 def compare_predicate(report: dict, runs: dict) -> dict:
     ar = runs["ar"]
-    return {"engine_ids": {arm: data["engine_id"] for arm, data in runs.items()},
-            "oracle_engine_ids": {arm: data.get("oracle_engine_id") for arm, data in runs.items()},
-            "setting": ar.get("setting"), "target_pin": ar.get("target_pin"), "dtype": _dtype(ar["engine_manifest"]),
-            "hardware": {arm: data.get("hardware") for arm, data in runs.items()},
-            "versions": {"runs": {arm: data.get("versions") for arm, data in runs.items()},
-                         "servers": {arm: data.get("served") for arm, data in runs.items()},
-                         "specpilot": __version__},
-            "concurrency": report["concurrency"], "method": {"resamples": report["resamples"], "seed": report["seed"]},
-            "speedups": {pair: {d: {"speedup": s["speedup"], "ci95": s["ci95"], "n": s["n"]}
-                                for d, s in per_dataset.items()} for pair, per_dataset in report["speedups"].items()},
-            "identity": {pair: {d: {"identical": i["identical"], "requests": i["requests"]}
-                                for d, i in per_dataset.items()} for pair, per_dataset in report["identity"].items()}}
+    return {
+        "engine_ids": {arm: data["engine_id"] for arm, data in runs.items()},
+        "oracle_engine_ids": {arm: data.get("oracle_engine_id") for arm, data in runs.items()},
+        "setting": ar.get("setting"),
+        "target_pin": ar.get("target_pin"),
+        "dtype": _dtype(ar["engine_manifest"]),
+        "hardware": {arm: data.get("hardware") for arm, data in runs.items()},
+        "versions": {
+            "runs": {arm: data.get("versions") for arm, data in runs.items()},
+            "servers": {arm: data.get("served") for arm, data in runs.items()},
+            "specpilot": __version__,
+        },
+        "concurrency": report["concurrency"],
+        "method": {"resamples": report["resamples"], "seed": report["seed"]},
+        "speedups": {
+            pair: {d: {"speedup": s["speedup"], "ci95": s["ci95"], "n": s["n"]} for d, s in per_dataset.items()}
+            for pair, per_dataset in report["speedups"].items()
+        },
+        "identity": {
+            pair: {d: {"identical": i["identical"], "requests": i["requests"]} for d, i in per_dataset.items()}
+            for pair, per_dataset in report["identity"].items()
+        },
+    }
 
 
 def check_arms(runs: dict) -> None:
@@ -100,30 +126,43 @@ def check_arms(runs: dict) -> None:
         require_current(path, data)
         where = Path(path).resolve()
         if where in seen_paths:
-            raise SpecPilotError(f"{path} is passed as both {seen_paths[where]} and {arm}: compare needs three "
-                                 "different runs, one per arm")
+            raise SpecPilotError(
+                f"{path} is passed as both {seen_paths[where]} and {arm}: compare needs three "
+                "different runs, one per arm"
+            )
         seen_paths[where] = arm
         engine_id = data.get("engine_id")
         if engine_id in seen_engines:
-            raise SpecPilotError(f"the {seen_engines[engine_id]} and {arm} runs are both of engine "
-                                 f"{str(engine_id)[:12]}: compare needs one engine per arm")
+            raise SpecPilotError(
+                f"the {seen_engines[engine_id]} and {arm} runs are both of engine "
+                f"{str(engine_id)[:12]}: compare needs one engine per arm"
+            )
         seen_engines[engine_id] = arm
     for arm, (path, data) in runs.items():
         engine_id = data.get("engine_id")
         manifest = data.get("engine_manifest")
-        if not isinstance(manifest, dict) or engine_id_of(manifest) != engine_id \
-                or data.get("manifest_digest") != f"blake3:{engine_id}":
-            raise SpecPilotError(f"{path}: its recorded engine manifest does not hash to its engine id "
-                                 f"{str(engine_id)[:12]}; the record was altered or is not a bench run")
+        if (
+            not isinstance(manifest, dict)
+            or engine_id_of(manifest) != engine_id
+            or data.get("manifest_digest") != f"blake3:{engine_id}"
+        ):
+            raise SpecPilotError(
+                f"{path}: its recorded engine manifest does not hash to its engine id "
+                f"{str(engine_id)[:12]}; the record was altered or is not a bench run"
+            )
         served = client.served_engine_id(data.get("server_info") or {})
         if served != engine_id:
-            raise SpecPilotError(f"{path}: it records engine {str(engine_id)[:12]}, but its server reported "
-                                 f"{str(served)[:12]} in server_info; the record was altered")
+            raise SpecPilotError(
+                f"{path}: it records engine {str(engine_id)[:12]}, but its server reported "
+                f"{str(served)[:12]} in server_info; the record was altered"
+            )
         manifest_arm = manifest.get("arm")
         if manifest_arm != arm or data.get("arm") != arm:
-            raise SpecPilotError(f"{path} is passed as the {arm} arm, but its engine {engine_id[:12]} is the "
-                                 f"{manifest_arm} arm (its manifest; the record says {data.get('arm')}): arms "
-                                 "swapped or repeated")
+            raise SpecPilotError(
+                f"{path} is passed as the {arm} arm, but its engine {engine_id[:12]} is the "
+                f"{manifest_arm} arm (its manifest; the record says {data.get('arm')}): arms "
+                "swapped or repeated"
+            )
         drafter = _drafter(manifest)
         if arm == "ar" and drafter:
             raise SpecPilotError(f"{path}: the ar engine {engine_id[:12]} serves a drafter ({drafter})")
@@ -136,8 +175,10 @@ def check_arms(runs: dict) -> None:
         if len({repr(v) for v in values.values()}) > 1:
             differ.append(f"{key} (" + ", ".join(f"{arm} {v}" for arm, v in values.items()) + ")")
     if differ:
-        raise SpecPilotError(f"the runs' engines differ in {'; '.join(differ)}: compare only arms of one "
-                             "setting, target, dtype and hardware")
+        raise SpecPilotError(
+            f"the runs' engines differ in {'; '.join(differ)}: compare only arms of one "
+            "setting, target, dtype and hardware"
+        )
 
 
 def check_records(runs: dict) -> None:
@@ -147,11 +188,14 @@ def check_records(runs: dict) -> None:
             where = f"{path} ({arm}): {r['dataset']} item {r['item_id']}"
             recomputed = prompt_digest(r["prompt_ids"])
             if r.get("prompt_digest") != recomputed:
-                raise SpecPilotError(f"{where}: prompt_digest {str(r.get('prompt_digest'))[:16]}… is not the "
-                                     f"sha256 of its prompt_ids ({recomputed[:16]}…)")
+                raise SpecPilotError(
+                    f"{where}: prompt_digest {str(r.get('prompt_digest'))[:16]}… is not the "
+                    f"sha256 of its prompt_ids ({recomputed[:16]}…)"
+                )
             if r.get("completion_tokens") != len(r["output_ids"]):
-                raise SpecPilotError(f"{where}: completion_tokens {r.get('completion_tokens')} but "
-                                     f"{len(r['output_ids'])} output_ids")
+                raise SpecPilotError(
+                    f"{where}: completion_tokens {r.get('completion_tokens')} but {len(r['output_ids'])} output_ids"
+                )
         if data.get("prompts_digest") != prompts_digest(data["requests"]):
             raise SpecPilotError(f"{path} ({arm}): prompts_digest is not the digest of its requests' prompts")
 
@@ -172,27 +216,36 @@ def _dtype(manifest: dict):
 def _traits(manifest: dict) -> dict:
     config = manifest.get("config") or {}
     pin = ((manifest.get("inputs") or {}).get("checkpoints") or {}).get("model") or {}
-    return {"setting": manifest.get("setting"), "target_pin": f"{pin.get('repo')}@{pin.get('revision')}",
-            "dtype": _dtype(manifest), "quantization": (config.get("model") or {}).get("quantization"),
-            "hardware": (config.get("hardware") or {}).get("name")}
+    return {
+        "setting": manifest.get("setting"),
+        "target_pin": f"{pin.get('repo')}@{pin.get('revision')}",
+        "dtype": _dtype(manifest),
+        "quantization": (config.get("model") or {}).get("quantization"),
+        "hardware": (config.get("hardware") or {}).get("name"),
+    }
 
 
 def check_comparable(runs: dict) -> None:
     (base_arm, (base_path, base)), *others = runs.items()
     base_prompts = _prompts(base)
-    for arm, (path, data) in others:
+    for _arm, (path, data) in others:
         if data["target_pin"] != base["target_pin"]:
-            raise SpecPilotError(f"{path} was run on target {_pin(data)}, {base_path} on {_pin(base)}: "
-                                 "only runs of one target model compare")
+            raise SpecPilotError(
+                f"{path} was run on target {_pin(data)}, {base_path} on {_pin(base)}: "
+                "only runs of one target model compare"
+            )
         for key in ("max_new_tokens", "concurrency"):
             if data[key] != base[key]:
-                raise SpecPilotError(f"{path} has {key}={data[key]}, {base_path} has {base[key]}: "
-                                     "bench all arms with the same settings")
+                raise SpecPilotError(
+                    f"{path} has {key}={data[key]}, {base_path} has {base[key]}: bench all arms with the same settings"
+                )
         prompts = _prompts(data)
         if prompts != base_prompts:
             differ = sorted(set(prompts.items()) ^ set(base_prompts.items()))[0]
-            raise SpecPilotError(f"{path} and {base_path} hold different prompts (first difference: "
-                                 f"{differ[0][0]} item {differ[0][1]}); bench every arm on the same split")
+            raise SpecPilotError(
+                f"{path} and {base_path} hold different prompts (first difference: "
+                f"{differ[0][0]} item {differ[0][1]}); bench every arm on the same split"
+            )
 
 
 def speed_report(runs: dict) -> dict:
@@ -201,8 +254,7 @@ def speed_report(runs: dict) -> dict:
     datasets = sorted({r["dataset"] for r in runs["ar"]["requests"]})
     aligned = {arm: _aligned(data, runs["ar"]) for arm, data in runs.items()}
     rng = np.random.default_rng(SEED)
-    draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d])))
-             for d in datasets}
+    draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d]))) for d in datasets}
     speedups, identity = {}, {}
     for num, den in PAIRS:
         key = f"{num}/{den}"
@@ -211,23 +263,44 @@ def speed_report(runs: dict) -> dict:
             parts = datasets if dataset == OVERALL else [dataset]
             speedups[key][dataset] = _speedup(runs, aligned, draws, num, den, parts, concurrency)
             identity[key][dataset] = _identity(aligned[num], aligned[den], parts)
-    accept = {arm: {d: _mean([r["accept_length"] for part in (datasets if d == OVERALL else [d])
-                              for r in aligned[arm][part] if r["accept_length"] is not None])
-                    for d in datasets + [OVERALL]} for arm in runs}
-    return {"schema": "specpilot.compare/1", "concurrency": concurrency, "datasets": datasets,
-            "method": __doc__.split("Method (fixed; the seed is part of it):\n")[1].split("\nRuns are")[0],
-            "resamples": RESAMPLES, "seed": SEED, "speedups": speedups, "identity": identity,
-            "accept_length": accept}
+    accept = {
+        arm: {
+            d: _mean(
+                [
+                    r["accept_length"]
+                    for part in (datasets if d == OVERALL else [d])
+                    for r in aligned[arm][part]
+                    if r["accept_length"] is not None
+                ]
+            )
+            for d in datasets + [OVERALL]
+        }
+        for arm in runs
+    }
+    return {
+        "schema": "specpilot.compare/1",
+        "concurrency": concurrency,
+        "datasets": datasets,
+        "method": __doc__.split("Method (fixed; the seed is part of it):\n")[1].split("\nRuns are")[0],
+        "resamples": RESAMPLES,
+        "seed": SEED,
+        "speedups": speedups,
+        "identity": identity,
+        "accept_length": accept,
+    }
 
 
 def ratio_of_sums_ci(lat_num, tok_num, lat_den, tok_den, draws: list[np.ndarray]) -> tuple[float, float, float]:
     """Speed ratio num/den = (tok_num/lat_num)/(tok_den/lat_den) on all prompts, and its bootstrap 95% CI.
 
     `draws` holds one (resamples, n_part) index array per stratum; arrays are concatenated per stratum."""
-    point = (np.sum(np.concatenate(tok_num)) / np.sum(np.concatenate(lat_num))) / \
-            (np.sum(np.concatenate(tok_den)) / np.sum(np.concatenate(lat_den)))
-    sums = {name: sum(np.asarray(values[i])[draw].sum(axis=1) for i, draw in enumerate(draws))
-            for name, values in (("ln", lat_num), ("tn", tok_num), ("ld", lat_den), ("td", tok_den))}
+    point = (np.sum(np.concatenate(tok_num)) / np.sum(np.concatenate(lat_num))) / (
+        np.sum(np.concatenate(tok_den)) / np.sum(np.concatenate(lat_den))
+    )
+    sums = {
+        name: sum(np.asarray(values[i])[draw].sum(axis=1) for i, draw in enumerate(draws))
+        for name, values in (("ln", lat_num), ("tn", tok_num), ("ld", lat_den), ("td", tok_den))
+    }
     ratios = (sums["tn"] / sums["ln"]) / (sums["td"] / sums["ld"])
     low, high = np.percentile(ratios, [2.5, 97.5])
     return float(point), float(low), float(high)
@@ -236,13 +309,21 @@ def ratio_of_sums_ci(lat_num, tok_num, lat_den, tok_den, draws: list[np.ndarray]
 def _speedup(runs, aligned, draws, num, den, parts, concurrency) -> dict:
     def column(arm, field):
         return [np.array([r[field] for r in aligned[arm][d]], dtype=float) for d in parts]
-    point, low, high = ratio_of_sums_ci(column(num, "latency_s"), column(num, "completion_tokens"),
-                                        column(den, "latency_s"), column(den, "completion_tokens"),
-                                        [draws[d] for d in parts])
+
+    point, low, high = ratio_of_sums_ci(
+        column(num, "latency_s"),
+        column(num, "completion_tokens"),
+        column(den, "latency_s"),
+        column(den, "completion_tokens"),
+        [draws[d] for d in parts],
+    )
     result = {"n": sum(len(aligned[num][d]) for d in parts)}
     if concurrency > 1:
-        throughput = {arm: sum(runs[arm]["per_dataset"][d]["completion_tokens"] for d in parts) /
-                      sum(runs[arm]["per_dataset"][d]["wall_s"] for d in parts) for arm in (num, den)}
+        throughput = {
+            arm: sum(runs[arm]["per_dataset"][d]["completion_tokens"] for d in parts)
+            / sum(runs[arm]["per_dataset"][d]["wall_s"] for d in parts)
+            for arm in (num, den)
+        }
         scale = (throughput[num] / throughput[den]) / point
         point, low, high = point * scale, low * scale, high * scale
         result["throughput_tok_s"] = throughput
@@ -253,10 +334,24 @@ def _speedup(runs, aligned, draws, num, den, parts, concurrency) -> dict:
 def _identity(num: dict, den: dict, parts) -> dict:
     pairs = [(a, b) for d in parts for a, b in zip(num[d], den[d])]
     identical = sum(a["output_ids"] == b["output_ids"] for a, b in pairs)
-    first = next(({"dataset": a["dataset"], "item_id": a["item_id"], "position": _divergence(a["output_ids"], b["output_ids"])}
-                  for a, b in pairs if a["output_ids"] != b["output_ids"]), None)
-    return {"identical": identical, "requests": len(pairs),
-            "fraction": identical / len(pairs) if pairs else 1.0, "first_difference": first}
+    first = next(
+        (
+            {
+                "dataset": a["dataset"],
+                "item_id": a["item_id"],
+                "position": _divergence(a["output_ids"], b["output_ids"]),
+            }
+            for a, b in pairs
+            if a["output_ids"] != b["output_ids"]
+        ),
+        None,
+    )
+    return {
+        "identical": identical,
+        "requests": len(pairs),
+        "fraction": identical / len(pairs) if pairs else 1.0,
+        "first_difference": first,
+    }
 
 
 def _divergence(a: list, b: list) -> int:
@@ -298,7 +393,7 @@ def print_table(report: dict, console=None) -> None:
     table.add_column("accept\nfinal", justify="right")
     for dataset in report["datasets"] + [OVERALL]:
         row = [dataset]
-        for pair, per_dataset in report["speedups"].items():
+        for per_dataset in report["speedups"].values():
             s = per_dataset[dataset]
             row.append(f"{s['speedup']:.2f}×\n[{s['ci95'][0]:.2f}–{s['ci95'][1]:.2f}]")
         ident = report["identity"]["final/ar"][dataset]
@@ -328,8 +423,9 @@ def speedup_chart(report: dict, path: Path) -> Path:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("speedup (×)")
-    ax.set_title(f"{report['runs']['final']['name'] if 'runs' in report else ''} c{report['concurrency']}, "
-                 "95% bootstrap CI")
+    ax.set_title(
+        f"{report['runs']['final']['name'] if 'runs' in report else ''} c{report['concurrency']}, 95% bootstrap CI"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ HumanEval problems, MATH-500, MBPP test task ids 11-510, MT-Bench's 80 questions
 sha256("<dataset>:<item id>") — a fixed pseudo-random order that does not depend on Python's RNG — and cut
 to the first `limit` items (None: all). Growing `limit` only appends items, so small splits nest in large ones.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -79,7 +80,8 @@ def _check_hash(path: Path, pin: dict) -> None:
     if digest != pin["sha256"]:
         raise SpecPilotError(
             f"{path}: sha256 {digest} does not match the pin {pin['sha256']} in {_lock_path()}; "
-            "remove the file or fix the mirror")
+            "remove the file or fix the mirror"
+        )
 
 
 def _download(pin: dict, target: Path) -> None:
@@ -91,11 +93,13 @@ def _download(pin: dict, target: Path) -> None:
     except httpx.HTTPError as exc:
         raise SpecPilotError(
             f"{pin['file']}: not in the cache or mirror, and downloading {pin['url']} failed ({exc}); "
-            "set SPECPILOT_MIRROR to a directory holding datasets/" + pin["file"]) from None
+            "set SPECPILOT_MIRROR to a directory holding datasets/" + pin["file"]
+        ) from None
     digest = hashlib.sha256(response.content).hexdigest()
     if digest != pin["sha256"]:
         raise SpecPilotError(
-            f"{pin['file']}: downloaded {pin['url']} has sha256 {digest}, the pin is {pin['sha256']}; refused")
+            f"{pin['file']}: downloaded {pin['url']} has sha256 {digest}, the pin is {pin['sha256']}; refused"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     partial.write_bytes(response.content)
@@ -133,8 +137,10 @@ def _math500(index: int, row: dict) -> Item:
 
 
 def _humaneval(index: int, row: dict) -> Item:
-    prompt = ("Complete the following Python function. Answer with the complete function in one "
-              f"```python code block.\n\n```python\n{row['prompt']}```")
+    prompt = (
+        "Complete the following Python function. Answer with the complete function in one "
+        f"```python code block.\n\n```python\n{row['prompt']}```"
+    )
     return Item("humaneval", row["task_id"], prompt, row)
 
 
@@ -142,8 +148,10 @@ def _mbpp(index: int, row: dict) -> Item | None:
     if not 11 <= row["task_id"] <= 510:  # the upstream test split
         return None
     tests = "\n".join(row["test_list"])
-    prompt = (f"You are an expert Python programmer, and here is your task: {row['text']} "
-              f"Your code should pass these tests:\n\n{tests}\n")
+    prompt = (
+        f"You are an expert Python programmer, and here is your task: {row['text']} "
+        f"Your code should pass these tests:\n\n{tests}\n"
+    )
     return Item("mbpp", str(row["task_id"]), prompt, row)
 
 
@@ -151,5 +159,4 @@ def _mt_bench(index: int, row: dict) -> Item:
     return Item("mt-bench", str(row["question_id"]), row["turns"][0], row)
 
 
-_ITEM_BUILDERS = {"gsm8k": _gsm8k, "humaneval": _humaneval, "math500": _math500, "mbpp": _mbpp,
-                  "mt-bench": _mt_bench}
+_ITEM_BUILDERS = {"gsm8k": _gsm8k, "humaneval": _humaneval, "math500": _math500, "mbpp": _mbpp, "mt-bench": _mt_bench}

@@ -5,6 +5,7 @@ setting that turns it off with `model.chat_template: none`) gets the plain text 
 tokens (e.g. BOS). The digest of a prompt is sha256 of its ids written as comma-separated decimals; a chat
 template that embeds the current date changes the digest, which is why results also record the UTC date.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,8 +45,8 @@ class PromptRenderer:
         if not self.uses_chat_template:
             return list(self.tokenizer(text, verbose=False)["input_ids"])
         rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False,
-            **self.template_kwargs)
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, **self.template_kwargs
+        )
         # The template already holds BOS and role markers: add no special tokens twice.
         return list(self.tokenizer(rendered, add_special_tokens=False, verbose=False)["input_ids"])
 
@@ -60,8 +61,10 @@ def prompt_digest(ids: list[int]) -> str:
 
 def prompts_digest(prompts) -> str:
     """One digest over a whole run's (dataset, item id, prompt digest) triples, in order."""
-    triples = [[p["dataset"], p["item_id"], p["prompt_digest"]] if isinstance(p, dict)
-               else [p.dataset, p.item_id, p.digest] for p in prompts]
+    triples = [
+        [p["dataset"], p["item_id"], p["prompt_digest"]] if isinstance(p, dict) else [p.dataset, p.item_id, p.digest]
+        for p in prompts
+    ]
     return hashlib.sha256(json.dumps(triples, separators=(",", ":")).encode()).hexdigest()
 
 

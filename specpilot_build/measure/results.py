@@ -3,6 +3,7 @@
 Schema 2 records, besides the requests, what binds a run to its inputs: the engine's manifest (blake3 of its
 canonical bytes is the engine id, `store.manifest.engine_id`), the server's /server_info as served, and the oracle's
 engine id and manifest. Schema 1 files still load (score reads them); verify and compare refuse them."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,10 @@ def load_results(ref: str | Path) -> tuple[Path, dict]:
 def require_current(path: Path, data: dict) -> None:
     """Refuse a results file of an older schema: it lacks what verify and compare check."""
     if data.get("schema") != SCHEMA:
-        raise SpecPilotError(f"{path}: results schema {data.get('schema')} records no engine manifest, server "
-                             f"info or oracle id ({SCHEMA} does); bench the run again")
+        raise SpecPilotError(
+            f"{path}: results schema {data.get('schema')} records no engine manifest, server "
+            f"info or oracle id ({SCHEMA} does); bench the run again"
+        )
 
 
 def manifest_record(engine) -> dict:

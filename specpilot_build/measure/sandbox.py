@@ -61,6 +61,7 @@ The soundness rests on the kernel separation above; where the OS does not allow 
 processes share the host's PID space and (unprivileged) uid, and only PR_SET_DUMPABLE keeps the candidate
 out of the tests process's memory: `describe()` then reports "process group only".
 """
+
 from __future__ import annotations
 
 import itertools
@@ -108,6 +109,7 @@ class Outcome:
 @dataclass(frozen=True)
 class Tested:
     """A candidate program and the tests that judge it (see the module docstring)."""
+
     candidate: str  # untrusted: runs as __main__ in its own sandbox, then serves calls
     tests: str  # trusted: runs as __main__ in the tests sandbox (imports, helpers, test functions)
     call: str  # trusted: runs after `tests` with the remote names bound, e.g. "check(add)"
@@ -127,11 +129,13 @@ class Isolation:
     notes: tuple[str, ...] = ()  # why a mechanism is missing
 
     def describe(self) -> str:
-        parts = [f"network: {self.network}",
-                 "pid namespace" if "--pid" in self.namespace_flags else "process group only",
-                 "private tmpfs" if self.private_tmp else "temporary directory",
-                 "fresh root (runtime read-only, own /proc)" if self.fresh_root else "host files visible",
-                 "unused uid" if self.drop_uid else "own uid"]
+        parts = [
+            f"network: {self.network}",
+            "pid namespace" if "--pid" in self.namespace_flags else "process group only",
+            "private tmpfs" if self.private_tmp else "temporary directory",
+            "fresh root (runtime read-only, own /proc)" if self.fresh_root else "host files visible",
+            "unused uid" if self.drop_uid else "own uid",
+        ]
         return ", ".join(parts) + "".join(f" [{note}]" for note in self.notes)
 
 
@@ -151,16 +155,26 @@ def run_tested(task: Tested, limits: Limits = Limits()) -> Outcome:
     signal_r, signal_w = os.pipe() if shared_pids else (-1, -1)
     started: list[_Started] = []
     try:
-        started.append(_start(iso, limits, {"mode": "tests", "program": task.tests, "call": task.call,
-                                            "remote": list(task.remote), "refs": list(task.refs)},
-                              fds=(reply_r, request_w, *((signal_w,) if shared_pids else ()))))
+        started.append(
+            _start(
+                iso,
+                limits,
+                {
+                    "mode": "tests",
+                    "program": task.tests,
+                    "call": task.call,
+                    "remote": list(task.remote),
+                    "refs": list(task.refs),
+                },
+                fds=(reply_r, request_w, *((signal_w,) if shared_pids else ())),
+            )
+        )
         if shared_pids:
             os.close(signal_w)
             signal_w = -1
             if select.select([signal_r], [], [], limits.wall_s)[0]:
                 os.read(signal_r, 1)
-        started.append(_start(iso, limits, {"mode": "candidate", "program": task.candidate},
-                              fds=(request_r, reply_w)))
+        started.append(_start(iso, limits, {"mode": "candidate", "program": task.candidate}, fds=(request_r, reply_w)))
     except BaseException:
         for run in started:
             run.finish(iso, timed_out=True)
@@ -174,9 +188,16 @@ def run_tested(task: Tested, limits: Limits = Limits()) -> Outcome:
     candidate_returncode, _ = candidate.wait(0.5 if not timed_out else 0)  # it ends at the pipe's EOF
     tests_outcome = tests.finish(iso, returncode=returncode, timed_out=timed_out)
     candidate_outcome = candidate.finish(iso, returncode=candidate_returncode, timed_out=False)
-    return Outcome(passed=tests_outcome.passed, returncode=returncode, timed_out=timed_out,
-                   stdout=tests_outcome.stdout, stderr=tests_outcome.stderr, uid=tests_outcome.uid,
-                   pgid=tests_outcome.pgid, candidate=candidate_outcome)
+    return Outcome(
+        passed=tests_outcome.passed,
+        returncode=returncode,
+        timed_out=timed_out,
+        stdout=tests_outcome.stdout,
+        stderr=tests_outcome.stderr,
+        uid=tests_outcome.uid,
+        pgid=tests_outcome.pgid,
+        candidate=candidate_outcome,
+    )
 
 
 def run_many(programs: list[str | Tested], limits: Limits = Limits(), workers: int | None = None) -> list[Outcome]:
@@ -206,8 +227,14 @@ def isolation() -> Isolation:
     ]
     # each with its own System V IPC / message queue namespace first, where the kernel allows one
     candidates = [flags for plain in candidates for flags in (plain + ["--ipc"], plain)]
-    base = Isolation((), "python-guard", False, drop_uid, python,
-                     notes=("unshare is not installed",) if not shutil.which("unshare") else ())
+    base = Isolation(
+        (),
+        "python-guard",
+        False,
+        drop_uid,
+        python,
+        notes=("unshare is not installed",) if not shutil.which("unshare") else (),
+    )
     if shutil.which("unshare"):
         for flags in candidates:
             if _unshare_works(flags):
@@ -215,16 +242,19 @@ def isolation() -> Isolation:
                 base = Isolation(tuple(flags), network, "--mount" in flags, drop_uid, python)
                 break
         else:
-            base = Isolation((), "python-guard", False, drop_uid, python,
-                             notes=("unshare may create no namespace here",))
+            base = Isolation(
+                (), "python-guard", False, drop_uid, python, notes=("unshare may create no namespace here",)
+            )
     return _with_fresh_root(base)
 
 
 def _with_fresh_root(base: Isolation) -> Isolation:
     """The fresh root where the kernel allows it (tried once with a probe program), else `base` with why."""
+
     def without(note: str) -> Isolation:
-        return Isolation(base.namespace_flags, base.network, base.private_tmp, base.drop_uid, base.python,
-                         notes=(*base.notes, note))
+        return Isolation(
+            base.namespace_flags, base.network, base.private_tmp, base.drop_uid, base.python, notes=(*base.notes, note)
+        )
 
     if not (base.private_tmp and "--pid" in base.namespace_flags):
         return without("fresh root needs mount and PID namespaces")
@@ -237,11 +267,21 @@ def _with_fresh_root(base: Isolation) -> Isolation:
     exposed = _exposed_private_paths(runtime)
     if exposed:
         return without(f"the runtime would expose {', '.join(exposed)}")
-    fresh = Isolation(base.namespace_flags, base.network, base.private_tmp, base.drop_uid, base.python,
-                      fresh_root=True, runtime=runtime, notes=base.notes)
-    probe = ("import os, sys\n"
-             "pids = sorted(p for p in os.listdir('/proc') if p.isdigit())\n"
-             "sys.exit(0 if pids == ['1'] and not os.path.exists('/old_root') else 3)\n")
+    fresh = Isolation(
+        base.namespace_flags,
+        base.network,
+        base.private_tmp,
+        base.drop_uid,
+        base.python,
+        fresh_root=True,
+        runtime=runtime,
+        notes=base.notes,
+    )
+    probe = (
+        "import os, sys\n"
+        "pids = sorted(p for p in os.listdir('/proc') if p.isdigit())\n"
+        "sys.exit(0 if pids == ['1'] and not os.path.exists('/old_root') else 3)\n"
+    )
     outcome = _run_program(probe, Limits(wall_s=30.0, cpu_s=5), fresh)
     if not outcome.passed:
         lines = (outcome.stderr.strip() or f"exit status {outcome.returncode}").splitlines()
@@ -254,11 +294,26 @@ _PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 2
 
 def _runtime_paths(python: str) -> tuple[str, ...]:
     """Host paths the interpreter needs, bound read-only into the fresh root (nested ones dropped)."""
-    done = subprocess.run([python, "-I", "-S", "-c", "import sys; print(sys.base_prefix); print(sys.base_exec_prefix)"],
-                          capture_output=True, text=True, timeout=30, check=True)
+    done = subprocess.run(
+        [python, "-I", "-S", "-c", "import sys; print(sys.base_prefix); print(sys.base_exec_prefix)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     prefixes = [line for line in done.stdout.splitlines() if line]
-    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
-             os.path.dirname(os.path.realpath(python)), *prefixes]
+    paths = [
+        "/usr",
+        "/bin",
+        "/sbin",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/libx32",
+        "/etc/ld.so.cache",
+        os.path.dirname(os.path.realpath(python)),
+        *prefixes,
+    ]
     kept: list[str] = []
     for path in sorted({os.path.normpath(p) for p in paths if os.path.lexists(p)}, key=len):
         if not os.path.isabs(path) or path == "/":
@@ -285,8 +340,13 @@ def _exposed_private_paths(runtime: tuple[str, ...]) -> list[str]:
 
 def _unshare_works(flags: list[str]) -> bool:
     try:
-        done = subprocess.run(["unshare", *flags, "--", "true"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+        done = subprocess.run(
+            ["unshare", *flags, "--", "true"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -329,8 +389,14 @@ _PROCESS_UID_OFFSET = secrets.randbelow(500_000_000)
 
 
 def _environment(workdir: Path) -> dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
-            "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(workdir),
+        "TMPDIR": str(workdir),
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+    }
 
 
 def _run_program(program: str, limits: Limits, iso: Isolation) -> Outcome:
@@ -376,8 +442,15 @@ class _Started:
             self.out.close()
             self.err.close()
             shutil.rmtree(self.scratch, ignore_errors=True)
-        return Outcome(passed=returncode == 0 and not timed_out, returncode=returncode, timed_out=timed_out,
-                       stdout=stdout, stderr=stderr, uid=self.uid, pgid=self.proc.pid)
+        return Outcome(
+            passed=returncode == 0 and not timed_out,
+            returncode=returncode,
+            timed_out=timed_out,
+            stdout=stdout,
+            stderr=stderr,
+            uid=self.uid,
+            pgid=self.proc.pid,
+        )
 
 
 def _start(iso: Isolation, limits: Limits, task: dict, fds: tuple[int, ...] = ()) -> _Started:
@@ -393,20 +466,39 @@ def _start(iso: Isolation, limits: Limits, task: dict, fds: tuple[int, ...] = ()
         if uid is None:  # RLIMIT_NPROC counts every process of our uid, not only this run's
             process_limit += _processes_of(os.getuid())
         settings = {
-            "uid": -1 if uid is None else uid, "private_tmp": iso.private_tmp, "fresh_root": iso.fresh_root,
-            "runtime": list(iso.runtime), "socket_guard": iso.network != "namespace",
-            "tmpfs_bytes": limits.tmpfs_bytes, "fds": list(fds), "dumpable": task["mode"] != "tests",
+            "uid": -1 if uid is None else uid,
+            "private_tmp": iso.private_tmp,
+            "fresh_root": iso.fresh_root,
+            "runtime": list(iso.runtime),
+            "socket_guard": iso.network != "namespace",
+            "tmpfs_bytes": limits.tmpfs_bytes,
+            "fds": list(fds),
+            "dumpable": task["mode"] != "tests",
             "pivot_root": _PIVOT_ROOT_SYSCALL.get(os.uname().machine, -1),
-            "rlimits": [["RLIMIT_CPU", limits.cpu_s], ["RLIMIT_AS", limits.memory_bytes],
-                        ["RLIMIT_FSIZE", limits.file_bytes], ["RLIMIT_NPROC", process_limit],
-                        ["RLIMIT_NOFILE", limits.open_files], ["RLIMIT_CORE", 0]],
+            "rlimits": [
+                ["RLIMIT_CPU", limits.cpu_s],
+                ["RLIMIT_AS", limits.memory_bytes],
+                ["RLIMIT_FSIZE", limits.file_bytes],
+                ["RLIMIT_NPROC", process_limit],
+                ["RLIMIT_NOFILE", limits.open_files],
+                ["RLIMIT_CORE", 0],
+            ],
         }
         argv = ["unshare", *iso.namespace_flags, "--"] if iso.namespace_flags else []
         # -S: no site import (it costs as much as the rest of the start-up); the standard library is there
         argv += [iso.python, "-I", "-S", "-c", _LAUNCHER, json.dumps(settings)]
         out, err = open(scratch / "stdout", "wb+"), open(scratch / "stderr", "wb+")  # noqa: SIM115 (closed by finish)
-        proc = subprocess.Popen(argv, cwd=workdir, env=_environment(workdir), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, start_new_session=True, close_fds=True, pass_fds=fds)
+        proc = subprocess.Popen(
+            argv,
+            cwd=workdir,
+            env=_environment(workdir),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=fds,
+        )
     except BaseException:
         for handle in (out, err):
             if handle is not None:

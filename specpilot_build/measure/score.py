@@ -19,6 +19,7 @@
 Truncated answers (finish reason "length", or as many tokens as the run allowed) are counted per dataset;
 they are graded like the others.
 """
+
 from __future__ import annotations
 
 import ast
@@ -31,16 +32,15 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-from specpilot_build.measure import sandbox
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.measure import sandbox
 from specpilot_build.measure.results import load_results, write_json
 
 SCHEMA = "specpilot.score/1"
 AUTO_SCORED = ("gsm8k", "math500", "humaneval", "mbpp")
 
 
-def score_run(results_path: str | Path, workers: int | None = None,
-              limits: sandbox.Limits = sandbox.Limits()) -> dict:
+def score_run(results_path: str | Path, workers: int | None = None, limits: sandbox.Limits = sandbox.Limits()) -> dict:
     """Grade every request of a results JSON; write and return the score record."""
     path, run = load_results(results_path)
     requests = run.get("requests") or []
@@ -59,16 +59,21 @@ def score_run(results_path: str | Path, workers: int | None = None,
         rows = [_record_for(records, dataset, requests[i]["item_id"], path) for i in indices]
         outputs = [requests[i].get("output_text") or "" for i in indices]
         for i, result in zip(indices, grade(dataset, outputs, rows, limits, workers)):
-            graded[i] = {"dataset": dataset, "item_id": requests[i]["item_id"],
-                         "truncated": is_truncated(requests[i], run.get("max_new_tokens")), **result}
+            graded[i] = {
+                "dataset": dataset,
+                "item_id": requests[i]["item_id"],
+                "truncated": is_truncated(requests[i], run.get("max_new_tokens")),
+                **result,
+            }
 
     score = {
         "schema": SCHEMA,
         "results": path.name,
         **{key: run.get(key) for key in ("name", "engine_id", "setting", "arm", "max_new_tokens")},
         "sandbox": sandbox.isolation().describe() if {"humaneval", "mbpp"} & by_dataset.keys() else None,
-        "datasets": {dataset: _summary(dataset, [graded[i] for i in indices])
-                     for dataset, indices in sorted(by_dataset.items())},
+        "datasets": {
+            dataset: _summary(dataset, [graded[i] for i in indices]) for dataset, indices in sorted(by_dataset.items())
+        },
         "items": graded,
     }
     out = score_path(path)
@@ -76,8 +81,13 @@ def score_run(results_path: str | Path, workers: int | None = None,
     return {**score, "path": str(out)}
 
 
-def grade(dataset: str, outputs: list[str], records: list[dict], limits: sandbox.Limits = sandbox.Limits(),
-          workers: int | None = None) -> list[dict]:
+def grade(
+    dataset: str,
+    outputs: list[str],
+    records: list[dict],
+    limits: sandbox.Limits = sandbox.Limits(),
+    workers: int | None = None,
+) -> list[dict]:
     """One {"correct": bool | None, ...} per completion of one dataset (None: not auto-scored)."""
     if dataset == "gsm8k":
         return [grade_gsm8k(text, record) for text, record in zip(outputs, records)]
@@ -87,8 +97,7 @@ def grade(dataset: str, outputs: list[str], records: list[dict], limits: sandbox
         build = humaneval_task if dataset == "humaneval" else mbpp_task
         # The verdict is the exit status of a tests process that never runs candidate code (sandbox.py):
         # an answer that exits early, prints anything or fakes equality does not pass.
-        outcomes = sandbox.run_many([build(text, record) for text, record in zip(outputs, records)],
-                                    limits, workers)
+        outcomes = sandbox.run_many([build(text, record) for text, record in zip(outputs, records)], limits, workers)
         return [{"correct": o.passed, "detail": _failure_detail(o)} for o in outcomes]
     return [{"correct": None} for _ in outputs]
 
@@ -129,8 +138,11 @@ _NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+"
 def grade_gsm8k(completion: str, record: dict) -> dict:
     reference = gsm8k_reference(record["answer"])
     predicted = extract_final_number(completion)
-    return {"correct": predicted is not None and predicted == reference,
-            "predicted": None if predicted is None else str(predicted), "reference": str(reference)}
+    return {
+        "correct": predicted is not None and predicted == reference,
+        "predicted": None if predicted is None else str(predicted),
+        "reference": str(reference),
+    }
 
 
 def gsm8k_reference(answer: str) -> Fraction:
@@ -190,6 +202,7 @@ def last_boxed(text: str) -> str | None:
 
 # --- math500 -----------------------------------------------------------------------------------------
 
+
 def grade_math500(completions: list[str], answers: list[str], timeout_s: float = 60.0) -> list[dict]:
     """math-verify equivalence of each completion's answer with the reference answer.
 
@@ -200,9 +213,13 @@ def grade_math500(completions: list[str], answers: list[str], timeout_s: float =
         return []
     worker = "from specpilot_build.measure.score import _math_verify_stdio; _math_verify_stdio()"
     try:
-        done = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True,
-                              input=json.dumps({"completions": completions, "answers": answers}),
-                              timeout=timeout_s + 5 * len(completions))
+        done = subprocess.run(
+            [sys.executable, "-c", worker],
+            capture_output=True,
+            text=True,
+            input=json.dumps({"completions": completions, "answers": answers}),
+            timeout=timeout_s + 5 * len(completions),
+        )
     except subprocess.TimeoutExpired:
         return [{"correct": False, "detail": "math-verify did not finish"} for _ in completions]
     if done.returncode != 0:
@@ -224,12 +241,14 @@ def _math_verify_batch(completions: list[str], answers: list[str]) -> list[dict]
         gold = parse(f"${answer}$")
         predicted = parse(completion)
         correct = bool(gold) and bool(predicted) and verify(gold, predicted)
-        results.append({"correct": bool(correct), "predicted": str(predicted[-1]) if predicted else None,
-                        "reference": answer})
+        results.append(
+            {"correct": bool(correct), "predicted": str(predicted[-1]) if predicted else None, "reference": answer}
+        )
     return results
 
 
 # --- code ------------------------------------------------------------------------------------------
+
 
 def humaneval_task(completion: str, record: dict) -> sandbox.Tested:
     # The prompt's function (signature + docstring) is valid on its own: a completion that continues it
@@ -237,9 +256,12 @@ def humaneval_task(completion: str, record: dict) -> sandbox.Tested:
     # helpers its tests use (e.g. poly, encode_cyclic); the entry point there is the remote one.
     code = extract_code(completion, record["entry_point"])
     entry = record["entry_point"]
-    return sandbox.Tested(candidate=f"{record['prompt']}{code}\n",
-                          tests=f"{record['prompt']}\n\n{record['test']}\n",
-                          call=f"check({entry})\n", remote=(entry,))
+    return sandbox.Tested(
+        candidate=f"{record['prompt']}{code}\n",
+        tests=f"{record['prompt']}\n\n{record['test']}\n",
+        call=f"check({entry})\n",
+        remote=(entry,),
+    )
 
 
 def mbpp_task(completion: str, record: dict) -> sandbox.Tested:
@@ -253,8 +275,9 @@ def mbpp_task(completion: str, record: dict) -> sandbox.Tested:
     if not _free_names(f"{imports}\n{setup}\n"):
         # the setup code runs on both sides: its classes (e.g. a tree's Node) build the arguments
         tests_side = f"{imports}\n{setup}\n"
-        return sandbox.Tested(candidate=candidate, tests=tests_side, call=asserts,
-                              remote=_remote_names(tests_side, asserts, name))
+        return sandbox.Tested(
+            candidate=candidate, tests=tests_side, call=asserts, remote=_remote_names(tests_side, asserts, name)
+        )
     # a setup that uses the candidate's own definitions (e.g. its Node class) runs on the candidate's side
     # only; what the asserts take from it crosses as opaque handles, good as arguments and equal only to
     # themselves, so that the candidate cannot supply an expected value
@@ -337,6 +360,7 @@ def _failure_detail(outcome: sandbox.Outcome) -> str | None:
 
 # --- inputs --------------------------------------------------------------------------------------------
 
+
 def _reference_records(datasets: set[str]) -> dict[str, dict[str, dict]]:
     from specpilot_build.measure.datasets import load_split
 
@@ -352,6 +376,7 @@ def _record_for(records: dict, dataset: str, item_id: str, path: Path) -> dict:
 
 # --- table -----------------------------------------------------------------------------------------------
 
+
 def print_table(score: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -364,8 +389,13 @@ def print_table(score: dict) -> None:
         table.add_column(column, justify="left" if column == "dataset" else "right")
     for dataset, summary in score["datasets"].items():
         if summary["scored"]:
-            table.add_row(dataset, str(summary["n"]), str(summary["correct"]),
-                          f"{summary['accuracy']:.1%}", str(summary["truncated"]))
+            table.add_row(
+                dataset,
+                str(summary["n"]),
+                str(summary["correct"]),
+                f"{summary['accuracy']:.1%}",
+                str(summary["truncated"]),
+            )
         else:
             table.add_row(dataset, str(summary["n"]), "-", "not auto-scored", str(summary["truncated"]))
     Console().print(table)

@@ -24,6 +24,7 @@ a request's `latency_s` and a dataset's `wall_s` are measured as bench measures 
 CPU-second, with compare's paired bootstrap (same resamples and seed), for the whole process (the primary
 figure, where every request has it) and for the engine thread.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -35,12 +36,12 @@ import numpy as np
 
 from specpilot_build.defaults import ARMS
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.models.checkpoints import model_dirs
 from specpilot_build.measure import bench as bench_mod
 from specpilot_build.measure.compare import OVERALL, PAIRS, RESAMPLES, SEED, _aligned, ratio_of_sums_ci
 from specpilot_build.measure.datasets import BENCHMARKS
 from specpilot_build.measure.prompts import PromptRenderer
 from specpilot_build.measure.results import load_results, results_path, write_json
+from specpilot_build.models.checkpoints import model_dirs
 from specpilot_build.serve import client
 from specpilot_build.store.engines import Engine, resolve_engine
 
@@ -73,10 +74,18 @@ def process_cpu_s(pid: int | None) -> float | None:
     return total / 1e9
 
 
-def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], ports: dict[str, int],
-                       limit: int | None = None, max_new_tokens: int = 2048, datasets: list[str] | None = None,
-                       host: str = "127.0.0.1", pids: dict[str, int] | None = None, overwrite: bool = False,
-                       progress: bool = True) -> dict[str, Path]:
+def bench_side_by_side(
+    engines: dict[str, Engine | str],
+    names: dict[str, str],
+    ports: dict[str, int],
+    limit: int | None = None,
+    max_new_tokens: int = 2048,
+    datasets: list[str] | None = None,
+    host: str = "127.0.0.1",
+    pids: dict[str, int] | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Path]:
     """Bench the three arms served on host:ports[arm] interleaved; returns {arm: results path}.
 
     `pids`: the server processes (serve()'s run records), for the process-CPU cross-check; optional."""
@@ -88,7 +97,7 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
     pids = pids or {}
     oracle = engines["ar"]
     outs = {arm: results_path(names[arm]) for arm in ARMS}
-    for arm, out in outs.items():
+    for out in outs.values():
         if out.exists() and not overwrite:
             raise SpecPilotError(f"{out} exists; choose another NAME or remove it")
     urls = {arm: f"http://{host}:{ports[arm]}" for arm in ARMS}
@@ -97,8 +106,10 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
         infos[arm] = client.server_info(urls[arm])
         served = client.served_engine_id(infos[arm])
         if served != engines[arm].id:
-            raise SpecPilotError(f"the server on port {ports[arm]} serves engine {served or '(unnamed)'}, not the "
-                                 f"{arm} engine {engines[arm].id[:16]}")
+            raise SpecPilotError(
+                f"the server on port {ports[arm]} serves engine {served or '(unnamed)'}, not the "
+                f"{arm} engine {engines[arm].id[:16]}"
+            )
 
     concurrency = {arm: int(engines[arm].config["batching"]["concurrency"]) for arm in ARMS}
     if len(set(concurrency.values())) != 1:
@@ -108,26 +119,33 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
     for arm in ARMS:
         config = engines[arm].config
         names_ = list(datasets or config.get("datasets") or BENCHMARKS)
-        renderer = PromptRenderer(model_dirs(engines[arm].manifest["inputs"]["checkpoints"], config)["model"],
-                                  config["model"].get("chat_template"))
+        renderer = PromptRenderer(
+            model_dirs(engines[arm].manifest["inputs"]["checkpoints"], config)["model"],
+            config["model"].get("chat_template"),
+        )
         context = config["model"].get("context_length") or renderer.context_length
         plan, skipped = bench_mod.plan_requests(renderer, names_, limit, max_new_tokens, context)
         plans[arm] = (names_, renderer, context, plan, skipped)
     reference = plans["ar"]
     for arm in ARMS:
         if plans[arm][3] != reference[3]:
-            raise SpecPilotError(f"the {arm} engine renders other prompts or budgets than the ar engine "
-                                 "(tokenizer, chat template or context differ); the arms are not comparable")
+            raise SpecPilotError(
+                f"the {arm} engine renders other prompts or budgets than the ar engine "
+                "(tokenizer, chat template or context differ); the arms are not comparable"
+            )
     names_, _, _, plan, skipped = reference
     for entry in (e for entries in skipped.values() for e in entries):
         print(f"skipped {entry['dataset']} item {entry['item_id']}: {entry['reason']}", file=sys.stderr)
     if not any(plan.values()):
         raise SpecPilotError("no prompt fits the model's context; nothing to bench")
 
-    date = dt.datetime.now(dt.timezone.utc)
+    date = dt.datetime.now(dt.UTC)
     warmups = {arm: bench_mod._warm_up(urls[arm], plan, concurrency) for arm in ARMS}
-    rounds = [(dataset, entries[i:i + concurrency]) for dataset, entries in plan.items()
-              for i in range(0, len(entries), concurrency)]
+    rounds = [
+        (dataset, entries[i : i + concurrency])
+        for dataset, entries in plan.items()
+        for i in range(0, len(entries), concurrency)
+    ]
     answers = {arm: {} for arm in ARMS}  # arm -> (dataset, item_id) -> Answer
     walls = {arm: {} for arm in ARMS}
     gaps = {arm: {} for arm in ARMS}
@@ -138,8 +156,14 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
         for index, (dataset, entries) in enumerate(rounds):
             order = rotation(index)
             bodies = [bench_mod.generate_body(e["prompt_ids"], e["max_new_tokens"]) for e in entries]
-            record = {"round": index, "dataset": dataset, "items": [e["item_id"] for e in entries],
-                      "order": list(order), "wall_s": {}, "process_cpu_s": {}}
+            record = {
+                "round": index,
+                "dataset": dataset,
+                "items": [e["item_id"] for e in entries],
+                "order": list(order),
+                "wall_s": {},
+                "process_cpu_s": {},
+            }
             for arm in order:
                 before = process_cpu_s(pids.get(arm))
                 done = client.post_all(urls[arm], bodies, concurrency, on_answer=advance)
@@ -171,8 +195,23 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
                 row["cpu_s"] = float(cpu) if isinstance(cpu, (int, float)) else None
                 row["process_cpu_s"] = per_request_process[arm].get((dataset, entry["item_id"]))
                 requests.append(row)
-        results = _results(engine, oracle, info, names[arm], names_, plans[arm], limit, max_new_tokens,
-                           concurrency, date, warmups[arm], requests, walls[arm], gaps[arm], client_cpu[arm])
+        results = _results(
+            engine,
+            oracle,
+            info,
+            names[arm],
+            names_,
+            plans[arm],
+            limit,
+            max_new_tokens,
+            concurrency,
+            date,
+            warmups[arm],
+            requests,
+            walls[arm],
+            gaps[arm],
+            client_cpu[arm],
+        )
         process = [r["process_cpu_s"][arm] for r in round_log]
         results["side_by_side"] = {
             "schema": SCHEMA_SIDE_BY_SIDE,
@@ -182,26 +221,62 @@ def bench_side_by_side(engines: dict[str, Engine | str], names: dict[str, str], 
             "rounds": round_log,
             "server_cpu_s": _sum_or_none([r["cpu_s"] for r in requests]),
             "process_cpu_s": _sum_or_none(process),
-            "process_cpu_method": "sum of /proc/<server pid>/task/*/schedstat run times, after minus before "
-                                  "each round",
+            "process_cpu_method": "sum of /proc/<server pid>/task/*/schedstat run times, after minus before each round",
         }
         paths[arm] = write_json(results_path(names[arm]), results)
     return paths
 
 
-def _results(engine: Engine, oracle: Engine, info: dict, name: str, names: list[str], planned: tuple,
-             limit, max_new_tokens: int, concurrency: int, date, warmup: dict, requests: list[dict],
-             walls: dict, gaps: dict, client_cpu_s: float) -> dict:
+def _results(
+    engine: Engine,
+    oracle: Engine,
+    info: dict,
+    name: str,
+    names: list[str],
+    planned: tuple,
+    limit,
+    max_new_tokens: int,
+    concurrency: int,
+    date,
+    warmup: dict,
+    requests: list[dict],
+    walls: dict,
+    gaps: dict,
+    client_cpu_s: float,
+) -> dict:
     """A results record in bench's format (bench.results_record), per dataset from this arm's share."""
     _, renderer, context, plan, skipped = planned
-    per_dataset = {d: {"requests": len(plan[d]), "wall_s": walls[d],
-                       "completion_tokens": sum(r["completion_tokens"] for r in requests if r["dataset"] == d),
-                       "client_gap_s": gaps[d]} for d in plan if plan[d]}
+    per_dataset = {
+        d: {
+            "requests": len(plan[d]),
+            "wall_s": walls[d],
+            "completion_tokens": sum(r["completion_tokens"] for r in requests if r["dataset"] == d),
+            "client_gap_s": gaps[d],
+        }
+        for d in plan
+        if plan[d]
+    }
     return bench_mod.results_record(
-        engine, oracle, info, name=name, renderer=renderer, context=context, names=names, plan=plan,
-        skipped=skipped, limit=limit, max_new_tokens=max_new_tokens, concurrency=concurrency, date=date,
-        warmup=warmup, requests=requests, per_dataset=per_dataset, wall_s=sum(walls.values()),
-        gap_s=sum(gaps.values()), client_cpu_s=client_cpu_s)
+        engine,
+        oracle,
+        info,
+        name=name,
+        renderer=renderer,
+        context=context,
+        names=names,
+        plan=plan,
+        skipped=skipped,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        concurrency=concurrency,
+        date=date,
+        warmup=warmup,
+        requests=requests,
+        per_dataset=per_dataset,
+        wall_s=sum(walls.values()),
+        gap_s=sum(gaps.values()),
+        client_cpu_s=client_cpu_s,
+    )
 
 
 def _sum_or_none(values):
@@ -222,13 +297,14 @@ def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
     runs = {}
     for arm, ref in (("ar", ar), ("stock", stock), ("final", final)):
         runs[arm] = load_results(ref)
-    measures = [m for m in MEASURES if all(r.get(m) is not None for _, data in runs.values()
-                                            for r in data["requests"])]
+    measures = [m for m in MEASURES if all(r.get(m) is not None for _, data in runs.values() for r in data["requests"])]
     if not measures:
         path, data = next((p, d) for p, d in runs.values() if any(r.get("cpu_s") is None for r in d["requests"]))
         missing = [f"{r['dataset']}/{r['item_id']}" for r in data["requests"] if r.get("cpu_s") is None]
-        raise SpecPilotError(f"{path}: requests {', '.join(missing[:5])} record no server CPU time (cpu_s, "
-                             "process_cpu_s); bench the arms side by side on a server that reports it")
+        raise SpecPilotError(
+            f"{path}: requests {', '.join(missing[:5])} record no server CPU time (cpu_s, "
+            "process_cpu_s); bench the arms side by side on a server that reports it"
+        )
     runs = {arm: data for arm, (_, data) in runs.items()}
     datasets = sorted({r["dataset"] for r in runs["ar"]["requests"]})
     aligned = {arm: _aligned(data, runs["ar"]) for arm, data in runs.items()}
@@ -237,8 +313,7 @@ def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
             if [r["prompt_ids"] for r in aligned[arm][d]] != [r["prompt_ids"] for r in aligned["ar"][d]]:
                 raise SpecPilotError(f"the {arm} run holds other prompts than the ar run in {d}")
     rng = np.random.default_rng(SEED)
-    draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d])))
-             for d in datasets}
+    draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d]))) for d in datasets}
     by_measure = {}
     for measure in measures:
         speedups = by_measure[measure] = {}
@@ -251,17 +326,34 @@ def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
                 def column(arm, field):
                     return [np.array([r[field] for r in aligned[arm][d]], dtype=float) for d in parts]
 
-                point, low, high = ratio_of_sums_ci(column(num, measure), column(num, "completion_tokens"),
-                                                    column(den, measure), column(den, "completion_tokens"),
-                                                    [draws[d] for d in parts])
-                speedups[key][dataset] = {"n": sum(len(aligned[num][d]) for d in parts), "speedup": point,
-                                          "ci95": [low, high]}
-    totals = {measure: {arm: float(sum(r[measure] for r in data["requests"])) for arm, data in runs.items()}
-              for measure in measures}
-    return {"schema": "specpilot.cpu_speedups/2", "datasets": datasets, "measure": measures[0],
-            "measure_label": MEASURES[measures[0]], "speedups": by_measure[measures[0]],
-            "by_measure": by_measure, "cpu_s": totals, "resamples": RESAMPLES, "seed": SEED,
-            "tokens": {arm: sum(r["completion_tokens"] for r in data["requests"]) for arm, data in runs.items()}}
+                point, low, high = ratio_of_sums_ci(
+                    column(num, measure),
+                    column(num, "completion_tokens"),
+                    column(den, measure),
+                    column(den, "completion_tokens"),
+                    [draws[d] for d in parts],
+                )
+                speedups[key][dataset] = {
+                    "n": sum(len(aligned[num][d]) for d in parts),
+                    "speedup": point,
+                    "ci95": [low, high],
+                }
+    totals = {
+        measure: {arm: float(sum(r[measure] for r in data["requests"])) for arm, data in runs.items()}
+        for measure in measures
+    }
+    return {
+        "schema": "specpilot.cpu_speedups/2",
+        "datasets": datasets,
+        "measure": measures[0],
+        "measure_label": MEASURES[measures[0]],
+        "speedups": by_measure[measures[0]],
+        "by_measure": by_measure,
+        "cpu_s": totals,
+        "resamples": RESAMPLES,
+        "seed": SEED,
+        "tokens": {arm: sum(r["completion_tokens"] for r in data["requests"]) for arm, data in runs.items()},
+    }
 
 
 def print_cpu_table(report: dict, console=None) -> None:
@@ -270,8 +362,10 @@ def print_cpu_table(report: dict, console=None) -> None:
 
     console = console or Console()
     labels = list(report["by_measure"])
-    table = Table(title="speedup in tokens per server CPU-second [95% paired bootstrap CI]: "
-                  + "; ".join(f"{'top' if i == 0 else 'bottom'} {MEASURES[m]}" for i, m in enumerate(labels)))
+    table = Table(
+        title="speedup in tokens per server CPU-second [95% paired bootstrap CI]: "
+        + "; ".join(f"{'top' if i == 0 else 'bottom'} {MEASURES[m]}" for i, m in enumerate(labels))
+    )
     table.add_column("dataset", no_wrap=True)
     for pair in report["speedups"]:
         table.add_column(pair, justify="right", no_wrap=True)

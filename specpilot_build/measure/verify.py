@@ -23,6 +23,7 @@ position. A request the oracle cannot score (its ids reach the context limit, or
 failure of that request; the others are still forced. The verdict is `lossless` only when no field fails and
 no emitted token is a real mismatch; it is written with an in-toto statement binding it to the files (attest.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,9 +52,17 @@ def dtype_tolerance(*dtypes: str | None) -> float:
     return LOGIT_SCALE * 2.0 ** -min(bits or [7])
 
 
-def verify(run: str, oracle: Engine | str, port: int = ORACLE_PORT, host: str = "127.0.0.1",
-           tolerance: float | None = None, concurrency: int | None = None, progress: bool = True,
-           console=None, renderer=None) -> dict:
+def verify(
+    run: str,
+    oracle: Engine | str,
+    port: int = ORACLE_PORT,
+    host: str = "127.0.0.1",
+    tolerance: float | None = None,
+    concurrency: int | None = None,
+    progress: bool = True,
+    console=None,
+    renderer=None,
+) -> dict:
     """Verify a bench run against an oracle engine; writes <run>.verify.json and its in-toto statement
     <run>.verify.intoto.json, and returns the report. `renderer`: a PromptRenderer of the run's target (default:
     loaded from the model directory of the run's recorded engine manifest)."""
@@ -63,11 +72,13 @@ def verify(run: str, oracle: Engine | str, port: int = ORACLE_PORT, host: str = 
     if dict(oracle_engine.model_pin) != dict(data["target_pin"]):
         raise SpecPilotError(
             f"{path} was benched on target {_pin(data['target_pin'])}, oracle engine {oracle_engine.id[:12]} "
-            f"serves {_pin(oracle_engine.model_pin)}: verify needs an oracle of the same target model")
+            f"serves {_pin(oracle_engine.model_pin)}: verify needs an oracle of the same target model"
+        )
     url = f"http://{host}:{port}"
     oracle_dtype = oracle_engine.config["model"].get("dtype")
-    tolerance = dtype_tolerance(oracle_dtype, (data.get("model") or {}).get("dtype")) \
-        if tolerance is None else tolerance
+    tolerance = (
+        dtype_tolerance(oracle_dtype, (data.get("model") or {}).get("dtype")) if tolerance is None else tolerance
+    )
     concurrency = concurrency or int(oracle_engine.config["batching"]["concurrency"])
     renderer = renderer or record_renderer(data)
     failures = check_record(data, renderer)
@@ -76,35 +87,55 @@ def verify(run: str, oracle: Engine | str, port: int = ORACLE_PORT, host: str = 
         report = force_tokens(data, url, tolerance, concurrency, progress, context=context)
     report["failures"] = failures + report["failures"]
     report["verdict"] = _verdict(report)
-    report.update({"run": str(path), "checked_engine_id": data["engine_id"], "oracle_engine_id": oracle_engine.id,
-                   "recorded_oracle_engine_id": data.get("oracle_engine_id"),
-                   "oracle_is_recorded": oracle_engine.id == data.get("oracle_engine_id"),
-                   "oracle_dtype": oracle_dtype, "bench_wall_s": data.get("wall_s")})
+    report.update(
+        {
+            "run": str(path),
+            "checked_engine_id": data["engine_id"],
+            "oracle_engine_id": oracle_engine.id,
+            "recorded_oracle_engine_id": data.get("oracle_engine_id"),
+            "oracle_is_recorded": oracle_engine.id == data.get("oracle_engine_id"),
+            "oracle_dtype": oracle_dtype,
+            "bench_wall_s": data.get("wall_s"),
+        }
+    )
     if data.get("wall_s"):
         report["verify_to_bench_time"] = report["wall_s"] / data["wall_s"]
     out = path.with_name(path.name.removesuffix(".json") + ".verify.json")
     report["json"] = str(out)
     report["statement"] = str(attest.statement_path(out))
     write_json(out, report)
-    attest.write_statement(out, [path, out], attest.PREDICATE_VERIFY,
-                           verify_predicate(report, data, oracle_engine, server.info))
+    attest.write_statement(
+        out, [path, out], attest.PREDICATE_VERIFY, verify_predicate(report, data, oracle_engine, server.info)
+    )
     print_summary(report, console)
     return report
 
 
 def verify_predicate(report: dict, data: dict, oracle: Engine, oracle_info: dict) -> dict:
-    return {"verdict": report["verdict"], "engine_id": data["engine_id"], "arm": data.get("arm"),
-            "setting": data.get("setting"), "manifest_digest": data.get("manifest_digest"),
-            "oracle_engine_id": oracle.id, "recorded_oracle_engine_id": data.get("oracle_engine_id"),
-            "target_pin": data.get("target_pin"),
-            "hardware": {"run": data.get("hardware"), "oracle": oracle.config.get("hardware")},
-            "versions": {"run": data.get("versions"), "run_server": data.get("served"),
-                         "oracle_server": {"runtime": oracle_info.get("runtime"),
-                                           "version": oracle_info.get("version")},
-                         "specpilot": __version__, "python": sys.version.split()[0]},
-            "tokens": report["tokens"], "verified": report["verified"], "near_ties": report["near_ties"],
-            "real_mismatches": report["real_mismatches"], "failures": len(report["failures"]),
-            "tolerance": report["tolerance"]}
+    return {
+        "verdict": report["verdict"],
+        "engine_id": data["engine_id"],
+        "arm": data.get("arm"),
+        "setting": data.get("setting"),
+        "manifest_digest": data.get("manifest_digest"),
+        "oracle_engine_id": oracle.id,
+        "recorded_oracle_engine_id": data.get("oracle_engine_id"),
+        "target_pin": data.get("target_pin"),
+        "hardware": {"run": data.get("hardware"), "oracle": oracle.config.get("hardware")},
+        "versions": {
+            "run": data.get("versions"),
+            "run_server": data.get("served"),
+            "oracle_server": {"runtime": oracle_info.get("runtime"), "version": oracle_info.get("version")},
+            "specpilot": __version__,
+            "python": sys.version.split()[0],
+        },
+        "tokens": report["tokens"],
+        "verified": report["verified"],
+        "near_ties": report["near_ties"],
+        "real_mismatches": report["real_mismatches"],
+        "failures": len(report["failures"]),
+        "tolerance": report["tolerance"],
+    }
 
 
 def _verdict(report: dict) -> str:
@@ -118,8 +149,9 @@ def _min_known(*values):
     return min(known) if known else None
 
 
-def force_tokens(data: dict, url: str, tolerance: float, concurrency: int, progress: bool = True,
-                 context: int | None = None) -> dict:
+def force_tokens(
+    data: dict, url: str, tolerance: float, concurrency: int, progress: bool = True, context: int | None = None
+) -> dict:
     """Token-force every request of a results dict through the server at url; the report without file names.
 
     A request whose ids reach `context` (the oracle could not take them) is not sent; one the oracle refuses
@@ -131,16 +163,24 @@ def force_tokens(data: dict, url: str, tolerance: float, concurrency: int, progr
             unforced.append(r)
         elif context is not None and length >= context:
             position = max(0, context - 1 - len(r["prompt_ids"]))
-            failures.append(_failure(r, "output_ids", f"prompt + output = {length} tokens reach the context of "
-                                                      f"{context} (the first token at or past the limit is "
-                                                      f"position {position}): not forced", position))
+            failures.append(
+                _failure(
+                    r,
+                    "output_ids",
+                    f"prompt + output = {length} tokens reach the context of "
+                    f"{context} (the first token at or past the limit is "
+                    f"position {position}): not forced",
+                    position,
+                )
+            )
             unforced.append(r)
         else:
             requests.append(r)
     bodies = [forcing_body(r["prompt_ids"], r["output_ids"]) for r in requests]
     started = time.perf_counter()
-    with client.progress_bar(progress, len(bodies), label="verify",
-                             tokens_of=lambda index, answer: len(requests[index]["output_ids"])) as advance:
+    with client.progress_bar(
+        progress, len(bodies), label="verify", tokens_of=lambda index, answer: len(requests[index]["output_ids"])
+    ) as advance:
         answers = _post_each(url, bodies, concurrency, advance)
     checks = []
     for r, answer in zip(requests, answers):
@@ -151,24 +191,44 @@ def force_tokens(data: dict, url: str, tolerance: float, concurrency: int, progr
         except SpecPilotError as exc:
             failures.append(_failure(r, "oracle", f"not forced: {exc}"))
             unforced.append(r)
-    checks += [{"dataset": r["dataset"], "item_id": r["item_id"], "tokens": len(r["output_ids"]), "verified": 0,
-                "near_ties": [], "first_mismatch": None, "mismatches_after": 0} for r in unforced]
+    checks += [
+        {
+            "dataset": r["dataset"],
+            "item_id": r["item_id"],
+            "tokens": len(r["output_ids"]),
+            "verified": 0,
+            "near_ties": [],
+            "first_mismatch": None,
+            "mismatches_after": 0,
+        }
+        for r in unforced
+    ]
     totals = {}
     for c in checks:
-        t = totals.setdefault(c["dataset"], {"requests": 0, "tokens": 0, "verified": 0, "near_ties": 0,
-                                             "real_mismatches": 0})
+        t = totals.setdefault(
+            c["dataset"], {"requests": 0, "tokens": 0, "verified": 0, "near_ties": 0, "real_mismatches": 0}
+        )
         t["requests"] += 1
         t["tokens"] += c["tokens"]
         t["verified"] += c["verified"]
         t["near_ties"] += len(c["near_ties"])
         t["real_mismatches"] += c["first_mismatch"] is not None
     real = sum(t["real_mismatches"] for t in totals.values())
-    report = {"schema": "specpilot.verify/2", "verdict": None, "real_mismatches": real, "near_ties": sum(t["near_ties"] for t in totals.values()),
-            "tokens": sum(t["tokens"] for t in totals.values()),
-            "verified": sum(t["verified"] for t in totals.values()),
-            "tolerance": tolerance, "method": __doc__.strip().split("\n\n")[2].replace("\n", " "),
-            "concurrency": concurrency, "wall_s": time.perf_counter() - started, "totals": totals,
-            "requests": checks, "failures": failures}
+    report = {
+        "schema": "specpilot.verify/2",
+        "verdict": None,
+        "real_mismatches": real,
+        "near_ties": sum(t["near_ties"] for t in totals.values()),
+        "tokens": sum(t["tokens"] for t in totals.values()),
+        "verified": sum(t["verified"] for t in totals.values()),
+        "tolerance": tolerance,
+        "method": __doc__.strip().split("\n\n")[2].replace("\n", " "),
+        "concurrency": concurrency,
+        "wall_s": time.perf_counter() - started,
+        "totals": totals,
+        "requests": checks,
+        "failures": failures,
+    }
     report["verdict"] = _verdict(report)
     return report
 
@@ -189,8 +249,13 @@ def _post_each(url: str, bodies: list[dict], concurrency: int, advance) -> list:
 
 
 def _failure(request: dict | None, field: str, message: str, position: int | None = None) -> dict:
-    return {"dataset": request and request.get("dataset"), "item_id": request and request.get("item_id"),
-            "field": field, "position": position, "message": message}
+    return {
+        "dataset": request and request.get("dataset"),
+        "item_id": request and request.get("item_id"),
+        "field": field,
+        "position": position,
+        "message": message,
+    }
 
 
 def _where(failure: dict) -> str:
@@ -201,10 +266,11 @@ def _where(failure: dict) -> str:
 
 # --- the record, field by field -------------------------------------------------------------------------------
 
+
 def record_renderer(data: dict):
     """The PromptRenderer of the run's engine: the tokenizer and chat template of its recorded manifest."""
-    from specpilot_build.models.checkpoints import model_dirs
     from specpilot_build.measure.prompts import PromptRenderer
+    from specpilot_build.models.checkpoints import model_dirs
 
     manifest = data["engine_manifest"]
     config = manifest["config"]
@@ -233,22 +299,40 @@ def check_record(data: dict, renderer) -> list[dict]:
     model_config = (data.get("engine_manifest") or {}).get("config", {}).get("model", {})
     expected_context = model_config.get("context_length") or renderer.context_length
     if context != expected_context:
-        failures.append(_failure(None, "context_length", f"recorded {context}, the engine's model has "
-                                                         f"{expected_context}"))
+        failures.append(
+            _failure(None, "context_length", f"recorded {context}, the engine's model has {expected_context}")
+        )
         context = expected_context
     items = _rendered_items(data, renderer, failures)
     stop, any_eos = eos_ids(renderer)
     run_budget = data.get("max_new_tokens")
     runtime = (data.get("engine_manifest") or {}).get("config", {}).get("runtime", {}).get("name", "")
     for r in data["requests"]:
-        failures += check_request_fields(r, renderer, items.get((r["dataset"], r["item_id"])), run_budget, context,
-                                         stop, any_eos, detokenizer_context(runtime))
+        failures += check_request_fields(
+            r,
+            renderer,
+            items.get((r["dataset"], r["item_id"])),
+            run_budget,
+            context,
+            stop,
+            any_eos,
+            detokenizer_context(runtime),
+        )
     recorded = data.get("prompts_digest")
-    recomputed = prompts_digest([{"dataset": r["dataset"], "item_id": r["item_id"],
-                                  "prompt_digest": prompt_digest(r["prompt_ids"])} for r in data["requests"]])
+    recomputed = prompts_digest(
+        [
+            {"dataset": r["dataset"], "item_id": r["item_id"], "prompt_digest": prompt_digest(r["prompt_ids"])}
+            for r in data["requests"]
+        ]
+    )
     if recorded != recomputed:
-        failures.append(_failure(None, "prompts_digest", f"recorded {str(recorded)[:16]}…, recomputed from the "
-                                                         f"requests' prompt_ids {recomputed[:16]}…"))
+        failures.append(
+            _failure(
+                None,
+                "prompts_digest",
+                f"recorded {str(recorded)[:16]}…, recomputed from the requests' prompt_ids {recomputed[:16]}…",
+            )
+        )
     return failures
 
 
@@ -257,31 +341,47 @@ def _check_identity(data: dict) -> list[dict]:
     engine_id = data.get("engine_id")
     served = client.served_engine_id(data.get("server_info") or {})
     if served != engine_id:
-        failures.append(_failure(None, "engine_id", f"the run records engine {engine_id}, its server reported "
-                                                    f"{served} in server_info"))
+        failures.append(
+            _failure(
+                None, "engine_id", f"the run records engine {engine_id}, its server reported {served} in server_info"
+            )
+        )
     if (data.get("served") or {}).get("engine_id") != served:
-        failures.append(_failure(None, "served.engine_id", f"{(data.get('served') or {}).get('engine_id')} is "
-                                                           f"not server_info's {served}"))
+        failures.append(
+            _failure(
+                None, "served.engine_id", f"{(data.get('served') or {}).get('engine_id')} is not server_info's {served}"
+            )
+        )
     if data.get("manifest_digest") != f"blake3:{engine_id}":
-        failures.append(_failure(None, "manifest_digest", f"{data.get('manifest_digest')} is not the engine id "
-                                                          f"{engine_id}"))
+        failures.append(
+            _failure(None, "manifest_digest", f"{data.get('manifest_digest')} is not the engine id {engine_id}")
+        )
     manifest = data.get("engine_manifest")
     if not isinstance(manifest, dict) or engine_id_of(manifest) != engine_id:
-        failures.append(_failure(None, "engine_manifest", f"the recorded manifest does not hash to the engine "
-                                                          f"id {engine_id}"))
+        failures.append(
+            _failure(None, "engine_manifest", f"the recorded manifest does not hash to the engine id {engine_id}")
+        )
     else:
         pin = manifest["inputs"]["checkpoints"]["model"]
-        for field, want in (("arm", manifest.get("arm")), ("setting", manifest.get("setting")),
-                            ("target_pin", {"repo": pin["repo"], "revision": pin["revision"]})):
+        for field, want in (
+            ("arm", manifest.get("arm")),
+            ("setting", manifest.get("setting")),
+            ("target_pin", {"repo": pin["repo"], "revision": pin["revision"]}),
+        ):
             if data.get(field) != want:
-                failures.append(_failure(None, field, f"recorded {data.get(field)}, the engine's manifest says "
-                                                      f"{want}"))
+                failures.append(_failure(None, field, f"recorded {data.get(field)}, the engine's manifest says {want}"))
     oracle = data.get("oracle") or {}
     oracle_id = data.get("oracle_engine_id")
-    if not oracle_id or oracle.get("engine_id") != oracle_id or oracle.get("manifest_digest") != f"blake3:{oracle_id}" \
-            or not isinstance(oracle.get("manifest"), dict) or engine_id_of(oracle["manifest"]) != oracle_id:
-        failures.append(_failure(None, "oracle_engine_id", f"{oracle_id} is not the digest of the recorded "
-                                                           "oracle manifest"))
+    if (
+        not oracle_id
+        or oracle.get("engine_id") != oracle_id
+        or oracle.get("manifest_digest") != f"blake3:{oracle_id}"
+        or not isinstance(oracle.get("manifest"), dict)
+        or engine_id_of(oracle["manifest"]) != oracle_id
+    ):
+        failures.append(
+            _failure(None, "oracle_engine_id", f"{oracle_id} is not the digest of the recorded oracle manifest")
+        )
     return failures
 
 
@@ -312,69 +412,121 @@ def detokenizer_context(runtime: str) -> int:
 
 def output_text(tokenizer, prompt: list[int], output: list[int], context: int) -> str:
     """The text a server reports for `output` after `prompt`, decoded behind its last `context` prompt ids."""
-    surround = prompt[len(prompt) - context:] if context else []
+    surround = prompt[len(prompt) - context :] if context else []
     if not surround:
         return tokenizer.decode(output, skip_special_tokens=True)
     head = tokenizer.decode(surround, skip_special_tokens=True)
-    return tokenizer.decode(surround + output, skip_special_tokens=True)[len(head):]
+    return tokenizer.decode(surround + output, skip_special_tokens=True)[len(head) :]
 
 
-def check_request_fields(r: dict, renderer, rendered: list[int] | None, run_budget: int | None,
-                         context: int | None, stop: set[int], any_eos: set[int],
-                         text_context: int = 0) -> list[dict]:
+def check_request_fields(
+    r: dict,
+    renderer,
+    rendered: list[int] | None,
+    run_budget: int | None,
+    context: int | None,
+    stop: set[int],
+    any_eos: set[int],
+    text_context: int = 0,
+) -> list[dict]:
     """The fields of one request that can be recomputed from its ids, the dataset, the budget and the context;
     output_text as the runtime decodes it (`text_context`: detokenizer_context)."""
     out = []
     prompt, output = list(r.get("prompt_ids") or []), list(r.get("output_ids") or [])
     if r.get("prompt_digest") != prompt_digest(prompt):
-        out.append(_failure(r, "prompt_digest", f"recorded {str(r.get('prompt_digest'))[:16]}…, sha256 of "
-                                                f"prompt_ids is {prompt_digest(prompt)[:16]}…"))
+        out.append(
+            _failure(
+                r,
+                "prompt_digest",
+                f"recorded {str(r.get('prompt_digest'))[:16]}…, sha256 of prompt_ids is {prompt_digest(prompt)[:16]}…",
+            )
+        )
     if rendered is None:
         out.append(_failure(r, "item_id", "no such item in the pinned dataset"))
     elif rendered != prompt:
         at = _first_difference(rendered, prompt)
-        out.append(_failure(r, "prompt_ids", f"differ from the dataset item rendered with the engine's tokenizer "
-                                             f"and chat template at prompt position {at}", at))
+        out.append(
+            _failure(
+                r,
+                "prompt_ids",
+                f"differ from the dataset item rendered with the engine's tokenizer "
+                f"and chat template at prompt position {at}",
+                at,
+            )
+        )
     if r.get("prompt_tokens") is not None and r["prompt_tokens"] != len(prompt):
         out.append(_failure(r, "prompt_tokens", f"recorded {r['prompt_tokens']}, prompt_ids hold {len(prompt)}"))
     budget = r.get("max_new_tokens")
-    expected_budget = run_budget if context is None or run_budget is None else min(run_budget,
-                                                                                   context - 1 - len(prompt))
+    expected_budget = (
+        run_budget if context is None or run_budget is None else min(run_budget, context - 1 - len(prompt))
+    )
     if budget != expected_budget:
-        out.append(_failure(r, "max_new_tokens", f"recorded budget {budget}, the run's {run_budget} cut to the "
-                                                 f"context gives {expected_budget}"))
+        out.append(
+            _failure(
+                r,
+                "max_new_tokens",
+                f"recorded budget {budget}, the run's {run_budget} cut to the context gives {expected_budget}",
+            )
+        )
     budget = expected_budget if isinstance(expected_budget, int) else budget
     if r.get("completion_tokens") != len(output):
-        out.append(_failure(r, "completion_tokens", f"recorded {r.get('completion_tokens')}, output_ids hold "
-                                                    f"{len(output)}", min(len(output), r.get("completion_tokens")
-                                                                          or 0)))
+        out.append(
+            _failure(
+                r,
+                "completion_tokens",
+                f"recorded {r.get('completion_tokens')}, output_ids hold {len(output)}",
+                min(len(output), r.get("completion_tokens") or 0),
+            )
+        )
     if isinstance(budget, int) and len(output) > budget:
-        out.append(_failure(r, "output_ids", f"{len(output)} tokens exceed the budget of {budget}: position "
-                                             f"{budget} onwards cannot have been generated", budget))
+        out.append(
+            _failure(
+                r,
+                "output_ids",
+                f"{len(output)} tokens exceed the budget of {budget}: position "
+                f"{budget} onwards cannot have been generated",
+                budget,
+            )
+        )
     if context is not None and len(prompt) + len(output) >= context:
         at = max(0, context - len(prompt) - 1)
-        out.append(_failure(r, "output_ids", f"prompt + output reach the context of {context} at position {at}",
-                            at))
+        out.append(_failure(r, "output_ids", f"prompt + output reach the context of {context} at position {at}", at))
     early = next((i for i, t in enumerate(output[:-1]) if t in stop), None)
     if early is not None:
-        out.append(_failure(r, "output_ids", f"end-of-sequence id {output[early]} at position {early} is followed "
-                                             "by more tokens", early))
+        out.append(
+            _failure(
+                r,
+                "output_ids",
+                f"end-of-sequence id {output[early]} at position {early} is followed by more tokens",
+                early,
+            )
+        )
     reason = r.get("finish_reason")
     if reason == "length":
         if len(output) != budget:
-            out.append(_failure(r, "finish_reason", f"'length' but {len(output)} output ids for a budget of "
-                                                    f"{budget}", len(output)))
+            out.append(
+                _failure(
+                    r, "finish_reason", f"'length' but {len(output)} output ids for a budget of {budget}", len(output)
+                )
+            )
     elif reason == "stop":
         if not output or output[-1] not in any_eos:
-            out.append(_failure(r, "finish_reason", "'stop' but the last output id is not an end-of-sequence id",
-                                len(output) - 1 if output else 0))
+            out.append(
+                _failure(
+                    r,
+                    "finish_reason",
+                    "'stop' but the last output id is not an end-of-sequence id",
+                    len(output) - 1 if output else 0,
+                )
+            )
     else:
         out.append(_failure(r, "finish_reason", f"{reason!r}: neither 'length' nor 'stop'"))
     text = output_text(renderer.tokenizer, prompt, output, text_context)
     if r.get("output_text") != text:
         at = _first_difference(text, r.get("output_text") or "")
-        out.append(_failure(r, "output_text", f"is not the decoding of output_ids (first difference at "
-                                              f"character {at})", at))
+        out.append(
+            _failure(r, "output_text", f"is not the decoding of output_ids (first difference at character {at})", at)
+        )
     return out
 
 
@@ -383,9 +535,13 @@ def _first_difference(a, b) -> int:
 
 
 def forcing_body(prompt_ids: list[int], output_ids: list[int]) -> dict:
-    return {"input_ids": list(prompt_ids) + list(output_ids),
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True, "logprob_start_len": len(prompt_ids) - 1, "top_logprobs_num": 2}
+    return {
+        "input_ids": list(prompt_ids) + list(output_ids),
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt_ids) - 1,
+        "top_logprobs_num": 2,
+    }
 
 
 def check_request(request: dict, answer: dict, tolerance: float) -> dict:
@@ -398,20 +554,26 @@ def check_request(request: dict, answer: dict, tolerance: float) -> dict:
     if not isinstance(tops, list) or len(tops) != expected:
         raise SpecPilotError(
             f"oracle answered {len(tops) if isinstance(tops, list) else 'no'} input_top_logprobs entries for "
-            f"{request['dataset']} item {request['item_id']}, expected {expected}: does it support token forcing?")
+            f"{request['dataset']} item {request['item_id']}, expected {expected}: does it support token forcing?"
+        )
     near, first, after, verified = [], None, 0, 0
     for j, emitted_id in enumerate(emitted):
         candidates = sorted((c for c in tops[j + 1] or [] if c[0] is not None), key=lambda c: -c[0])
         if not candidates:
-            raise SpecPilotError(f"oracle gave no top log-probs at {request['dataset']} item {request['item_id']} "
-                                 f"position {j}")
+            raise SpecPilotError(
+                f"oracle gave no top log-probs at {request['dataset']} item {request['item_id']} position {j}"
+            )
         top_lp, top_id = candidates[0][0], candidates[0][1]
         if top_id == emitted_id:
             verified += first is None
             continue
         margin = top_lp - _emitted_logprob(emitted_id, candidates, token_lps, j + 1)
-        finding = {"position": j, "emitted_id": emitted_id, "oracle_id": top_id,
-                   "margin": margin if math.isfinite(margin) else None}
+        finding = {
+            "position": j,
+            "emitted_id": emitted_id,
+            "oracle_id": top_id,
+            "margin": margin if math.isfinite(margin) else None,
+        }
         if first is not None:
             after += 1
         elif margin <= tolerance:
@@ -419,13 +581,25 @@ def check_request(request: dict, answer: dict, tolerance: float) -> dict:
             verified += 1
         else:
             first = finding
-    return {"dataset": request["dataset"], "item_id": request["item_id"], "tokens": len(emitted), "verified": verified,
-            "near_ties": near, "first_mismatch": first, "mismatches_after": after}
+    return {
+        "dataset": request["dataset"],
+        "item_id": request["item_id"],
+        "tokens": len(emitted),
+        "verified": verified,
+        "near_ties": near,
+        "first_mismatch": first,
+        "mismatches_after": after,
+    }
 
 
 def _emitted_logprob(emitted_id, candidates, token_lps, index) -> float:
-    if isinstance(token_lps, list) and index < len(token_lps) and token_lps[index] \
-            and token_lps[index][0] is not None and token_lps[index][1] == emitted_id:
+    if (
+        isinstance(token_lps, list)
+        and index < len(token_lps)
+        and token_lps[index]
+        and token_lps[index][0] is not None
+        and token_lps[index][1] == emitted_id
+    ):
         return token_lps[index][0]
     for lp, token_id, *_ in candidates:
         if token_id == emitted_id:
@@ -438,13 +612,21 @@ def print_summary(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"verify {report['checked_engine_id'][:12]} against oracle "
-                        f"{report['oracle_engine_id'][:12]} (tolerance {report['tolerance']:.3g})")
+    table = Table(
+        title=f"verify {report['checked_engine_id'][:12]} against oracle "
+        f"{report['oracle_engine_id'][:12]} (tolerance {report['tolerance']:.3g})"
+    )
     for column in ("dataset", "requests", "tokens", "verified", "near ties", "real mismatches"):
         table.add_column(column, justify="left" if column == "dataset" else "right")
     for dataset, t in report["totals"].items():
-        table.add_row(dataset, str(t["requests"]), str(t["tokens"]), str(t["verified"]), str(t["near_ties"]),
-                      str(t["real_mismatches"]))
+        table.add_row(
+            dataset,
+            str(t["requests"]),
+            str(t["tokens"]),
+            str(t["verified"]),
+            str(t["near_ties"]),
+            str(t["real_mismatches"]),
+        )
     console.print(table)
     for f in report.get("failures", []):
         position = f" position {f['position']}" if f.get("position") is not None else ""
@@ -452,15 +634,22 @@ def print_summary(report: dict, console=None) -> None:
     for c in report["requests"]:
         if c["first_mismatch"]:
             m = c["first_mismatch"]
-            console.print(f"real mismatch: {c['dataset']} item {c['item_id']} position {m['position']}: emitted "
-                          f"{m['emitted_id']}, oracle {m['oracle_id']}, margin {m['margin']}", soft_wrap=True)
+            console.print(
+                f"real mismatch: {c['dataset']} item {c['item_id']} position {m['position']}: emitted "
+                f"{m['emitted_id']}, oracle {m['oracle_id']}, margin {m['margin']}",
+                soft_wrap=True,
+            )
     ratio = report.get("verify_to_bench_time")
-    console.print(f"verdict: {report['verdict']} ({report['verified']}/{report['tokens']} tokens verified, "
-                  f"{report['near_ties']} near ties, {len(report.get('failures', []))} failed fields; verify "
-                  f"{report['wall_s']:.1f} s" + (f" = {ratio:.2f}× the bench time)" if ratio else ")"))
+    console.print(
+        f"verdict: {report['verdict']} ({report['verified']}/{report['tokens']} tokens verified, "
+        f"{report['near_ties']} near ties, {len(report.get('failures', []))} failed fields; verify "
+        f"{report['wall_s']:.1f} s" + (f" = {ratio:.2f}× the bench time)" if ratio else ")")
+    )
     if not report.get("oracle_is_recorded", True):
-        console.print(f"note: oracle {report['oracle_engine_id'][:12]} is not the recorded oracle "
-                      f"{str(report.get('recorded_oracle_engine_id'))[:12]}")
+        console.print(
+            f"note: oracle {report['oracle_engine_id'][:12]} is not the recorded oracle "
+            f"{str(report.get('recorded_oracle_engine_id'))[:12]}"
+        )
     if report.get("statement"):
         console.print(f"wrote {report['json']} and {report['statement']}", markup=False, soft_wrap=True)
 
@@ -484,8 +673,10 @@ class _oracle_server:
             self.info = client.server_info(self.url)
         served = client.served_engine_id(self.info)
         if served != self.engine.id:
-            raise SpecPilotError(f"port {self.port} serves engine {served or '(unnamed)'}, not the oracle "
-                                 f"{self.engine.id[:12]}; stop it or pass another PORT")
+            raise SpecPilotError(
+                f"port {self.port} serves engine {served or '(unnamed)'}, not the oracle "
+                f"{self.engine.id[:12]}; stop it or pass another PORT"
+            )
         return self
 
     def __exit__(self, *exc):

@@ -6,6 +6,7 @@ local mirror directory (offline machines), the hub through huggingface_hub's own
 placed into the hub cache layout (blobs/<sha256> + snapshots/<revision>/<path>), so transformers and
 `hf_hub_download(..., revision=<pin>)` find them like downloads.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,9 +20,9 @@ from pathlib import Path
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir, hf_cache_dir, lockfiles_dir, mirror_dir
-from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
-from specpilot_build.pins.hub import hub_endpoint, hub_errors, hub_files, hub_is_offline
 from specpilot_build.models.synthetic import TOKENIZER_SOURCE, is_synthetic, synthetic_dir, synthetic_model
+from specpilot_build.pins.hub import hub_endpoint, hub_errors, hub_files, hub_is_offline
+from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
 
 SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded")
 LLAMA2C_FORMATS = ("llama2c", "llama2c-padded")  # converted at fetch; -padded: the form SGLang's kernels accept
@@ -33,6 +34,7 @@ CHUNK = 4 * 2**20
 @dataclass(frozen=True)
 class CheckpointRequest:
     """What a setting needs from one repo (the config's model/drafter `repo`, `files`, `source_format`)."""
+
     role: str
     repo: str
     files: tuple[str, ...] = ()
@@ -46,8 +48,14 @@ def checkpoint_requests(config: dict) -> list[CheckpointRequest]:
     for role in ("model", "drafter"):
         section = config.get(role) or {}
         if section.get("repo"):
-            requests.append(CheckpointRequest(role=role, repo=section["repo"], files=tuple(section.get("files") or ()),
-                                              source_format=section.get("source_format") or "hf"))
+            requests.append(
+                CheckpointRequest(
+                    role=role,
+                    repo=section["repo"],
+                    files=tuple(section.get("files") or ()),
+                    source_format=section.get("source_format") or "hf",
+                )
+            )
     return requests
 
 
@@ -56,10 +64,13 @@ def materialize_setting(config: dict, pins: dict[str, CheckpointPin], *, mirror:
     paths, setting = {}, config.get("setting") or "<setting>"
     for req in checkpoint_requests(config):
         if req.repo not in pins:
-            raise SpecPilotError(f"{req.repo} ({req.role} of {setting}): not pinned in lockfiles/checkpoints.toml; "
-                                 f"run `make lock SETTING={setting}` where huggingface.co is reachable")
-        paths[req.role] = materialize(req.repo, pins[req.repo], source_format=req.source_format, files=req.files,
-                                      mirror=mirror, setting=setting)
+            raise SpecPilotError(
+                f"{req.repo} ({req.role} of {setting}): not pinned in lockfiles/checkpoints.toml; "
+                f"run `make lock SETTING={setting}` where huggingface.co is reachable"
+            )
+        paths[req.role] = materialize(
+            req.repo, pins[req.repo], source_format=req.source_format, files=req.files, mirror=mirror, setting=setting
+        )
     return paths
 
 
@@ -73,12 +84,20 @@ def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str,
     for role, record in checkpoints.items():
         if record is None:
             continue
-        pin = CheckpointPin(repo=record["repo"], revision=record["revision"],
-                            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
-                            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])))
+        pin = CheckpointPin(
+            repo=record["repo"],
+            revision=record["revision"],
+            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
+            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])),
+        )
         section = config[role]
-        dirs[role] = materialize(pin.repo, pin, source_format=section.get("source_format") or "hf",
-                                 files=section.get("files") or (), setting=config["setting"])
+        dirs[role] = materialize(
+            pin.repo,
+            pin,
+            source_format=section.get("source_format") or "hf",
+            files=section.get("files") or (),
+            setting=config["setting"],
+        )
     return dirs
 
 
@@ -88,13 +107,25 @@ def _expected_dir(record: dict, section: dict) -> Path:
         return synthetic_dir(record["repo"], record["revision"])
     if source_format in LLAMA2C_FORMATS:
         paths = [f["path"] for f in record.get("files", [])] or list(section.get("files") or ())
-        return converted_dir(record["repo"], record["revision"], llama2c_pair(record["repo"], paths)[0],
-                             padded=source_format == "llama2c-padded")
+        return converted_dir(
+            record["repo"],
+            record["revision"],
+            llama2c_pair(record["repo"], paths)[0],
+            padded=source_format == "llama2c-padded",
+        )
     return snapshot_dir(hf_cache_dir(), record["repo"], record["revision"])
 
 
-def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "hf", files: Sequence[str] = (),
-                mirror: Path | None = None, cache_dir: Path | None = None, setting: str = "<setting>") -> Path:
+def materialize(
+    repo: str,
+    pin: CheckpointPin | None,
+    *,
+    source_format: str = "hf",
+    files: Sequence[str] = (),
+    mirror: Path | None = None,
+    cache_dir: Path | None = None,
+    setting: str = "<setting>",
+) -> Path:
     """Make `repo` at its pinned revision loadable by transformers and return that directory.
 
     hf: the snapshot directory in the HF cache. llama2c: the converted model under the data dir, checked
@@ -105,10 +136,14 @@ def materialize(repo: str, pin: CheckpointPin | None, *, source_format: str = "h
     if is_synthetic(repo):  # written by SpecPilot (models/synthetic.py), checked against the pin's `converted`
         return synthetic_model(repo, pin, synthetic_tokenizer_dir(mirror=mirror))
     if source_format not in SOURCE_FORMATS:
-        raise SpecPilotError(f"{repo}: unknown source_format {source_format!r}; choose one of {', '.join(SOURCE_FORMATS)}")
+        raise SpecPilotError(
+            f"{repo}: unknown source_format {source_format!r}; choose one of {', '.join(SOURCE_FORMATS)}"
+        )
     if pin is None:
-        raise SpecPilotError(f"{repo}: not pinned in lockfiles/checkpoints.toml; run `make lock SETTING={setting}` "
-                             "where huggingface.co is reachable")
+        raise SpecPilotError(
+            f"{repo}: not pinned in lockfiles/checkpoints.toml; run `make lock SETTING={setting}` "
+            "where huggingface.co is reachable"
+        )
     cache = Path(cache_dir) if cache_dir else hf_cache_dir()
     if mirror is not None and not Path(mirror).is_dir():
         raise SpecPilotError(f"mirror {mirror}: not a directory")
@@ -125,8 +160,13 @@ def synthetic_tokenizer_dir(mirror: Path | None = None) -> Path:
     from specpilot_build.pins.lockfile import load_lock
 
     repo = TOKENIZER_SOURCE["repo"]
-    return materialize(repo, load_lock().checkpoints.get(repo), source_format=TOKENIZER_SOURCE["source_format"],
-                       files=TOKENIZER_SOURCE["files"], mirror=mirror)
+    return materialize(
+        repo,
+        load_lock().checkpoints.get(repo),
+        source_format=TOKENIZER_SOURCE["source_format"],
+        files=TOKENIZER_SOURCE["files"],
+        mirror=mirror,
+    )
 
 
 def snapshot_dir(cache: Path, repo: str, revision: str) -> Path:
@@ -134,6 +174,7 @@ def snapshot_dir(cache: Path, repo: str, revision: str) -> Path:
 
 
 # --- one file -----------------------------------------------------------------------------------------
+
 
 def fetch_file(repo: str, revision: str, pinned: PinnedFile, *, cache: Path, mirror: Path | None) -> Path:
     """The verified file `pinned.path` of `repo`@`revision` in the HF cache: reused, copied from the mirror
@@ -188,15 +229,19 @@ def sha256_of(path: Path, *, label: str | None = None) -> str:
 def _wanted_files(pin: CheckpointPin, files: Sequence[str], setting: str) -> list[PinnedFile]:
     if not pin.files:
         if hub_is_offline():
-            raise SpecPilotError(f"{pin.repo}@{pin.revision}: pinned, but its files are not locked (no sizes/sha256 in "
-                                 "checkpoints.toml) and the hub is offline (HF_HUB_OFFLINE=1); run `make lock "
-                                 f"SETTING={setting}` where huggingface.co is reachable")
+            raise SpecPilotError(
+                f"{pin.repo}@{pin.revision}: pinned, but its files are not locked (no sizes/sha256 in "
+                "checkpoints.toml) and the hub is offline (HF_HUB_OFFLINE=1); run `make lock "
+                f"SETTING={setting}` where huggingface.co is reachable"
+            )
         return hub_files(pin.repo, pin.revision, list(files))
     by_path = {f.path: f for f in pin.files}
     missing = [p for p in files if p not in by_path]
     if missing:
-        raise SpecPilotError(f"{pin.repo}@{pin.revision[:12]}: {missing[0]} is not among the locked files in "
-                             f"checkpoints.toml; run `make lock SETTING={setting}`")
+        raise SpecPilotError(
+            f"{pin.repo}@{pin.revision[:12]}: {missing[0]} is not among the locked files in "
+            f"checkpoints.toml; run `make lock SETTING={setting}`"
+        )
     return [by_path[p] for p in files] if files else list(pin.files)
 
 
@@ -231,8 +276,10 @@ def _place_in_cache(candidates: list[Path], cache: Path, repo: str, revision: st
     with FileLock(str(lock_path)):
         if not (blob.is_file() and verified(blob, pinned)):
             if not any(_copy_if_pinned(source, blob, pinned) for source in candidates):
-                raise SpecPilotError(f"{candidates[0]}: sha256 differs from the pin of {repo} {pinned.path} "
-                                     f"({pinned.sha256[:16]}…); refusing it")
+                raise SpecPilotError(
+                    f"{candidates[0]}: sha256 differs from the pin of {repo} {pinned.path} "
+                    f"({pinned.sha256[:16]}…); refusing it"
+                )
         _link(pointer, blob)
     return pointer
 
@@ -241,8 +288,11 @@ def _copy_if_pinned(source: Path, blob: Path, pinned: PinnedFile) -> bool:
     fd, tmp = tempfile.mkstemp(dir=blob.parent, prefix=f"{pinned.sha256}.", suffix=".incomplete")
     try:
         digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, open(source, "rb") as src, \
-                _progress(pinned.size, f"copy {pinned.path}") as bar:
+        with (
+            os.fdopen(fd, "wb") as out,
+            open(source, "rb") as src,
+            _progress(pinned.size, f"copy {pinned.path}") as bar,
+        ):
             while chunk := src.read(CHUNK):
                 digest.update(chunk)
                 out.write(chunk)
@@ -272,17 +322,22 @@ def _link(pointer: Path, blob: Path) -> None:
 def _download(repo: str, revision: str, pinned: PinnedFile, *, cache: Path, mirror: Path | None) -> Path:
     if hub_is_offline():
         where = f"the mirror {mirror}" if mirror else "any mirror (none set: SPECPILOT_MIRROR)"
-        raise SpecPilotError(f"{repo}@{revision[:12]}: {pinned.path} is neither in the HF cache ({cache}) nor in "
-                             f"{where}, and the hub is offline (HF_HUB_OFFLINE=1)")
+        raise SpecPilotError(
+            f"{repo}@{revision[:12]}: {pinned.path} is neither in the HF cache ({cache}) nor in "
+            f"{where}, and the hub is offline (HF_HUB_OFFLINE=1)"
+        )
     from huggingface_hub import hf_hub_download
 
     with hub_errors(repo, revision, pinned.path):
-        path = Path(hf_hub_download(repo, pinned.path, revision=revision, cache_dir=str(cache),
-                                        endpoint=hub_endpoint()))
+        path = Path(
+            hf_hub_download(repo, pinned.path, revision=revision, cache_dir=str(cache), endpoint=hub_endpoint())
+        )
     if not verified(path, pinned):
         _remove_cached(path)
-        raise SpecPilotError(f"{repo}@{revision[:12]}: downloaded {pinned.path} does not match its pin "
-                             f"(size {pinned.size}, sha256 {pinned.sha256[:16]}…); removed it from the cache")
+        raise SpecPilotError(
+            f"{repo}@{revision[:12]}: downloaded {pinned.path} does not match its pin "
+            f"(size {pinned.size}, sha256 {pinned.sha256[:16]}…); removed it from the cache"
+        )
     return path
 
 
@@ -303,6 +358,7 @@ def _storage(cache: Path, repo: str) -> Path:
 
 # --- llama2.c checkpoints: the converted model ----------------------------------------------------
 
+
 def converted_dir(repo: str, revision: str, model_path: str, *, padded: bool = False) -> Path:
     storage = repo.replace("/", "--")
     return data_dir() / "converted" / storage / revision / (Path(model_path).stem + ("-padded" if padded else ""))
@@ -317,7 +373,10 @@ def padded_pins(lockfile: Path | None = None) -> dict[str, tuple[str, tuple[Pinn
     out = {}
     for repo, table in _read_toml(path).items():
         if PADDED_KEY in table:
-            out[repo] = (table.get("revision", ""), _pinned_files(table[PADDED_KEY], f"{path.name} [\"{repo}\"].{PADDED_KEY}"))
+            out[repo] = (
+                table.get("revision", ""),
+                _pinned_files(table[PADDED_KEY], f'{path.name} ["{repo}"].{PADDED_KEY}'),
+            )
     return out
 
 
@@ -336,22 +395,28 @@ def _converted_model(repo: str, pin: CheckpointPin, paths: dict[str, Path], *, p
         return _convert_once(repo, pin, paths[model_path], paths[tokenizer_path], out, padded=padded)
 
 
-def _convert_once(repo: str, pin: CheckpointPin, model_bin: Path, tokenizer_bin: Path, out: Path, *,
-                  padded: bool = False) -> Path:
+def _convert_once(
+    repo: str, pin: CheckpointPin, model_bin: Path, tokenizer_bin: Path, out: Path, *, padded: bool = False
+) -> Path:
     from specpilot_build.models.llama2c import OUTPUT_FILES, convert
 
     expected = _padded_expected(pin) if padded else {f.path: f for f in pin.converted}
     key = PADDED_KEY if padded else "converted"
-    if out.is_dir() and sorted(p.name for p in out.iterdir()) == sorted(OUTPUT_FILES) \
-            and all(verified(out / name, expected[name]) for name in OUTPUT_FILES if name in expected):
+    if (
+        out.is_dir()
+        and sorted(p.name for p in out.iterdir()) == sorted(OUTPUT_FILES)
+        and all(verified(out / name, expected[name]) for name in OUTPUT_FILES if name in expected)
+    ):
         return out
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".incomplete"))
     try:
         convert(model_bin, tokenizer_bin, tmp, padded=padded)
         for name in OUTPUT_FILES:
             if name in expected and not verified(tmp / name, expected[name]):
-                raise SpecPilotError(f"{repo}@{pin.revision[:12]}: converted {name} differs from the lock's "
-                                     f"`{key}` sha256 {expected[name].sha256[:16]}… (another converter version?)")
+                raise SpecPilotError(
+                    f"{repo}@{pin.revision[:12]}: converted {name} differs from the lock's "
+                    f"`{key}` sha256 {expected[name].sha256[:16]}… (another converter version?)"
+                )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -371,18 +436,23 @@ def llama2c_pair(repo: str, paths: Iterable[str]) -> tuple[str, str]:
     tokenizers = [p for p in paths if Path(p).name.startswith("tok")]
     models = [p for p in paths if p not in tokenizers and p.endswith(".bin")]
     if len(tokenizers) != 1 or len(models) != 1:
-        raise SpecPilotError(f"{repo}: a llama2c checkpoint needs exactly one model .bin and one tok*.bin in "
-                             f"`files`, got {sorted(paths)}")
+        raise SpecPilotError(
+            f"{repo}: a llama2c checkpoint needs exactly one model .bin and one tok*.bin in "
+            f"`files`, got {sorted(paths)}"
+        )
     return models[0], tokenizers[0]
 
 
 def converted_files(directory: Path) -> list[PinnedFile]:
     """The lock's `converted` entries for a converted model directory."""
-    return [PinnedFile(path=p.name, size=p.stat().st_size, sha256=sha256_of(p))
-            for p in sorted(directory.iterdir(), key=lambda p: p.name.encode())]
+    return [
+        PinnedFile(path=p.name, size=p.stat().st_size, sha256=sha256_of(p))
+        for p in sorted(directory.iterdir(), key=lambda p: p.name.encode())
+    ]
 
 
 # --- verification stamps and progress -----------------------------------------------------------
+
 
 def _stamps_path() -> Path:
     return data_dir() / "checkpoints" / "verified.json"
@@ -422,4 +492,3 @@ def _progress(total: int, label: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
-

@@ -18,6 +18,7 @@ the others are zero. HF rotates pairs (i, i + d/2) by position * theta^(-2i/d); 
 unchanged; o_proj's columns follow v's dims. The MLP's intermediate size is rounded up to a multiple of 16
 with zero rows of gate/up and zero columns of down (silu(0) * 0 = 0). Exact up to float32 rounding of
 sqrt(k) * q."""
+
 from __future__ import annotations
 
 import json
@@ -90,6 +91,7 @@ def convert(model_bin: Path, tokenizer_bin: Path, out_dir: Path, *, padded: bool
 
 # --- the checkpoint ---------------------------------------------------------------------------------
 
+
 def read_checkpoint(path: Path) -> tuple[Llama2cHeader, dict[str, np.ndarray]]:
     raw = path.read_bytes()
     if len(raw) < 28:
@@ -98,7 +100,9 @@ def read_checkpoint(path: Path) -> tuple[Llama2cHeader, dict[str, np.ndarray]]:
         raise SpecPilotError(f"{path}: a versioned llama2.c export (magic 'ak42'); only the legacy layout is supported")
     dim, hidden, layers, heads, kv_heads, vocab, seq_len = struct.unpack_from("<7i", raw, 0)
     if min(dim, hidden, layers, heads, kv_heads, seq_len) <= 0 or dim % heads or heads % kv_heads:
-        raise SpecPilotError(f"{path}: not a llama2.c checkpoint header {[dim, hidden, layers, heads, kv_heads, vocab, seq_len]}")
+        raise SpecPilotError(
+            f"{path}: not a llama2.c checkpoint header {[dim, hidden, layers, heads, kv_heads, vocab, seq_len]}"
+        )
     header = Llama2cHeader(dim, hidden, layers, heads, kv_heads, abs(vocab), seq_len, shared_classifier=vocab > 0)
     kv_dim = header.n_kv_heads * header.head_dim
     half_head = header.head_dim // 2
@@ -199,20 +203,23 @@ def pad_state_dict(header: Llama2cHeader, state: dict[str, np.ndarray]) -> dict[
         prefix = f"model.layers.{i}."
         q = state[prefix + "self_attn.q_proj.weight"]
         out[prefix + "self_attn.q_proj.weight"] = spread_head_rows(
-            (q.astype(np.float64) * q_scale).astype("<f4"), header.n_heads, k)
+            (q.astype(np.float64) * q_scale).astype("<f4"), header.n_heads, k
+        )
         for name in ("k_proj", "v_proj"):
             out[prefix + f"self_attn.{name}.weight"] = spread_head_rows(
-                state[prefix + f"self_attn.{name}.weight"], header.n_kv_heads, k)
+                state[prefix + f"self_attn.{name}.weight"], header.n_kv_heads, k
+            )
         wo = state[prefix + "self_attn.o_proj.weight"]  # columns are v's dims, head by head
-        out[prefix + "self_attn.o_proj.weight"] = spread_head_rows(
-            np.ascontiguousarray(wo.T), header.n_heads, k).T
+        out[prefix + "self_attn.o_proj.weight"] = spread_head_rows(np.ascontiguousarray(wo.T), header.n_heads, k).T
         for name in ("gate_proj", "up_proj"):
             w = state[prefix + f"mlp.{name}.weight"]
             out[prefix + f"mlp.{name}.weight"] = np.concatenate(
-                [w, np.zeros((hidden - w.shape[0], w.shape[1]), dtype=w.dtype)], axis=0)
+                [w, np.zeros((hidden - w.shape[0], w.shape[1]), dtype=w.dtype)], axis=0
+            )
         down = state[prefix + "mlp.down_proj.weight"]
         out[prefix + "mlp.down_proj.weight"] = np.concatenate(
-            [down, np.zeros((down.shape[0], hidden - down.shape[1]), dtype=down.dtype)], axis=1)
+            [down, np.zeros((down.shape[0], hidden - down.shape[1]), dtype=down.dtype)], axis=1
+        )
     return {name: np.ascontiguousarray(value, dtype="<f4") for name, value in out.items()}
 
 
@@ -247,6 +254,7 @@ def model_config(header: Llama2cHeader, *, padded: bool = False) -> dict:
 
 # --- the tokenizer ----------------------------------------------------------------------------------
 
+
 def read_tokenizer(path: Path) -> tuple[list[str], list[float]]:
     raw = path.read_bytes()
     offset, pieces, scores = 4, [], []
@@ -254,7 +262,7 @@ def read_tokenizer(path: Path) -> tuple[list[str], list[float]]:
         while offset < len(raw):
             score, length = struct.unpack_from("<fI", raw, offset)
             offset += 8
-            piece = raw[offset:offset + length].decode("utf-8")
+            piece = raw[offset : offset + length].decode("utf-8")
             if len(piece.encode("utf-8")) != length:
                 raise struct.error("truncated piece")
             offset += length
@@ -294,21 +302,37 @@ def tokenizer_json(pieces: list[str], scores: list[float]) -> dict:
     from tokenizers import Tokenizer
 
     special = [
-        {"content": piece, "id": i, "lstrip": False, "normalized": False, "rstrip": False,
-         "single_word": False, "special": True}
+        {
+            "content": piece,
+            "id": i,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for i, piece in enumerate(pieces[:3])
     ]
     spec = {
         "added_tokens": special,
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": SPIECE_SPACE}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-        ]},
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": SPIECE_SPACE}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
         "model": {
-            "type": "BPE", "byte_fallback": True, "continuing_subword_prefix": None, "dropout": None,
-            "end_of_word_suffix": None, "fuse_unk": True, "ignore_merges": False, "unk_token": "<unk>",
+            "type": "BPE",
+            "byte_fallback": True,
+            "continuing_subword_prefix": None,
+            "dropout": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "ignore_merges": False,
+            "unk_token": "<unk>",
             "vocab": {piece: i for i, piece in enumerate(pieces)},
             "merges": bpe_merges(pieces, scores),
         },
@@ -317,8 +341,12 @@ def tokenizer_json(pieces: list[str], scores: list[float]) -> dict:
         "post_processor": {
             "type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "pair": [
+                {"SpecialToken": {"id": "<s>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": "<s>", "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
             "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
         },
         "pre_tokenizer": {"type": "Metaspace", "replacement": SPIECE_SPACE, "prepend_scheme": "always", "split": False},
@@ -346,6 +374,7 @@ def tokenizer_config(header: Llama2cHeader) -> dict:
 
 
 # --- deterministic writers --------------------------------------------------------------------------
+
 
 def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")

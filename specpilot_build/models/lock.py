@@ -5,6 +5,7 @@ Resolves a branch or tag to its 40-hex commit with huggingface_hub, reads the fi
 and hashed), converts llama2.c checkpoints to record the conversion's hashes too, then rewrites
 lockfiles/checkpoints.toml in one atomic step: either every repo is locked or the file is untouched.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from specpilot_build.errors import SpecPilotError
 from specpilot_build.models.checkpoints import (
     LLAMA2C_FORMATS,
     PADDED_KEY,
@@ -22,18 +24,25 @@ from specpilot_build.models.checkpoints import (
     padded_pins,
 )
 from specpilot_build.pins.hub import hub_files, resolve_revision
-from specpilot_build.errors import SpecPilotError
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, load_checkpoint_pins
 
-HEADER = ("# Checkpoint pins: repo -> exact 40-hex revision; per-file size and sha256 once locked "
-          "(`make lock SETTING=...`).\n"
-          "# `converted`: the output of specpilot_build/llama2c.py for llama2.c checkpoints, hashed like any pinned file.\n"
-          "# `converted_padded`: its padded form (source_format llama2c-padded: head_dim 16, intermediate 176 for stories260K).\n")
+HEADER = (
+    "# Checkpoint pins: repo -> exact 40-hex revision; per-file size and sha256 once locked "
+    "(`make lock SETTING=...`).\n"
+    "# `converted`: the output of specpilot_build/llama2c.py for llama2.c checkpoints, hashed like any pinned file.\n"
+    "# `converted_padded`: its padded form (source_format llama2c-padded: head_dim 16, intermediate 176 for stories260K).\n"
+)
 
 
-def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapping[str, str] | None = None,
-               source_formats: Mapping[str, str] | None = None, update: bool = False,
-               mirror: Path | None = None) -> dict[str, CheckpointPin]:
+def lock_repos(
+    repos: Mapping[str, Sequence[str]],
+    lockfile: Path,
+    *,
+    refs: Mapping[str, str] | None = None,
+    source_formats: Mapping[str, str] | None = None,
+    update: bool = False,
+    mirror: Path | None = None,
+) -> dict[str, CheckpointPin]:
     """Lock `repos` (repo → files to pin; empty: every file at the revision) into `lockfile`.
 
     A repo already pinned keeps its revision (confirmed, files added) unless `update`; otherwise
@@ -53,16 +62,18 @@ def lock_repos(repos: Mapping[str, Sequence[str]], lockfile: Path, *, refs: Mapp
         pin = CheckpointPin(repo=repo, revision=revision, files=files)
         padded.pop(repo, None)
         if source_formats.get(repo, "hf") in LLAMA2C_FORMATS:
-            pin = CheckpointPin(repo=repo, revision=revision, files=files,
-                                converted=conversion_hashes(pin, mirror=mirror))
+            pin = CheckpointPin(
+                repo=repo, revision=revision, files=files, converted=conversion_hashes(pin, mirror=mirror)
+            )
             padded[repo] = conversion_hashes(pin, mirror=mirror, padded=True)
         locked[repo] = pin
     write_lockfile({**existing, **locked}, lockfile, padded=padded)
     return locked
 
 
-def conversion_hashes(pin: CheckpointPin, *, mirror: Path | None = None, padded: bool = False
-                      ) -> tuple[PinnedFile, ...]:
+def conversion_hashes(
+    pin: CheckpointPin, *, mirror: Path | None = None, padded: bool = False
+) -> tuple[PinnedFile, ...]:
     """Fetch (verified) and convert a llama2c pin afresh, in a temp dir: what this converter writes now
     (`padded`: its padded form)."""
     from specpilot_build.models.llama2c import convert
@@ -80,14 +91,18 @@ def _confirm(repo: str, old: Sequence[PinnedFile], new: Sequence[PinnedFile]) ->
     now = {f.path: f for f in new}
     for f in old:
         if f.path in now and (now[f.path].size, now[f.path].sha256) != (f.size, f.sha256):
-            raise SpecPilotError(f"{repo}: {f.path} is locked as sha256 {f.sha256[:16]}… but the hub reports "
-                                 f"{now[f.path].sha256[:16]}… at the same revision; not rewriting the lock")
+            raise SpecPilotError(
+                f"{repo}: {f.path} is locked as sha256 {f.sha256[:16]}… but the hub reports "
+                f"{now[f.path].sha256[:16]}… at the same revision; not rewriting the lock"
+            )
 
 
 # --- the lockfile -----------------------------------------------------------------------------------
 
-def write_lockfile(pins: Mapping[str, CheckpointPin], lockfile: Path,
-                   padded: Mapping[str, Sequence[PinnedFile]] | None = None) -> None:
+
+def write_lockfile(
+    pins: Mapping[str, CheckpointPin], lockfile: Path, padded: Mapping[str, Sequence[PinnedFile]] | None = None
+) -> None:
     """Write `pins` sorted by repo, files sorted by path, atomically (temp file + rename); `padded`: repo →
     its padded conversion's files (`converted_padded`, for repos among `pins`)."""
     text = render_lockfile(pins, padded)
@@ -112,8 +127,10 @@ def render_lockfile(pins: Mapping[str, CheckpointPin], padded: Mapping[str, Sequ
         for key, files in (("files", pin.files), ("converted", pin.converted), (PADDED_KEY, padded.get(repo, ()))):
             if files:
                 lines.append(f"{key} = [")
-                lines.extend(f"  {{ path = {_string(f.path)}, size = {int(f.size)}, sha256 = {_string(f.sha256)} }},"
-                             for f in sorted(files, key=lambda f: f.path.encode()))
+                lines.extend(
+                    f"  {{ path = {_string(f.path)}, size = {int(f.size)}, sha256 = {_string(f.sha256)} }},"
+                    for f in sorted(files, key=lambda f: f.path.encode())
+                )
                 lines.append("]")
         blocks.append("\n".join(lines) + "\n")
     return "\n".join(blocks)

@@ -1,5 +1,6 @@
 """The Hugging Face hub, through huggingface_hub's own client: resolve a ref to a commit, list a revision's
 files with their sizes and sha256, and turn the hub's and the network's failures into one-line errors."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.pins.lockfile import REVISION, PinnedFile
 from specpilot_build.locations import hf_cache_dir
+from specpilot_build.pins.lockfile import REVISION, PinnedFile
 
 
 def hub_endpoint() -> str | None:
@@ -57,15 +58,18 @@ class hub_errors:
 
 def _is_network_error(exc: BaseException) -> bool:
     """httpx / httpx2 / httpcore transport errors (huggingface_hub's HTTP stack varies by version)."""
-    return any(cls.__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2")
-               for cls in type(exc).__mro__)
+    return any(
+        cls.__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2") for cls in type(exc).__mro__
+    )
 
 
 def resolve_revision(repo: str, ref: str) -> str:
     """Branch, tag or commit → the 40-hex commit the hub serves for it now."""
     if hub_is_offline():
-        raise SpecPilotError(f"{repo}@{ref}: cannot resolve a revision, the hub is offline (HF_HUB_OFFLINE=1); "
-                             "run `make lock` where huggingface.co is reachable")
+        raise SpecPilotError(
+            f"{repo}@{ref}: cannot resolve a revision, the hub is offline (HF_HUB_OFFLINE=1); "
+            "run `make lock` where huggingface.co is reachable"
+        )
     from huggingface_hub import HfApi
 
     with hub_errors(repo, ref):
@@ -78,8 +82,10 @@ def resolve_revision(repo: str, ref: str) -> str:
 def hub_files(repo: str, revision: str, paths: Sequence[str] = ()) -> list[PinnedFile]:
     """Size and sha256 of `paths` (empty: all files) at `revision`, from the hub's file metadata."""
     if hub_is_offline():
-        raise SpecPilotError(f"{repo}@{revision[:12]}: cannot list its files, the hub is offline (HF_HUB_OFFLINE=1); "
-                             "run `make lock` where huggingface.co is reachable")
+        raise SpecPilotError(
+            f"{repo}@{revision[:12]}: cannot list its files, the hub is offline (HF_HUB_OFFLINE=1); "
+            "run `make lock` where huggingface.co is reachable"
+        )
     from huggingface_hub import HfApi
 
     with hub_errors(repo, revision):
@@ -100,11 +106,16 @@ def _pinned(repo: str, revision: str, sibling) -> PinnedFile:
     from huggingface_hub import hf_hub_download
 
     with hub_errors(repo, revision, sibling.rfilename):
-        path = Path(hf_hub_download(repo, sibling.rfilename, revision=revision, cache_dir=str(hf_cache_dir()),
-                                        endpoint=hub_endpoint()))
+        path = Path(
+            hf_hub_download(
+                repo, sibling.rfilename, revision=revision, cache_dir=str(hf_cache_dir()), endpoint=hub_endpoint()
+            )
+        )
     data = path.read_bytes()
     blob_id = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
     if sibling.blob_id and blob_id != sibling.blob_id:
-        raise SpecPilotError(f"{repo}@{revision[:12]}: downloaded {sibling.rfilename} has git blob id {blob_id}, "
-                             f"the hub lists {sibling.blob_id}")
+        raise SpecPilotError(
+            f"{repo}@{revision[:12]}: downloaded {sibling.rfilename} has git blob id {blob_id}, "
+            f"the hub lists {sibling.blob_id}"
+        )
     return PinnedFile(path=sibling.rfilename, size=len(data), sha256=hashlib.sha256(data).hexdigest())

@@ -1,4 +1,5 @@
 """Read the pins in lockfiles/: checkpoints, runtime bases, datasets (plain TOML, reviewed in diffs)."""
+
 from __future__ import annotations
 
 import re
@@ -65,8 +66,11 @@ class Lock:
 
 def load_lock(directory: Path | None = None) -> Lock:
     directory = directory or lockfiles_dir()
-    return Lock(checkpoints=_load_checkpoints(directory / "checkpoints.toml"),
-                runtimes=_load_runtimes(directory / "runtimes.toml"), directory=directory)
+    return Lock(
+        checkpoints=_load_checkpoints(directory / "checkpoints.toml"),
+        runtimes=_load_runtimes(directory / "runtimes.toml"),
+        directory=directory,
+    )
 
 
 def _read_toml(path: Path) -> dict:
@@ -87,13 +91,16 @@ def load_checkpoint_pins(path: Path) -> dict[str, CheckpointPin]:
 def _load_checkpoints(path: Path) -> dict[str, CheckpointPin]:
     pins = {}
     for repo, table in _read_toml(path).items():
-        where = f"{path.name} [\"{repo}\"]"
+        where = f'{path.name} ["{repo}"]'
         revision = table.get("revision", "")
         if not isinstance(revision, str) or not REVISION.match(revision):
             raise SpecPilotError(f"{where}: revision must be a 40-hex commit, got {revision!r}")
-        pins[repo] = CheckpointPin(repo=repo, revision=revision,
-                                   files=_pinned_files(table.get("files", []), where),
-                                   converted=_pinned_files(table.get("converted", []), where + ".converted"))
+        pins[repo] = CheckpointPin(
+            repo=repo,
+            revision=revision,
+            files=_pinned_files(table.get("files", []), where),
+            converted=_pinned_files(table.get("converted", []), where + ".converted"),
+        )
     return pins
 
 
@@ -117,8 +124,13 @@ def _load_runtimes(path: Path) -> dict[str, WheelPin | LocalRuntimePin]:
             out[name] = LocalRuntimePin(name=name, dir=str(table["dir"]))
             continue
         try:
-            pin = WheelPin(name=name, version=str(table["version"]), filename=str(table["filename"]),
-                           sha256=str(table["sha256"]), size=table.get("size"))
+            pin = WheelPin(
+                name=name,
+                version=str(table["version"]),
+                filename=str(table["filename"]),
+                sha256=str(table["sha256"]),
+                size=table.get("size"),
+            )
         except KeyError as exc:
             raise SpecPilotError(f"{path.name} [{name}]: missing key {exc.args[0]}") from None
         if not SHA256.match(pin.sha256):
@@ -148,7 +160,8 @@ def write_placeholder_lock(directory: Path, repos: list[str]) -> Path:
     text = (real / "checkpoints.toml").read_text()
     missing = sorted(set(repos) - set(tomllib.loads(text)))
     text += "\n" + PLACEHOLDER_NOTE
-    text += "".join(f'\n["{repo}"]\nrevision = "{hashlib.sha1(f"test-lock:{repo}".encode()).hexdigest()}"\n'
-                    for repo in missing)
+    text += "".join(
+        f'\n["{repo}"]\nrevision = "{hashlib.sha1(f"test-lock:{repo}".encode()).hexdigest()}"\n' for repo in missing
+    )
     (directory / "checkpoints.toml").write_text(text)
     return directory

@@ -1,5 +1,6 @@
 """Pinned wheels in <data>/wheels: the SGLang runtime base and an engine environment's locked wheels, fetched
 once (from $SPECPILOT_MIRROR/wheels or with pip), checked against their sha256 before anything reads them."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,14 +21,17 @@ from specpilot_build.store.names import plain_name
 def wheel_file(pin: WheelPin) -> Path:
     """The pinned wheel in <data>/wheels, fetched with pip (or taken from the mirror) and sha256-verified."""
     return cached_wheel(
-        pin.filename, f"runtime '{pin.name}': wheel filename (lockfiles/runtimes.toml)",
+        pin.filename,
+        f"runtime '{pin.name}': wheel filename (lockfiles/runtimes.toml)",
         check=lambda path, hint: _check_sha256(path, pin, hint),
         download=lambda into: _pip_download(pin, into),
-        fresh_hint="the download is not what lockfiles/runtimes.toml pins; nothing was kept")
+        fresh_hint="the download is not what lockfiles/runtimes.toml pins; nothing was kept",
+    )
 
 
-def cached_wheel(filename: str, what: str, *, check: Callable[[Path, str], None],
-                 download: Callable[[Path], Path], fresh_hint: str) -> Path:
+def cached_wheel(
+    filename: str, what: str, *, check: Callable[[Path, str], None], download: Callable[[Path], Path], fresh_hint: str
+) -> Path:
     """<data>/wheels/<filename>: `check`ed where it already is; else taken from $SPECPILOT_MIRROR/wheels or
     `download(into a temp folder)`, `check`ed, then renamed into place (a failed check keeps nothing). Shared by
     the runtime's wheel and an engine environment's locked wheels."""
@@ -66,15 +70,32 @@ def _from_mirror(filename: str, into: Path) -> Path | None:
 def _pip_download(pin: WheelPin, into: Path) -> Path:
     python_tag = pin.filename.split("-")[2]  # cp311
     platform = pin.filename.rsplit("-", 1)[1].removesuffix(".whl")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-           "--python-version", python_tag.removeprefix("cp"), "--implementation", "cp", "--platform", platform,
-           "-d", str(into), f"{pin.distribution}=={pin.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--python-version",
+        python_tag.removeprefix("cp"),
+        "--implementation",
+        "cp",
+        "--platform",
+        platform,
+        "-d",
+        str(into),
+        f"{pin.distribution}=={pin.version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     got = into / pin.filename
     if proc.returncode != 0 or not got.exists():
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SpecPilotError(f"could not fetch {pin.filename} with pip ({last}); "
-                             f"put it in {data_dir() / 'wheels'} or $SPECPILOT_MIRROR/wheels")
+        raise SpecPilotError(
+            f"could not fetch {pin.filename} with pip ({last}); "
+            f"put it in {data_dir() / 'wheels'} or $SPECPILOT_MIRROR/wheels"
+        )
     return got
 
 
@@ -93,5 +114,7 @@ def wheel_sha256(path: Path) -> tuple[str, int]:
 def _check_sha256(path: Path, pin: WheelPin, hint: str) -> None:
     sha256, _ = wheel_sha256(path)
     if sha256 != pin.sha256:
-        raise SpecPilotError(f"wheel {path.name}: sha256 {sha256[:16]}… does not match the pin "
-                             f"{pin.sha256[:16]}… in lockfiles/runtimes.toml; {hint}")
+        raise SpecPilotError(
+            f"wheel {path.name}: sha256 {sha256[:16]}… does not match the pin "
+            f"{pin.sha256[:16]}… in lockfiles/runtimes.toml; {hint}"
+        )

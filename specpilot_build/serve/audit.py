@@ -10,6 +10,7 @@ process killed by `stop` has already logged what it imported.
 `compare_imports` then sets the logged files of one package (e.g. `sglang/...`) against an engine manifest's files
 and, optionally, a full file list (the unpruned wheel): imported and kept, imported but pruned (must be none),
 kept but never imported."""
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ from specpilot_build.locations import data_dir
 
 AUDIT_ENV = "SPECPILOT_IMPORT_AUDIT"
 
-SITECUSTOMIZE = '''\
+SITECUSTOMIZE = """\
 # Written by SpecPilot (specpilot_build/serve/audit.py): logs every module this process imports from disk.
 import os
 import sys
@@ -54,7 +55,7 @@ def _install(log):
 
 if os.environ.get("SPECPILOT_IMPORT_AUDIT"):
     _install(os.environ["SPECPILOT_IMPORT_AUDIT"])
-'''
+"""
 
 
 def audit_env(env: dict[str, str]) -> dict[str, str]:
@@ -89,10 +90,13 @@ class ImportAudit:
     outside_universe: tuple[str, ...]  # imported, yet not in the full file list (when one is given)
 
     def table(self) -> str:
-        rows = [("processes logged", self.processes), (f"{self.package} files imported", len(self.imported)),
-                ("imported and kept", len(self.imported_kept)),
-                ("imported and pruned (must be 0)", len(self.imported_pruned)),
-                ("kept but never imported", len(self.kept_never_imported))]
+        rows = [
+            ("processes logged", self.processes),
+            (f"{self.package} files imported", len(self.imported)),
+            ("imported and kept", len(self.imported_kept)),
+            ("imported and pruned (must be 0)", len(self.imported_pruned)),
+            ("kept but never imported", len(self.kept_never_imported)),
+        ]
         if self.outside_universe:
             rows.append(("imported, not in the full file list", len(self.outside_universe)))
         width = max(len(label) for label, _ in rows)
@@ -101,8 +105,9 @@ class ImportAudit:
         return "\n".join(lines)
 
 
-def compare_imports(log: Path, manifest_files: list[str], package: str,
-                    universe: list[str] | None = None) -> ImportAudit:
+def compare_imports(
+    log: Path, manifest_files: list[str], package: str, universe: list[str] | None = None
+) -> ImportAudit:
     """Set the log's files of `package` against the manifest's (`python/sglang/...` or `runtime/specpilot_runtime/...`
     paths) and the full file list `universe` (package-root paths, e.g. a wheel's members)."""
     try:
@@ -125,10 +130,15 @@ def compare_imports(log: Path, manifest_files: list[str], package: str,
     kept = {rel for rel in (package_path(p, package) for p in manifest_files) if rel is not None}
     full = set(universe or ())
     return ImportAudit(
-        package=package, processes=len(pids), imported=_sorted(imported), kept=_sorted(kept),
-        imported_kept=_sorted(imported & kept), imported_pruned=_sorted(imported - kept),
+        package=package,
+        processes=len(pids),
+        imported=_sorted(imported),
+        kept=_sorted(kept),
+        imported_kept=_sorted(imported & kept),
+        imported_pruned=_sorted(imported - kept),
         kept_never_imported=_sorted(kept - imported),
-        outside_universe=_sorted(imported - full) if universe is not None else ())
+        outside_universe=_sorted(imported - full) if universe is not None else (),
+    )
 
 
 def package_path(path: str, package: str) -> str | None:
@@ -170,7 +180,7 @@ def static_importers(root: Path, files: list[str], modules: set[str]) -> dict[st
             if isinstance(node, ast.Import):
                 named.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
-                base = package[:len(package) - node.level + 1] if node.level else []
+                base = package[: len(package) - node.level + 1] if node.level else []
                 source = ".".join(base + ([node.module] if node.module else []))
                 named.add(source)
                 named.update(f"{source}.{alias.name}" for alias in node.names)

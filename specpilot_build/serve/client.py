@@ -5,6 +5,7 @@ sent and answered. A worker's *gap* is the time between getting one answer and s
 client-side time a slot sits empty while the client works (parsing, recording, progress). The sum of gaps over
 all slots, divided by slots x wall time, is the client overhead that bench reports.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,8 +59,7 @@ def served_engine_id(info: dict) -> str | None:
     return None
 
 
-def post_all(url: str, bodies: list[dict], concurrency: int, on_answer=None,
-             timeout: float = 3600.0) -> Pass:
+def post_all(url: str, bodies: list[dict], concurrency: int, on_answer=None, timeout: float = 3600.0) -> Pass:
     """POST every body to url/generate with `concurrency` in flight; answers keep the order of bodies."""
     return asyncio.run(_post_all(url, bodies, concurrency, on_answer, timeout))
 
@@ -72,6 +72,7 @@ async def _post_all(url, bodies, concurrency, on_answer, timeout) -> Pass:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+
         async def worker(slot: int, start: float) -> None:
             nonlocal next_index
             free_since = start
@@ -83,8 +84,7 @@ async def _post_all(url, bodies, concurrency, on_answer, timeout) -> Pass:
                 response = await client.post("/generate", json=bodies[index])
                 received = time.perf_counter()
                 if response.status_code != 200:
-                    raise SpecPilotError(
-                        f"{url}/generate answered {response.status_code}: {response.text[:300]}")
+                    raise SpecPilotError(f"{url}/generate answered {response.status_code}: {response.text[:300]}")
                 answers[index] = Answer(response.json(), sent, received)
                 if on_answer is not None:
                     on_answer(index, answers[index])
@@ -112,8 +112,14 @@ class progress_bar:
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[tokens]} tokens"), refresh_per_second=4)
+        self.bar = Progress(
+            TextColumn(self.label),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[tokens]} tokens"),
+            refresh_per_second=4,
+        )
         self.bar.start()
         self.task = self.bar.add_task(self.label, total=self.total, tokens=0)
         self.tokens = 0
@@ -121,6 +127,7 @@ class progress_bar:
         def advance(index, answer):
             self.tokens += self.tokens_of(index, answer)
             self.bar.update(self.task, advance=1, tokens=self.tokens)
+
         return advance
 
     def __exit__(self, *exc):

@@ -3,6 +3,7 @@
 serve: resolve (or build) the engine → re-hash it against its manifest → hardware gate → pinned checkpoints
 present and verified → the launch spec from the tree → run record → wait for health and for /server_info to
 report this engine's id. stop: the recorded process group only, idempotently."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,13 +15,13 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
-from specpilot_build.models.checkpoints import model_dirs
 from specpilot_build.locations import data_dir, environment_dir
+from specpilot_build.models.checkpoints import model_dirs
 from specpilot_build.serve.audit import audit_env
 from specpilot_build.store.engines import Engine, check_engine, resolve_engine
 
@@ -38,8 +39,17 @@ def record_path(port: int) -> Path:
 
 # --- serve --------------------------------------------------------------------------------------------------
 
-def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignore_hardware: bool = False,
-          dry_run: bool = False, timeout: float = 300.0, quiet: bool = False) -> dict:
+
+def serve(
+    engine: Engine | str,
+    port: int = DEFAULT_PORT,
+    gpu: int = 0,
+    *,
+    ignore_hardware: bool = False,
+    dry_run: bool = False,
+    timeout: float = 300.0,
+    quiet: bool = False,
+) -> dict:
     """Serve `engine` (an Engine or an id / unique prefix) on 127.0.0.1:port; returns the run record."""
     if isinstance(engine, str):
         engine = resolve_engine(engine)
@@ -47,8 +57,10 @@ def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignor
     problems = check_engine(engine)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; … {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise SpecPilotError(f"engine {engine.id[:12]} differs from its manifest, refusing to serve it: {shown}; "
-                             f"`specpilot engine verify --repair {engine.id[:12]}` mends it")
+        raise SpecPilotError(
+            f"engine {engine.id[:12]} differs from its manifest, refusing to serve it: {shown}; "
+            f"`specpilot engine check --repair {engine.id[:12]}` mends it"
+        )
     cfg = engine.config
     if dry_run:  # printing the command needs neither the GPU, nor SGLang's dependencies, nor the weights
         models = model_dirs(engine.manifest["inputs"]["checkpoints"], cfg, fetch=False)
@@ -69,11 +81,26 @@ def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignor
     log = runs_dir() / f"{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=engine.path, start_new_session=True)
-    record = {"port": port, "host": HOST, "pid": proc.pid, "engine_id": engine.id, "setting": cfg["setting"],
-              "arm": cfg["arm"]["name"], "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "log": str(log), "argv": argv}
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=engine.path,
+            start_new_session=True,
+        )
+    record = {
+        "port": port,
+        "host": HOST,
+        "pid": proc.pid,
+        "engine_id": engine.id,
+        "setting": cfg["setting"],
+        "arm": cfg["arm"]["name"],
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "log": str(log),
+        "argv": argv,
+    }
     _write_record(record)
     say(f"serving {engine.id[:12]} ({cfg['setting']}, {cfg['arm']['name']}) on {HOST}:{port}, pid {proc.pid}")
     try:
@@ -88,8 +115,15 @@ def serve(engine: Engine | str, port: int = DEFAULT_PORT, gpu: int = 0, *, ignor
 
 def launch_command(engine: Engine, models: dict[str, Path], port: int) -> tuple[list[str], dict[str, str]]:
     spec = json.loads((engine.path / "launch.json").read_bytes())
-    values = {"python": sys.executable, "engine": str(engine.path), "engine_id": engine.id, "host": HOST,
-              "port": str(port), "model": str(models.get("model", "")), "draft_model": str(models.get("drafter", ""))}
+    values = {
+        "python": sys.executable,
+        "engine": str(engine.path),
+        "engine_id": engine.id,
+        "host": HOST,
+        "port": str(port),
+        "model": str(models.get("model", "")),
+        "draft_model": str(models.get("drafter", "")),
+    }
     argv = [arg.format(**values) for arg in spec["argv"]]
     env = {key: value.format(**values) for key, value in spec["env"].items()}
     extra = environment_dir()
@@ -108,18 +142,26 @@ def check_hardware(cfg: dict, gpu: int, ignore: bool) -> None:
     visible = _gpu(gpu)
     want = f"{hw['gpu']} (compute capability {hw['compute_capability']}, {hw['arch']})"
     if visible is None:
-        raise SpecPilotError(f"setting {cfg['setting']} needs {want}, but no CUDA GPU {gpu} is visible "
-                             f"(nvidia-smi); pass --ignore-hardware to try anyway")
+        raise SpecPilotError(
+            f"setting {cfg['setting']} needs {want}, but no CUDA GPU {gpu} is visible "
+            f"(nvidia-smi); pass --ignore-hardware to try anyway"
+        )
     name, capability = visible
     if capability != hw["compute_capability"] or not name.startswith(hw["gpu"].split(" 80GB")[0]):
-        raise SpecPilotError(f"setting {cfg['setting']} needs {want}, GPU {gpu} is {name} (compute capability "
-                             f"{capability}); pass --ignore-hardware to serve it anyway")
+        raise SpecPilotError(
+            f"setting {cfg['setting']} needs {want}, GPU {gpu} is {name} (compute capability "
+            f"{capability}); pass --ignore-hardware to serve it anyway"
+        )
 
 
 def _gpu(index: int) -> tuple[str, str] | None:
     try:
-        out = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=name,compute_cap",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "-i", str(index), "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (FileNotFoundError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0 or not out.stdout.strip():
@@ -131,16 +173,20 @@ def _gpu(index: int) -> tuple[str, str] | None:
 def _check_sglang_dependencies() -> None:
     missing = [m for m in SGLANG_RUNTIME_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise SpecPilotError(f"SGLang's runtime dependencies are missing here: {', '.join(missing)} "
-                             f"(install sglang's requirements on the GPU machine)")
+        raise SpecPilotError(
+            f"SGLang's runtime dependencies are missing here: {', '.join(missing)} "
+            f"(install sglang's requirements on the GPU machine)"
+        )
 
 
 def _claim_port(port: int, say) -> None:
     existing = read_record(port)
     if existing is not None:
         if _is_our_process(existing):
-            raise SpecPilotError(f"port {port}: engine {existing['engine_id'][:12]} is already served there "
-                                 f"(pid {existing['pid']}); `make stop PORT={port}` first")
+            raise SpecPilotError(
+                f"port {port}: engine {existing['engine_id'][:12]} is already served there "
+                f"(pid {existing['pid']}); `make stop PORT={port}` first"
+            )
         say(f"port {port}: removing a stale run record (pid {existing['pid']} is not running)")
         record_path(port).unlink(missing_ok=True)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
@@ -162,8 +208,9 @@ def _wait_healthy(proc: subprocess.Popen, port: int, engine_id: str, timeout: fl
     base = f"http://{HOST}:{port}"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SpecPilotError(f"the server exited with status {proc.returncode} before it was healthy; "
-                                 f"log tail:\n{_tail(log)}")
+            raise SpecPilotError(
+                f"the server exited with status {proc.returncode} before it was healthy; log tail:\n{_tail(log)}"
+            )
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 reported = httpx.get(f"{base}/server_info", timeout=5).json().get("engine_id")
@@ -184,6 +231,7 @@ def _tail(log: Path, lines: int = 20) -> str:
 
 
 # --- run records and stop -----------------------------------------------------------------------------------
+
 
 def read_record(port: int) -> dict | None:
     try:

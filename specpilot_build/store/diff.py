@@ -3,6 +3,7 @@
 `specpilot diff A B [--json] [--files]` compares two engines' manifests section by section — pins, config,
 launch arguments, runtime base, overlays (with their patch hunks), files, size — in a fixed, deterministic
 order, and opens with one line per cause. Exit status like diff(1): 0 identical, 1 different, 2 error."""
+
 from __future__ import annotations
 
 import difflib
@@ -18,7 +19,9 @@ ABSENT = "(absent)"
 def diff_engines(a: Engine, b: Engine, with_file_diffs: bool = False) -> dict:
     ma, mb = a.manifest, b.manifest
     report = {
-        "a": _describe(a), "b": _describe(b), "identical": a.id == b.id,
+        "a": _describe(a),
+        "b": _describe(b),
+        "identical": a.id == b.id,
         "pins": _pin_changes(ma["inputs"], mb["inputs"]),
         "config": _changes(_flatten(_head_config(ma)), _flatten(_head_config(mb))),
         "launch": _launch_changes(a, b),
@@ -34,6 +37,7 @@ def diff_engines(a: Engine, b: Engine, with_file_diffs: bool = False) -> dict:
 
 
 # --- sections ------------------------------------------------------------------------------------------------
+
 
 def _describe(engine: Engine) -> dict:
     m = engine.manifest
@@ -75,8 +79,14 @@ def _runtime_text(rt: dict) -> str:
 
 
 def _head_config(m: dict) -> dict:
-    return {"setting": m.get("setting"), "arm": m.get("arm"), "choices": m.get("choices", {}),
-            "builder": m.get("builder", {}), "schema": m.get("schema"), **{"config": m.get("config", {})}}
+    return {
+        "setting": m.get("setting"),
+        "arm": m.get("arm"),
+        "choices": m.get("choices", {}),
+        "builder": m.get("builder", {}),
+        "schema": m.get("schema"),
+        **{"config": m.get("config", {})},
+    }
 
 
 def _base_summary(m: dict) -> dict:
@@ -88,8 +98,9 @@ def _launch_changes(a: Engine, b: Engine) -> list[dict]:
     sa, sb = (_read_json(e.path / "launch.json") for e in (a, b))
     fa, fb = _flags(sa.get("argv", [])), _flags(sb.get("argv", []))
     out = _changes(fa, fb)
-    out += _changes({f"env {k}": v for k, v in sa.get("env", {}).items()},
-                    {f"env {k}": v for k, v in sb.get("env", {}).items()})
+    out += _changes(
+        {f"env {k}": v for k, v in sa.get("env", {}).items()}, {f"env {k}": v for k, v in sb.get("env", {}).items()}
+    )
     return out
 
 
@@ -118,8 +129,16 @@ def _overlay_changes(ma: dict, mb: dict) -> list[dict]:
             continue
         change = "added" if a is None else "removed" if b is None else "changed"
         present = b or a
-        out.append({"name": name, "change": change, "old_digest": a and a["digest"], "new_digest": b and b["digest"],
-                    "files": [f["path"] for f in present["files"]], "hunks": _overlay_hunks(name, present["digest"])})
+        out.append(
+            {
+                "name": name,
+                "change": change,
+                "old_digest": a and a["digest"],
+                "new_digest": b and b["digest"],
+                "files": [f["path"] for f in present["files"]],
+                "hunks": _overlay_hunks(name, present["digest"]),
+            }
+        )
     return out
 
 
@@ -128,6 +147,7 @@ def _overlay_hunks(name: str, digest: str) -> list[str] | str:
     from specpilot_build.locations import OVERLAYS_DIR
     from specpilot_build.store.manifest import overlay_digest
     from specpilot_build.store.names import plain_name
+
     try:
         directory = OVERLAYS_DIR / plain_name(name, "overlay name")
         if overlay_digest(directory) != digest:
@@ -145,11 +165,18 @@ def _file_changes(fa: list[dict], fb: list[dict]) -> dict:
     order = sorted(set(ea) | set(eb), key=lambda p: p.encode())
     added = [{"path": p, "size": eb[p]["size"]} for p in order if p not in ea]
     removed = [{"path": p, "size": ea[p]["size"]} for p in order if p not in eb]
-    changed = [p for p in order if p in ea and p in eb
-               and (ea[p]["blake3"], ea[p]["exec"]) != (eb[p]["blake3"], eb[p]["exec"])]
-    modified = [{"path": p, "old_size": ea[p]["size"], "new_size": eb[p]["size"],
-                 "exec": [ea[p]["exec"], eb[p]["exec"]] if ea[p]["exec"] != eb[p]["exec"] else None}
-                for p in changed]
+    changed = [
+        p for p in order if p in ea and p in eb and (ea[p]["blake3"], ea[p]["exec"]) != (eb[p]["blake3"], eb[p]["exec"])
+    ]
+    modified = [
+        {
+            "path": p,
+            "old_size": ea[p]["size"],
+            "new_size": eb[p]["size"],
+            "exec": [ea[p]["exec"], eb[p]["exec"]] if ea[p]["exec"] != eb[p]["exec"] else None,
+        }
+        for p in changed
+    ]
     return {"added": added, "removed": removed, "modified": modified}
 
 
@@ -184,6 +211,7 @@ def _text_lines(path: Path) -> list[str]:
 
 # --- helpers ------------------------------------------------------------------------------------------------
 
+
 def _flatten(node, prefix: str = "") -> dict[str, object]:
     """Dotted keys → leaf values. A list of named dicts (mechanisms) is keyed by name, `key[name].field`;
     other lists are leaves (compared whole); empty dicts and lists carry nothing."""
@@ -194,8 +222,11 @@ def _flatten(node, prefix: str = "") -> dict[str, object]:
         return out
     if isinstance(node, list) and not node:
         return {}
-    if (isinstance(node, list) and all(isinstance(x, dict) and "name" in x for x in node)
-            and len({x["name"] for x in node}) == len(node)):
+    if (
+        isinstance(node, list)
+        and all(isinstance(x, dict) and "name" in x for x in node)
+        and len({x["name"] for x in node}) == len(node)
+    ):
         out = {}
         for item in node:
             rest = {k: v for k, v in item.items() if k != "name"}
@@ -285,19 +316,24 @@ def render(report: dict) -> str:
         digests = f"{(o['old_digest'] or ABSENT)[:19]} → {(o['new_digest'] or ABSENT)[:19]}"
         rows.append(f"{o['change']} {o['name']}: {digests}; touches {', '.join(o['files'])}")
         hunks = o["hunks"]
-        rows += ([f"  {hunks}"] if isinstance(hunks, str)
-                 else [f"    {line}" for h in hunks for line in h.splitlines()])
+        rows += [f"  {hunks}"] if isinstance(hunks, str) else [f"    {line}" for h in hunks for line in h.splitlines()]
     section("overlays", rows)
     f = report["files"]
-    section("files", [f"+ {e['path']} ({e['size']} B)" for e in f["added"]]
-            + [f"- {e['path']} ({e['size']} B)" for e in f["removed"]]
-            + [f"M {e['path']} ({e['old_size']} → {e['new_size']} B)" for e in f["modified"]])
+    section(
+        "files",
+        [f"+ {e['path']} ({e['size']} B)" for e in f["added"]]
+        + [f"- {e['path']} ({e['size']} B)" for e in f["removed"]]
+        + [f"M {e['path']} ({e['old_size']} → {e['new_size']} B)" for e in f["modified"]],
+    )
     s = report["size"]
-    section("size", [f"{s['old_bytes']} → {s['new_bytes']} bytes ({s['delta_bytes']:+d}), "
-                     f"{s['old_files']} → {s['new_files']} files"])
+    section(
+        "size",
+        [
+            f"{s['old_bytes']} → {s['new_bytes']} bytes ({s['delta_bytes']:+d}), "
+            f"{s['old_files']} → {s['new_files']} files"
+        ],
+    )
     for d in report.get("file_diffs", []):
         out.append("")
         out.append(d["diff"].rstrip("\n") if d["diff"] is not None else f"Binary file {d['path']} differs")
     return "\n".join(out)
-
-

@@ -6,6 +6,7 @@ step. Two builds of the same engine race harmlessly: the loser finds the id pres
 
 Objects are named by their digest and never trusted: every build that uses an object re-checks it (size,
 content, mode) and replaces a damaged one with the bytes it has just checked against their pinned source."""
+
 from __future__ import annotations
 
 import contextlib
@@ -68,13 +69,16 @@ class Engine:
 @dataclass(frozen=True)
 class DamagedEngine:
     """A directory named like an engine whose manifest is missing, unreadable, invalid or not its id."""
+
     id: str
     path: Path
     reason: str
 
     def advice(self) -> str:
-        return (f"engine directory {self.path} is damaged ({self.reason}); it cannot be repaired: remove it with "
-                f"`specpilot engine rm {self.id[:12]}` and build its setting again")
+        return (
+            f"engine directory {self.path} is damaged ({self.reason}); it cannot be repaired: remove it with "
+            f"`specpilot engine rm {self.id[:12]}` and build its setting again"
+        )
 
 
 def checked_manifest(engine: Engine) -> dict:
@@ -82,8 +86,10 @@ def checked_manifest(engine: Engine) -> dict:
     raw = (engine.path / MANIFEST_NAME).read_bytes()
     digest = blake3.blake3(raw).hexdigest()
     if digest != engine.id:
-        raise IntegrityError(f"engine {engine.id[:12]}: {MANIFEST_NAME} hashes to {digest[:12]}, not its id; "
-                             f"`specpilot engine verify {engine.id[:12]}`")
+        raise IntegrityError(
+            f"engine {engine.id[:12]}: {MANIFEST_NAME} hashes to {digest[:12]}, not its id; "
+            f"`specpilot engine check {engine.id[:12]}`"
+        )
     return json.loads(raw)
 
 
@@ -119,8 +125,12 @@ def new_build_dir(root: Path | None = None) -> Path:
     return path
 
 
-def commit(tree: Path, manifest_without_files: dict, root: Path | None = None,
-           known: dict[str, tuple[dict, tuple[int, int]]] | None = None) -> tuple[Engine, bool]:
+def commit(
+    tree: Path,
+    manifest_without_files: dict,
+    root: Path | None = None,
+    known: dict[str, tuple[dict, tuple[int, int]]] | None = None,
+) -> tuple[Engine, bool]:
     """Hash `tree`, intern its files as objects, and move it to engines/<id>. Returns (engine, created).
 
     `known`: entries of files the assembler wrote as hardlinks of objects it had just checked against their
@@ -235,7 +245,7 @@ def _intern(root: Path, path: Path, entry: dict) -> None:
         return
     staged = obj.with_name(f"{obj.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.link(path, staged)
-    os.replace(staged, obj)  # the damaged inode stays with the engines holding it: `engine verify --repair`
+    os.replace(staged, obj)  # the damaged inode stays with the engines holding it: `engine check --repair`
 
 
 def link_into(obj: Path, path: Path) -> None:
@@ -311,6 +321,7 @@ def _alive(pid: int) -> bool:
 
 # --- lookup -------------------------------------------------------------------------------------------------
 
+
 def damage_of(path: Path) -> str | None:
     """Why the directory engines/<id> is not a whole engine (one line), or None. Reads only its manifest."""
     try:
@@ -373,8 +384,7 @@ def resolve_engine(ref: str, root: Path | None = None) -> Engine:
         raise SpecPilotError(f"'{ref}' is not an engine id (give at least 4 hex digits of one; `specpilot engine ls`)")
     engines, damaged = scan_store(root, ref)
     if len(engines) + len(damaged) > 1:
-        raise SpecPilotError(f"engine prefix {ref} is ambiguous: "
-                             f"{', '.join(e.id[:12] for e in [*engines, *damaged])}")
+        raise SpecPilotError(f"engine prefix {ref} is ambiguous: {', '.join(e.id[:12] for e in [*engines, *damaged])}")
     if damaged:
         raise IntegrityError(damaged[0].advice())
     if not engines:
@@ -395,6 +405,7 @@ def disk_usage(paths: list[Path]) -> int:
 
 # --- integrity ----------------------------------------------------------------------------------------------
 
+
 def check_engine(engine: Engine, verified: dict | None = None) -> list[str]:
     """Re-hash the tree against its manifest and compare the whole directory listing (files, directories,
     links, special files) with it; return one line per difference (empty when intact)."""
@@ -405,12 +416,14 @@ def check_engine(engine: Engine, verified: dict | None = None) -> list[str]:
 class EngineState:
     manifest: dict
     manifest_ok: bool
-    bad: list[tuple[str, str]]     # (manifest path, what is wrong): missing, size, content, exec bit
+    bad: list[tuple[str, str]]  # (manifest path, what is wrong): missing, size, content, exec bit
     extras: list[tuple[str, str]]  # (path, kind) present but not in the manifest: files, directories, links
 
     def lines(self) -> list[str]:
         out = [] if self.manifest_ok else [f"{MANIFEST_NAME}: its digest is not the engine id"]
-        out += [f"{rel}: a {kind}, not in the manifest" for rel, kind in self.extras if kind not in ("file", "directory")]
+        out += [
+            f"{rel}: a {kind}, not in the manifest" for rel, kind in self.extras if kind not in ("file", "directory")
+        ]
         out += [f"{rel}/: a directory not in the manifest" for rel, kind in self.extras if kind == "directory"]
         problems = {rel: why for rel, why in self.bad}
         problems.update({rel: "not in the manifest" for rel, kind in self.extras if kind == "file"})

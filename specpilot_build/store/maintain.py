@@ -2,6 +2,7 @@
 
 Functions return reports and raise typed errors; the command line prints them. Exit codes, by failure kind
 (like `nix store verify`), are the constants below: the CLI help and README name them."""
+
 from __future__ import annotations
 
 import json
@@ -39,14 +40,16 @@ from specpilot_build.store.manifest import (
     read_regular,
 )
 
-EXIT_OK = 0           # intact (or everything found was repaired)
-EXIT_DAMAGED = 1      # files or objects differ from their digests (`engine verify --repair` mends them)
-EXIT_ERROR = 2        # a usage error: no such engine, an engine in use, a bad argument
+EXIT_OK = 0  # intact (or everything found was repaired)
+EXIT_DAMAGED = 1  # files or objects differ from their digests (`engine check --repair` mends them)
+EXIT_ERROR = 2  # a usage error: no such engine, an engine in use, a bad argument
 EXIT_DAMAGED_DIR = 3  # an engine directory whose manifest is missing, unreadable or not its id: `engine rm`
-EXIT_UNREPAIRED = 4   # --repair could not mend everything (each such file is named)
+EXIT_UNREPAIRED = 4  # --repair could not mend everything (each such file is named)
 
-EXIT_CODES_HELP = ("exit codes: 0 intact or repaired, 1 damage found, 2 usage error, 3 damaged engine directory "
-                   "(remove it with `engine rm`), 4 damage that --repair could not mend")
+EXIT_CODES_HELP = (
+    "exit codes: 0 intact or repaired, 1 damage found, 2 usage error, 3 damaged engine directory "
+    "(remove it with `engine rm`), 4 damage that --repair could not mend"
+)
 
 _OBJECT_NAME = re.compile(r"([0-9a-f]{64})(\.x)?")
 _TEMP_PID = re.compile(r"\.(?:tmp|link)-(\d+)-[0-9a-f]+$")
@@ -71,10 +74,11 @@ class ObjectsOnly:
 
 # --- repair --------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class RepairReport:
     engine: Engine
-    found: list[str]                                  # the differences before the repair
+    found: list[str]  # the differences before the repair
     repaired: list[str] = field(default_factory=list)
     unrepairable: list[str] = field(default_factory=list)
 
@@ -96,8 +100,9 @@ def repair_engine(engine: Engine, root: Path | None = None, sources=ObjectsOnly)
         state = inspect_engine(engine)
         report = RepairReport(engine, state.lines())
         if not state.manifest_ok:
-            raise IntegrityError(DamagedEngine(engine.id, engine.path, "manifest.json does not hash to the "
-                                               "directory's name").advice())
+            raise IntegrityError(
+                DamagedEngine(engine.id, engine.path, "manifest.json does not hash to the directory's name").advice()
+            )
         for rel, kind in sorted(state.extras, key=lambda e: e[0].count("/")):
             remove_tree(engine.path / rel)
             report.repaired.append(f"{rel}: removed (a {kind} not in the manifest)")
@@ -118,14 +123,16 @@ def repair_engine(engine: Engine, root: Path | None = None, sources=ObjectsOnly)
             target = engine.path / rel
             _make_parents(engine.path, rel)
             link_into(obj, target)
-            report.repaired.append(f"{rel}: {why}; re-linked from its object"
-                                   + ("" if status in ("ok", "mode") else f" ({status})"))
+            report.repaired.append(
+                f"{rel}: {why}; re-linked from its object" + ("" if status in ("ok", "mode") else f" ({status})")
+            )
         sources.close()
         remaining = inspect_engine(engine)
         for rel, why in remaining.bad:
             report.unrepairable.append(f"{rel}: {why}; {sources.why_not(rel)}")
-        report.unrepairable += [line for line in remaining.lines() if not any(
-            line.startswith(f"{rel}: ") for rel, _ in remaining.bad)]
+        report.unrepairable += [
+            line for line in remaining.lines() if not any(line.startswith(f"{rel}: ") for rel, _ in remaining.bad)
+        ]
     return report
 
 
@@ -139,6 +146,7 @@ def _make_parents(tree: Path, rel: str) -> None:
 
 
 # --- fsck ----------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class FsckReport:
@@ -172,8 +180,9 @@ def fsck(root: Path | None = None, repair: bool = False, sources=ObjectsOnly) ->
     objects = root / OBJECTS
     for shard in sorted(objects.iterdir()) if objects.is_dir() else []:
         if not shard.is_dir() or shard.is_symlink():
-            report.objects_bad.append(f"{OBJECTS}/{shard.name}: a {entry_kind(os.lstat(shard).st_mode)}, "
-                                      f"not an object directory")
+            report.objects_bad.append(
+                f"{OBJECTS}/{shard.name}: a {entry_kind(os.lstat(shard).st_mode)}, not an object directory"
+            )
             continue
         for obj in sorted(shard.iterdir()):
             rel = f"{OBJECTS}/{shard.name}/{obj.name}"
@@ -213,6 +222,7 @@ def fsck(root: Path | None = None, repair: bool = False, sources=ObjectsOnly) ->
 
 
 # --- rm and gc -----------------------------------------------------------------------------------------------
+
 
 def in_use(root: Path | None = None) -> dict[str, str]:
     """Engines that must be kept: {id: why}: a live run record (<data>/runs/<port>.json whose pid runs that
@@ -293,8 +303,8 @@ def _drop_index_entries(root: Path, ids: set[str]) -> None:
 @dataclass
 class GcReport:
     dry_run: bool
-    engines: list[str] = field(default_factory=list)      # engines removed (--engines)
-    kept: dict[str, str] = field(default_factory=dict)    # engines kept because in use
+    engines: list[str] = field(default_factory=list)  # engines removed (--engines)
+    kept: dict[str, str] = field(default_factory=dict)  # engines kept because in use
     objects: int = 0
     object_bytes: int = 0
     temporaries: list[str] = field(default_factory=list)

@@ -2,6 +2,7 @@
 
 Only content and the executable bit enter a digest: entries are sorted by their UTF-8 bytes, JSON has sorted
 keys and fixed separators, and no mtime, owner or umask is read."""
+
 from __future__ import annotations
 
 import json
@@ -84,7 +85,10 @@ def walk_tree(root: Path) -> tuple[list[str], list[str], list[tuple[str, str]]]:
                         files.append(rel)
                 else:
                     others.append((rel, kind))
-    key = lambda p: p.encode("utf-8", "surrogateescape")
+
+    def key(p: str) -> bytes:
+        return p.encode("utf-8", "surrogateescape")
+
     return sorted(files, key=key), sorted(dirs, key=key), sorted(others, key=lambda o: key(o[0]))
 
 
@@ -134,8 +138,9 @@ def plain_directory(path: Path, where: str) -> Path:
     """`path` if it is a real directory (not a link to one); a one-line refusal otherwise."""
     kind = _kind_of(path)
     if kind != "directory":
-        raise SpecPilotError(f"{path}: {'does not exist' if kind is None else 'a ' + kind + ', not a directory'}"
-                             f" ({where}); refused")
+        raise SpecPilotError(
+            f"{path}: {'does not exist' if kind is None else 'a ' + kind + ', not a directory'} ({where}); refused"
+        )
     return path
 
 
@@ -162,8 +167,10 @@ def source_files(src: Path, where: str | None = None) -> list[tuple[str, Path]]:
                 if kind == "directory":
                     stack.append(path)
                 elif kind != "file":
-                    raise SpecPilotError(f"{path}: a {kind} in {where}; refused (only files and directories: "
-                                         f"symbolic links are not allowed, nor FIFOs, sockets or devices)")
+                    raise SpecPilotError(
+                        f"{path}: a {kind} in {where}; refused (only files and directories: "
+                        f"symbolic links are not allowed, nor FIFOs, sockets or devices)"
+                    )
                 elif not entry.name.endswith(IGNORED_SUFFIXES):
                     found.append((path.relative_to(src).as_posix(), path))
     return sorted(found, key=lambda item: item[0].encode())
@@ -218,13 +225,15 @@ def _files_from(directory: Path) -> Path | None:
     name = plain_name(value, where, error=SpecPilotError)
     source = directory.parent / name
     if name == directory.name or os.path.lexists(directory / "files"):
-        raise SpecPilotError(f"{where} = {name!r}: an overlay takes files from another overlay or has its own "
-                             f"files/, not both")
+        raise SpecPilotError(
+            f"{where} = {name!r}: an overlay takes files from another overlay or has its own files/, not both"
+        )
     if not (source / OVERLAY_DESCRIPTOR).is_file():
         raise SpecPilotError(f"{where} = {name!r}: overlays/{name}/ with an overlay.toml and files/ does not exist")
     if _files_from(source) is not None:
-        raise SpecPilotError(f"{where} = {name!r}: that overlay takes its files from another; name the one that "
-                             f"holds them")
+        raise SpecPilotError(
+            f"{where} = {name!r}: that overlay takes its files from another; name the one that holds them"
+        )
     if not os.path.lexists(source / "files"):
         raise SpecPilotError(f"{where} = {name!r}: overlays/{name}/ with an overlay.toml and files/ does not exist")
     return source / "files"

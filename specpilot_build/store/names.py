@@ -1,5 +1,6 @@
 """The one confinement helper: every name that becomes a path (kernel, overlay, mechanism, setting, a wheel's
 filename in a lockfile, each part of a path inside an engine tree) is checked here before it is used."""
+
 from __future__ import annotations
 
 import re
@@ -19,12 +20,19 @@ def plain_name(value, what: str, *, strict: bool = True, error: type[Exception] 
     and `._+-`, starting with a letter or digit."""
     if not isinstance(value, str) or not value:
         raise error(f"{what} {value!r} is not a plain name; refused (nothing was written)")
-    bad = (value in (".", "..") or value.startswith("~") or _BAD_CHARS.search(value) is not None
-           or len(value.encode("utf-8", "replace")) > _MAX)
+    bad = (
+        value in (".", "..")
+        or value.startswith("~")
+        or _BAD_CHARS.search(value) is not None
+        or len(value.encode("utf-8", "replace")) > _MAX
+    )
     if bad or (strict and not _PLAIN.fullmatch(value)):
-        raise error(f"{what} {value!r} is not a plain name (letters, digits, '._+-'; no '/', '..' or absolute "
-                    f"path); refused (nothing was written)" if strict else
-                    f"{what} {value!r} is not a plain path component; refused (nothing was written)")
+        raise error(
+            f"{what} {value!r} is not a plain name (letters, digits, '._+-'; no '/', '..' or absolute "
+            f"path); refused (nothing was written)"
+            if strict
+            else f"{what} {value!r} is not a plain path component; refused (nothing was written)"
+        )
     return value
 
 
@@ -32,8 +40,15 @@ def plain_relpath(value, what: str, *, error: type[Exception] = ConfigError) -> 
     """A relative POSIX path whose every part is a plain component (no absolute path, `..`, `\\`, empty part)."""
     if not isinstance(value, str) or not value or value.startswith("/"):
         raise error(f"{what} {value!r} leaves its directory (absolute or empty path); refused (nothing was written)")
-    if "\\" in value or "/." in value or value.startswith((".", "~")) or "/~" in value or "//" in value \
-            or value.endswith("/") or _BAD_CHARS.search(value.replace("/", "")) is not None:
+    if (
+        "\\" in value
+        or "/." in value
+        or value.startswith((".", "~"))
+        or "/~" in value
+        or "//" in value
+        or value.endswith("/")
+        or _BAD_CHARS.search(value.replace("/", "")) is not None
+    ):
         for part in value.split("/"):  # the slow path names the offending part
             plain_name(part, f"{what} {value!r}: part", strict=False, error=error)
     if len(value) > _MAX:

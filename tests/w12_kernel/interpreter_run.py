@@ -3,6 +3,7 @@
 Invoked by test_gemm_interpreter.py in a fresh process: TRITON_INTERPRET must be set before
 triton is imported, and setting it in the test process would leak into other tests.
 """
+
 import os
 import sys
 import time
@@ -21,12 +22,12 @@ def main(path: str) -> None:
         t0 = time.time()
         packed = encode(case["w"], case["layout"])
         assert packed.layout == case["layout"]
-        if "x" not in case:           # the M > 32 path's decode kernel
+        if "x" not in case:  # the M > 32 path's decode kernel
             case["decoded"] = decode_on_device(packed)
             continue
         cfg = Config(**case["config"])
         case["y"] = fused_gemm(case["x"], packed, cfg)
-        if cfg.split_k > 1:   # the arrival counters must have reset
+        if cfg.split_k > 1:  # the arrival counters must have reset
             case["y_again"] = fused_gemm(case["x"], packed, cfg)
         print(f"{case['x'].shape} {cfg}: {time.time() - t0:.1f}s", file=sys.stderr)
     torch.save(cases, path)

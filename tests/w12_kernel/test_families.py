@@ -1,12 +1,14 @@
 """The weight families of W12's benchmark and size report (kernels/w12/families.py), on CPU: deterministic per
 seed, the intended distributions, no zeros, lossless through W12, and the escape-rate control."""
+
 import json
 
 import pytest
 import torch
-import w12
 from safetensors.torch import load_file
 from scipy import stats
+
+import w12
 from specpilot_lab import w12_bench as bench
 from specpilot_lab import w12_families as families
 from specpilot_lab.w12_families import FAMILIES, draw, normal_with_escapes
@@ -27,7 +29,7 @@ def bits(w):
 def row_kurtosis(w):
     x = w.double()
     x = x - x.mean(1, keepdim=True)
-    return ((x ** 4).mean(1) / (x ** 2).mean(1) ** 2).median().item()
+    return ((x**4).mean(1) / (x**2).mean(1) ** 2).median().item()
 
 
 def test_same_seed_same_matrix_other_seed_other_matrix(family):
@@ -58,8 +60,10 @@ def test_row_scales_are_log_normal_around_0_02():
     assert abs(log_sigma.median().exp().item() - 0.02) < 0.001
 
 
-@pytest.mark.parametrize("family, dist", [("normal", stats.norm()), ("student-t3", stats.t(3)),
-                                          ("student-t4", stats.t(4)), ("student-t5", stats.t(5))])
+@pytest.mark.parametrize(
+    "family, dist",
+    [("normal", stats.norm()), ("student-t3", stats.t(3)), ("student-t4", stats.t(4)), ("student-t5", stats.t(5))],
+)
 def test_shape_of_the_distribution(family, dist):
     """Per row, the 99.5% / 87.5% quantile ratio of |w| does not depend on the row's scale: it must be the
     named distribution's own (t3 ~4.1, t4 ~3.5, t5 ~3.2, Normal ~2.24)."""
@@ -80,7 +84,7 @@ def test_outlier_columns_are_10_to_30_times_the_others():
     w = draw("outliers", 2048, cols, seed=9).double()
     chosen = families.outlier_columns(cols, seed=9)
     assert len(chosen) == families.OUTLIER_COLUMNS == len(set(chosen.tolist()))
-    col_rms = (w / w.std(1, keepdim=True)).pow(2).mean(0).sqrt()      # rows normalised: columns comparable
+    col_rms = (w / w.std(1, keepdim=True)).pow(2).mean(0).sqrt()  # rows normalised: columns comparable
     others = torch.ones(cols, dtype=torch.bool)
     others[chosen] = False
     typical = col_rms[others].median()
@@ -91,8 +95,12 @@ def test_outlier_columns_are_10_to_30_times_the_others():
 
 
 def test_stories260k_rows_are_the_checkpoints_own_rows_repeated(w12_stories):
-    real = {tuple(bits(row.to(torch.bfloat16)).tolist()) for t in load_file(str(w12_stories)).values() if t.dim() == 2
-            for row in t}
+    real = {
+        tuple(bits(row.to(torch.bfloat16)).tolist())
+        for t in load_file(str(w12_stories)).values()
+        if t.dim() == 2
+        for row in t
+    }
     assert len(families.stories_rows()) == 3512
     w = draw("stories260k", 200, 1000, seed=1)
     for row in bits(w):
@@ -131,21 +139,43 @@ def test_no_planted_escapes_means_no_escapes():
 DRY_FAMILIES = ("normal", "outliers", "stories260k")
 
 
-@pytest.mark.slow       # ~8 s on 2 cores
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_bench_dry_run_reports_every_family_and_table(tmp_path, capsys, w12_stories):
     """The benchmark's plumbing on CPU (tiny shapes, reference path): each family's GEMM and stack rows side by
     side, the escape cliff and the eager table reach the JSON and the printed summary."""
     out = tmp_path / "dry.json"
-    bench.main(["--dry-run", "--family", ",".join(DRY_FAMILIES), "--table", "--stack", "--cliff", "--eager",
-                "--ms", "1,64", "--extra-ms", "1",
-                "--stack-ms", "1", "--cliff-ms", "1", "--eager-ms", "1", "--layers", "1", "--out", str(out)])
+    bench.main(
+        [
+            "--dry-run",
+            "--family",
+            ",".join(DRY_FAMILIES),
+            "--table",
+            "--stack",
+            "--cliff",
+            "--eager",
+            "--ms",
+            "1,64",
+            "--extra-ms",
+            "1",
+            "--stack-ms",
+            "1",
+            "--cliff-ms",
+            "1",
+            "--eager-ms",
+            "1",
+            "--layers",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert list(result["families"]) == list(DRY_FAMILIES)
     for family, res in result["families"].items():
         assert "error" not in res, res["error"]
         ms = [1, 64] if family == "normal" else [1]
         assert [(r["shape"], r["M"]) for r in res["table"]] == [(s, m) for s in bench.DRY_SHAPES for m in ms]
-        assert all(r["w12_us"] > 0 and r["max_abs_diff"] == 0.0 for r in res["table"])   # both are decode + F.linear
+        assert all(r["w12_us"] > 0 and r["max_abs_diff"] == 0.0 for r in res["table"])  # both are decode + F.linear
         assert [r["M"] for r in res["stack"]] == [1]
     assert [(r["shape"], r["M"]) for r in result["cliff"]] == [(s, 1) for s in bench.DRY_SHAPES]
     assert all(r["escape_rate_hi"] > r["escape_rate_lo"] for r in result["cliff"])
@@ -155,7 +185,7 @@ def test_bench_dry_run_reports_every_family_and_table(tmp_path, capsys, w12_stor
     assert "DRY RUN on CPU" in printed and "| geomean M <= 16 |" in printed
     assert all(f"{family}: GEMM geomean" in printed for family in DRY_FAMILIES)
     assert "| shape | M | normal | outliers | stories260k (real rows, tiled to the shape) |" in printed
-    assert bench.render(result).count("| qkv (160 x 128) |") == len(DRY_FAMILIES) + 1    # normal: M = 1 and 64
+    assert bench.render(result).count("| qkv (160 x 128) |") == len(DRY_FAMILIES) + 1  # normal: M = 1 and 64
 
 
 def test_bench_refuses_an_unknown_family(capsys):
@@ -170,9 +200,9 @@ def test_host_cost_is_measured_side_by_side():
     import time
 
     calls = []
-    fast = lambda item: calls.append("fast")                              # noqa: E731
-    slow = lambda item: (calls.append("slow"), time.sleep(0.002))         # noqa: E731
+    fast = lambda item: calls.append("fast")  # noqa: E731
+    slow = lambda item: (calls.append("slow"), time.sleep(0.002))  # noqa: E731
     fast_us, slow_us, gap_us = bench.host_us(((fast, [0, 1]), (slow, [0, 1])), "cpu")
     assert slow_us >= 2000 > fast_us and 2000 <= gap_us < slow_us + 1
-    timed = calls[4:]                                                     # after one warm-up call per item
+    timed = calls[4:]  # after one warm-up call per item
     assert len(timed) == 2 * 2 * 10 and timed[:2] == ["fast", "slow"] and timed[20:22] == ["slow", "fast"]

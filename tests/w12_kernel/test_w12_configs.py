@@ -1,12 +1,14 @@
 """Which fused-kernel config a W12 weight gets (kernels/w12/gemm.py, tuned_h200.json), on CPU: the tuned entries
 parse, a weight's escape count chooses between the light and the heavy entry, and the bucket fallbacks hold."""
+
 import json
 from pathlib import Path
 
 import pytest
+
 import w12
-from w12 import gemm
 from specpilot_lab.w12_families import SHAPES, draw, normal_with_escapes
+from w12 import gemm
 
 TUNED_FILE = Path(gemm.__file__).with_name("tuned_h200.json")
 
@@ -52,9 +54,11 @@ def test_bucket_fallbacks():
 
 def test_families_fall_on_the_side_of_the_threshold_the_picks_assume():
     """The picks were measured on normal (light) and on Student-t and outlier columns (heavy)."""
+
     def escape_rate(family):
         packed = w12.encode(draw(family, 256, 5120, seed=0))
         return packed.escapes / (packed.rows * packed.cols)
+
     assert escape_rate("normal") < gemm.HEAVY_ESCAPES
     for family in ("student-t3", "student-t4", "student-t5", "outliers"):
         assert escape_rate(family) >= gemm.HEAVY_ESCAPES, family
@@ -75,9 +79,10 @@ def test_escapes_clustered_in_some_row_blocks_make_a_weight_heavy(w12_stories):
 
 def test_pick_times_tiles_with_the_escape_handling_the_shape_has_now():
     from specpilot_lab import w12_bench as bench
+
     n, k = SHAPES["o"]
     now = gemm.TUNED[(n, k, 8, False)]
-    assert now.esc_step          # o at M <= 8 spreads its escapes over the loop (BENCH.md)
+    assert now.esc_step  # o at M <= 8 spreads its escapes over the loop (BENCH.md)
     tiles = bench.finalists(n, k, 8)
     assert len({(c.block_n, c.num_stages, c.split_k) for c in tiles}) == len(tiles) > 1
     assert all(c.esc_step == now.esc_step and c.xt == now.xt for c in tiles)
@@ -85,17 +90,23 @@ def test_pick_times_tiles_with_the_escape_handling_the_shape_has_now():
 
 def test_save_tuned_replaces_the_picked_keys_and_keeps_the_rest(tmp_path):
     from specpilot_lab import w12_bench as bench
+
     path = tmp_path / "tuned.json"
     light = dict(vars(gemm.Config()), block_n=64)
-    old = {"_comment": "kept", "1,2,8": light, "1,2,8,heavy": dict(light, xt=True), "1,2,64": light,
-           "1,2,16": dict(light, kernel="ws")}
+    old = {
+        "_comment": "kept",
+        "1,2,8": light,
+        "1,2,8,heavy": dict(light, xt=True),
+        "1,2,64": light,
+        "1,2,16": dict(light, kernel="ws"),
+    }
     path.write_text(json.dumps(old))
     picked = dict(vars(gemm.Config()), block_n=16, esc_step=32)
     bench.save_tuned({"tuned": {"1,2,8": picked, "1,2,16": picked}}, path)
     new = json.loads(path.read_text())
     assert new["_comment"] == "kept" and new["1,2,8"] == picked
     assert new["1,2,8,heavy"] == old["1,2,8,heavy"] and new["1,2,64"] == old["1,2,64"]
-    assert new["1,2,16"] == dict(picked, kernel="ws")     # --pick times Triton tiles: the ws choice stays
+    assert new["1,2,16"] == dict(picked, kernel="ws")  # --pick times Triton tiles: the ws choice stays
     # a malformed key is refused before anything is written
     with pytest.raises(ValueError, match="N,K,bucket"):
         bench.save_tuned({"tuned": {"1,2,8,light": picked}}, path)

@@ -1,4 +1,5 @@
 """W12 encode/decode must be bit-exact for every bf16 pattern and any tensor shape."""
+
 import pytest
 import torch
 
@@ -36,21 +37,23 @@ def test_every_pattern_round_trips_through_the_escape_table(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("shape", [(1,), (7,), (1, 1), (3, 5), (2, 3, 5), (1, 1031), (33, 1), (5, 130), (64, 172),
-                                   (300, 200)])
+@pytest.mark.parametrize(
+    "shape", [(1,), (7,), (1, 1), (3, 5), (2, 3, 5), (1, 1031), (33, 1), (5, 130), (64, 172), (300, 200)]
+)
 def test_awkward_shapes_round_trip(shape, layout):
     g = torch.Generator().manual_seed(sum(shape))
     scale = torch.exp(torch.randn(shape, generator=g) * 8)  # spans ~1e-20..1e20: escapes, subnormals
     w = (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
     flat = w.view(-1)
-    flat[:: 3] = 0.0
-    flat[1:: 5] = -0.0
+    flat[::3] = 0.0
+    flat[1::5] = -0.0
     assert_bit_exact(w, layout)
 
 
 def test_specials_and_signed_zeros_keep_their_bits():
-    bits = torch.tensor([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x0001, 0x807F, 0x3F80],
-                        dtype=torch.int32).to(torch.int16)
+    bits = torch.tensor(
+        [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x0001, 0x807F, 0x3F80], dtype=torch.int32
+    ).to(torch.int16)
     w = torch.cat([bits.view(torch.bfloat16), torch.randn(54).to(torch.bfloat16)]).reshape(8, 8)
     assert_bit_exact(w)
 
@@ -74,7 +77,7 @@ def test_kernel_view_reads_escapes_as_the_window_floor(layout):
     planes = decode_planes(packed)
     expected = w.view(torch.int16).to(torch.int32) & 0xFFFF
     for r, c in ((1, 3), (2, 60), (3, 7)):
-        expected[r, c] = int(packed.base[r]) << 8      # sign 0, low byte 0, exponent >> 1 = base
+        expected[r, c] = int(packed.base[r]) << 8  # sign 0, low byte 0, exponent >> 1 = base
     assert torch.equal(planes, expected)
     assert packed.escapes == 3 and packed.esc_ptr.tolist() == [0, 0, 1, 2, 3]
 
@@ -102,7 +105,7 @@ def test_units_hold_each_byte_where_format_md_says():
     # 2a+9)[j] of row 128t + r; runs p = 0, 1, 2: first-half low bytes, second-half low bytes, code bytes.
     rows, cols = 200, 256
     col = torch.arange(cols)
-    low = (col * 7 + torch.arange(rows)[:, None] * 3) % 128                 # a low byte to recognise each weight
+    low = (col * 7 + torch.arange(rows)[:, None] * 3) % 128  # a low byte to recognise each weight
     w = ((0x3C << 8) | (0 << 7) | low).to(torch.int16).view(torch.bfloat16)  # one exponent: the window holds all
     packed = encode(w, "units")
     assert packed.layout == "units" and tuple(packed.units.shape) == (2, 2, 128, 192)
@@ -111,7 +114,7 @@ def test_units_hold_each_byte_where_format_md_says():
         a, k, j = pos // 16, (pos // 4) % 4, pos % 4
         c = 64 * u + 16 * k + 2 * a + (j % 2) + 8 * (j // 2) + (half if p == 1 else 0)
         assert packed.units[t, u, r, 64 * p + pos].item() == low[128 * t + r, c].item()
-    assert torch.all(packed.units[1, :, rows - 128:] == 0)                   # padding rows
+    assert torch.all(packed.units[1, :, rows - 128 :] == 0)  # padding rows
     assert k_order(64).tolist()[:8] == [0, 1, 8, 9, 16, 17, 24, 25]
 
 
@@ -129,7 +132,7 @@ def test_both_layouts_hold_the_same_planes(cols):
 
 def test_cat_stacks_parts_of_either_layout_as_encode_would(monkeypatch):
     g = torch.Generator().manual_seed(3)
-    parts = [(torch.randn(n, 320, generator=g) * 0.02 * 4.0 ** i).to(torch.bfloat16) for i, n in enumerate((64, 96, 200))]
+    parts = [(torch.randn(n, 320, generator=g) * 0.02 * 4.0**i).to(torch.bfloat16) for i, n in enumerate((64, 96, 200))]
     parts[1][5, 7] = float("nan")
     monkeypatch.setattr(w12format, "_layout_table", lambda: {(360, 320): "units"})
     monkeypatch.setattr(w12format, "_runs_units", lambda device: True)
@@ -141,8 +144,8 @@ def test_cat_stacks_parts_of_either_layout_as_encode_would(monkeypatch):
 
 
 def test_the_layout_table_picks_the_default_and_names_bad_entries(tmp_path, monkeypatch):
-    assert w12format._layout_table()[34816, 5120] == "units"          # layouts_h200.json: gate_up
-    assert w12format.preferred_layout(34816, 5120, "cpu") == "rows"     # units only where the ws kernel runs
+    assert w12format._layout_table()[34816, 5120] == "units"  # layouts_h200.json: gate_up
+    assert w12format.preferred_layout(34816, 5120, "cpu") == "rows"  # units only where the ws kernel runs
     monkeypatch.setattr(w12format, "_runs_units", lambda device: True)
     assert w12format.preferred_layout(34816, 5120, "cuda") == "units"
     assert w12format.preferred_layout(10240, 5120, "cuda") == "rows"

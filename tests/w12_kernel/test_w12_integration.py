@@ -1,4 +1,5 @@
 """The API a runtime uses: apply_w12 on the real stories260K model, W12Linear, w12.cat."""
+
 import copy
 
 import pytest
@@ -17,10 +18,11 @@ def stories_bf16(stories_dir):
 
 def test_apply_w12_keeps_the_model_output_bit_for_bit(stories_bf16):
     model = copy.deepcopy(stories_bf16)
-    originals = {name: mod.weight.detach().clone() for name, mod in model.named_modules()
-                 if isinstance(mod, torch.nn.Linear)}
+    originals = {
+        name: mod.weight.detach().clone() for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)
+    }
     replaced = w12.apply_w12(model)
-    assert replaced == len(originals) == 5 * 7 + 1          # 7 projections per layer + lm_head
+    assert replaced == len(originals) == 5 * 7 + 1  # 7 projections per layer + lm_head
     for name, weight in originals.items():
         layer = model.get_submodule(name)
         assert isinstance(layer, w12.W12Linear)
@@ -41,8 +43,10 @@ def test_apply_w12_refuses_float32_weights():
 def test_cat_matches_encoding_the_concatenation():
     g = torch.Generator().manual_seed(5)
     # magnitudes in [0.01, 0.02): one octave, inside every row's window, so the planted values are the only escapes
-    parts = [((torch.rand(r, 96, generator=g) + 1) * 0.01 * torch.randn(r, 96, generator=g).sign()).to(torch.bfloat16)
-             for r in (7, 16, 3)]
+    parts = [
+        ((torch.rand(r, 96, generator=g) + 1) * 0.01 * torch.randn(r, 96, generator=g).sign()).to(torch.bfloat16)
+        for r in (7, 16, 3)
+    ]
     parts[1][2, 5] = float("inf")
     parts[2][0, 0] = 1e30
     joined = w12.cat([w12.encode(p) for p in parts])

@@ -1,6 +1,7 @@
 """w12.ws, the warp-specialized wgmma kernel: its escape table, build settings and nvcc output here; the kernel itself
 on an sm_90a GPU (skipped without one), run on the device with
 `PYTHONPATH=kernels python3 -m pytest -q tests/w12_kernel/test_w12_ws.py`."""
+
 import ctypes
 import re
 import shutil
@@ -11,10 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from w12_gpu_helpers import assert_close_to_exact, llm_like
 
 import w12
 from w12 import ws
-from w12_gpu_helpers import assert_close_to_exact, llm_like
 
 
 def stand_in(rows: int, cols: int, density: float, seed: int, planted=()) -> SimpleNamespace:
@@ -24,12 +25,19 @@ def stand_in(rows: int, cols: int, density: float, seed: int, planted=()) -> Sim
     mask = torch.rand(rows, cols, generator=g) < density
     for r, c in planted:
         mask[r, c] = True
-    row, col = mask.nonzero(as_tuple=True)      # row-major: by row, then column, as the CSR keeps them
+    row, col = mask.nonzero(as_tuple=True)  # row-major: by row, then column, as the CSR keeps them
     ptr = torch.zeros(rows + 1, dtype=torch.int32)
     ptr[1:] = torch.cumsum(torch.bincount(row, minlength=rows), 0)
     bits = torch.randint(-32768, 32768, (len(row),), generator=g, dtype=torch.int32).to(torch.int16)
-    return SimpleNamespace(rows=rows, cols=cols, half=-(-cols // 128) * 64, esc_ptr=ptr, esc_col=col.to(torch.int32),
-                           esc_bits=bits, escapes=len(row))
+    return SimpleNamespace(
+        rows=rows,
+        cols=cols,
+        half=-(-cols // 128) * 64,
+        esc_ptr=ptr,
+        esc_col=col.to(torch.int32),
+        esc_bits=bits,
+        escapes=len(row),
+    )
 
 
 def reference_table(p) -> tuple[list[int], list[int]]:
@@ -60,9 +68,18 @@ def assert_table_matches(p) -> None:
 EDGES = [(0, 0), (127, 191), (128, 192), (129, 299), (255, 63), (256, 64), (383, 255), (15, 191), (16, 192)]
 
 
-@pytest.mark.parametrize("rows, cols, density, planted", [
-    (384, 300, 0.01, EDGES), (384, 300, 0.0, ()), (128, 128, 0.0, ()), (128, 128, 0.2, ()), (200, 1000, 0.003, ()),
-    (256, 512, 0.0, [(17, 300)])], ids=str)
+@pytest.mark.parametrize(
+    "rows, cols, density, planted",
+    [
+        (384, 300, 0.01, EDGES),
+        (384, 300, 0.0, ()),
+        (128, 128, 0.0, ()),
+        (128, 128, 0.2, ()),
+        (200, 1000, 0.003, ()),
+        (256, 512, 0.0, [(17, 300)]),
+    ],
+    ids=str,
+)
 def test_escape_table_matches_a_reference_one_escape_at_a_time(rows, cols, density, planted):
     p = stand_in(rows, cols, density, seed=rows + cols, planted=planted)
     assert_table_matches(p)
@@ -72,8 +89,12 @@ def test_escape_table_matches_a_reference_one_escape_at_a_time(rows, cols, densi
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)
-@given(rows=st.integers(1, 400), cols=st.integers(1, 700), density=st.sampled_from([0.0, 0.001, 0.02, 0.3]),
-       seed=st.integers(0, 2 ** 16))
+@given(
+    rows=st.integers(1, 400),
+    cols=st.integers(1, 700),
+    density=st.sampled_from([0.0, 0.001, 0.02, 0.3]),
+    seed=st.integers(0, 2**16),
+)
 def test_escape_table_matches_the_reference_on_random_weights(rows, cols, density, seed):
     assert_table_matches(stand_in(rows, cols, density, seed))
 
@@ -81,7 +102,7 @@ def test_escape_table_matches_the_reference_on_random_weights(rows, cols, densit
 def test_escape_table_of_an_encoded_weight():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(256, 1000, generator=g) * 0.02
-    w.view(-1)[torch.randint(0, w.numel(), (400,), generator=g)] *= 2.0 ** 20
+    w.view(-1)[torch.randint(0, w.numel(), (400,), generator=g)] *= 2.0**20
     packed = w12.encode(w.to(torch.bfloat16), layout="units")
     assert packed.escapes >= 300 and packed.half == 512
     assert_table_matches(packed)
@@ -97,11 +118,13 @@ def test_cta_ranges_split_the_units_as_stream_k_and_name_each_tiles_first_and_la
     grid = min(sms, units)
     table = ws.cta_ranges(tiles, ks, grid)
     assert table.dtype == torch.int32 and table.numel() == grid + 1 + 2 * tiles
-    bounds = table[:grid + 1].tolist()
+    bounds = table[: grid + 1].tolist()
     assert bounds == [c * units // grid for c in range(grid + 1)]
     cta_of = [c for c in range(grid) for _ in range(bounds[c], bounds[c + 1])]
     assert len(cta_of) == units
-    assert table[grid + 1:].tolist() == [cta for t in range(tiles) for cta in (cta_of[t * ks], cta_of[t * ks + ks - 1])]
+    assert table[grid + 1 :].tolist() == [
+        cta for t in range(tiles) for cta in (cta_of[t * ks], cta_of[t * ks + ks - 1])
+    ]
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
@@ -119,8 +142,11 @@ def test_without_nvcc_the_error_names_every_place_looked(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.setattr(ws, "NVCC_FALLBACK", tmp_path / "fallback" / "nvcc")
-    with pytest.raises(RuntimeError, match=r"needs nvcc.*\$CUDA_HOME/bin/nvcc \(.*cuda/bin/nvcc\), nvcc on PATH "
-                                           r"\(none\), .*fallback/nvcc$"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs nvcc.*\$CUDA_HOME/bin/nvcc \(.*cuda/bin/nvcc\), nvcc on PATH "
+        r"\(none\), .*fallback/nvcc$",
+    ):
         ws.find_nvcc()
     monkeypatch.delenv("CUDA_HOME")
     with pytest.raises(RuntimeError, match=r"\$CUDA_HOME unset"):
@@ -146,8 +172,8 @@ def test_a_failed_build_is_not_retried_in_the_process(monkeypatch):
 def test_supported_refuses_what_the_kernel_cannot_take():
     w = (torch.randn(256, 512) * 0.02).to(torch.bfloat16)
     units = w12.encode(w, layout="units")
-    assert not ws.supported(units, 8)                               # on the CPU
-    assert not ws.supported(w12.encode(w, layout="rows"), 8)        # the planes row by row
+    assert not ws.supported(units, 8)  # on the CPU
+    assert not ws.supported(w12.encode(w, layout="rows"), 8)  # the planes row by row
     for m in (0, 65):
         assert not ws.supported(units, m)
 
@@ -188,8 +214,10 @@ def test_the_kernel_compiles_without_spills_serialized_wgmma_or_generic_shared_l
 
 # --- on the GPU -------------------------------------------------------------------------------------------------
 
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an sm_90a (compute capability 9.0) GPU")
+sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90a (compute capability 9.0) GPU",
+)
 
 
 def bucket_of(m: int) -> int:
@@ -245,8 +273,9 @@ def test_ws_with_more_escapes_per_unit_than_a_stage_holds_and_with_none(m):
     assert int((esc_ptr[8::8] - esc_ptr[:-8:8]).max()) > 252
     check(w, packed, m)
     g = torch.Generator(device="cuda").manual_seed(m)
-    plain = ((1 + torch.rand(256, 512, device="cuda", generator=g)) * torch.randn(256, 512, device="cuda",
-                                                                                    generator=g).sign())
+    plain = (1 + torch.rand(256, 512, device="cuda", generator=g)) * torch.randn(
+        256, 512, device="cuda", generator=g
+    ).sign()
     plain = plain.to(torch.bfloat16)
     packed = w12.encode(plain, layout="units")
     assert packed.escapes == 0
@@ -263,7 +292,7 @@ def test_ws_plan_takes_a_row_slice_of_x_and_one_plan_serves_every_m_of_its_bucke
         assert_close_to_exact(x, w, plan(x, m))
         assert torch.equal(plan(x, m), plan(x.contiguous(), m))
     unaligned = torch.randn(2 * 1024 + 4, device="cuda").to(torch.bfloat16)[4:].view(2, 1024)
-    assert_close_to_exact(unaligned, w, plan(unaligned, 2))      # copied first: TMA needs 16-byte alignment
+    assert_close_to_exact(unaligned, w, plan(unaligned, 2))  # copied first: TMA needs 16-byte alignment
     with pytest.raises(ValueError, match="takes bf16 x"):
         plan(torch.zeros(65, 1024, dtype=torch.bfloat16, device="cuda"), 65)
 
@@ -273,7 +302,7 @@ def test_ws_plan_takes_a_row_slice_of_x_and_one_plan_serves_every_m_of_its_bucke
 def test_ws_refusals_on_the_gpu():
     _, packed = weight(256, 512)
     assert ws.supported(packed, 64) and not ws.supported(packed, 65)
-    odd = w12.encode(llm_like(200, 512, seed=1), layout="units")      # 200 rows: not a whole number of 128-row tiles
+    odd = w12.encode(llm_like(200, 512, seed=1), layout="units")  # 200 rows: not a whole number of 128-row tiles
     assert not ws.supported(odd, 8)
     with pytest.raises(ValueError, match="does not take"):
         ws.WsPlan(odd, 8)
@@ -293,6 +322,7 @@ def test_linear_runs_the_ws_kernel_where_the_config_names_it_and_the_triton_kern
     runs the Triton kernel with its tiles; both give the exact product, and fused_gemm (the unprepared path) picks
     the same kernel."""
     from w12.gemm import Config, Plan, fused_gemm, prepare
+
     w = llm_like(384, 1024, seed=3)
     cfg = Config(32, 128, 2, 3, swap=True, block_m=16, kernel="ws")
     units, rows = w12.encode(w, layout="units"), w12.encode(w, layout="rows")
@@ -314,14 +344,18 @@ def test_without_a_compiler_the_triton_kernel_runs_instead_with_a_warning(monkey
     units = w12.encode((torch.randn(128, 256) * 0.02).to(torch.bfloat16), layout="units")
     monkeypatch.setattr(ws, "supported", lambda packed, m: True)
     monkeypatch.setattr(ws, "WsPlan", NoNvcc)
-    with pytest.warns(RuntimeWarning, match=r"ws kernel is not available \(the W12 ws kernel .* tried nothing\); "
-                                            r"running the Triton kernel instead"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"ws kernel is not available \(the W12 ws kernel .* tried nothing\); "
+        r"running the Triton kernel instead",
+    ):
         assert gemm._ws_plan(units, 16, gemm.Config(kernel="ws")) is None
-    assert gemm._ws_plan(units, 16, gemm.Config()) is None      # a Triton config never asks
+    assert gemm._ws_plan(units, 16, gemm.Config()) is None  # a Triton config never asks
 
 
 def test_a_config_names_a_known_kernel_and_units_take_whole_units():
     from w12.gemm import Config, _launch_args
+
     with pytest.raises(ValueError, match="Config.kernel is one of triton, ws"):
         Config(kernel="cuda")
     units = w12.encode((torch.randn(128, 256) * 0.02).to(torch.bfloat16), layout="units")
@@ -337,17 +371,23 @@ def test_a_chain_of_dependent_calls_under_programmatic_dependent_launch_reads_ea
     (split K among them) that let them launch early, give in one CUDA graph and eagerly the bits of the same calls
     with the device synchronized after each (nothing left to overlap)."""
     from w12.gemm import Config, Plan
+
     assert ws.PDL and w12.gemm.TRIGGER
-    configs = [None, None, Config(32, 128, 2, 3, swap=True, block_m=16), None,
-               Config(64, 128, 4, 2, split_k=2, block_m=0)] * 2     # None: the ws kernel
-    plans, weights = [], []     # a plan holds its weight weakly
+    configs = [
+        None,
+        None,
+        Config(32, 128, 2, 3, swap=True, block_m=16),
+        None,
+        Config(64, 128, 4, 2, split_k=2, block_m=0),
+    ] * 2  # None: the ws kernel
+    plans, weights = [], []  # a plan holds its weight weakly
     g = torch.Generator(device="cuda").manual_seed(m)
-    for i, cfg in enumerate(configs):
+    for cfg in configs:
         # y keeps x's scale; the escapes planted are zeros and tiny weights (a weight x2^20 would overflow in the chain)
-        w = torch.randn(2048, 2048, device="cuda", generator=g) * 2048 ** -0.5
+        w = torch.randn(2048, 2048, device="cuda", generator=g) * 2048**-0.5
         idx = torch.randint(0, w.numel(), (2048,), device="cuda", generator=g)
         w.view(-1)[idx[::2]] = 0.0
-        w.view(-1)[idx[1::2]] *= 2.0 ** -30
+        w.view(-1)[idx[1::2]] *= 2.0**-30
         w = w.to(torch.bfloat16)
         packed = w12.encode(w, layout="units" if cfg is None else "rows")
         assert packed.escapes > 0

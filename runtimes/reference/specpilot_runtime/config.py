@@ -1,4 +1,5 @@
 """The engine's resolved config (`<engine>/config.json`), read and checked once at start-up."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,11 @@ ALGORITHMS = ("none", "ngram", "draft_model")
 
 # Mechanisms a `final` arm may switch on, with their value types.
 RUNTIME_OPTIONS = {
-    "shared_ngram_cache": bool,     # one n-gram index over all earlier prompts and outputs
-    "ngram_cache_capacity": int,    # tokens the shared index keeps before it starts afresh
-    "num_threads": int,             # torch CPU threads (the default is 1 for tiny models)
-    "w12_dense_fallback": bool,     # W12 weights keep their bf16 copy where cuBLAS beats the fused GEMM (memory
-                                    # for speed: +2 bytes per such weight)
+    "shared_ngram_cache": bool,  # one n-gram index over all earlier prompts and outputs
+    "ngram_cache_capacity": int,  # tokens the shared index keeps before it starts afresh
+    "num_threads": int,  # torch CPU threads (the default is 1 for tiny models)
+    "w12_dense_fallback": bool,  # W12 weights keep their bf16 copy where cuBLAS beats the fused GEMM (memory
+    # for speed: +2 bytes per such weight)
 }
 
 
@@ -88,7 +89,8 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
         drafter = DrafterConfig(
             algorithm=algorithm,
             num_draft_tokens=positive_int(get("drafter", "num_draft_tokens"), "drafter.num_draft_tokens"),
-            ngram_max_n=max_n, ngram_min_n=min_n,
+            ngram_max_n=max_n,
+            ngram_min_n=min_n,
         )
     options = get("runtime_options", default={}) or {}
     if not isinstance(options, dict):
@@ -97,11 +99,11 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
         if name not in RUNTIME_OPTIONS:
             raise RuntimeConfigError(
                 f"{where}: runtime_options.{name} is not a mechanism of the reference runtime "
-                f"(known: {', '.join(sorted(RUNTIME_OPTIONS))})")
+                f"(known: {', '.join(sorted(RUNTIME_OPTIONS))})"
+            )
         expected = RUNTIME_OPTIONS[name]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise RuntimeConfigError(
-                f"{where}: runtime_options.{name} is {value!r}; expected {expected.__name__}")
+            raise RuntimeConfigError(f"{where}: runtime_options.{name} is {value!r}; expected {expected.__name__}")
     if options.get("shared_ngram_cache") and algorithm != "ngram":
         raise RuntimeConfigError(f"{where}: runtime_options.shared_ngram_cache needs drafter.algorithm ngram")
     quantization = get("model", "quantization", default=None)
@@ -111,8 +113,9 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
     if quantization == "w12" and dtype != "bfloat16":
         raise RuntimeConfigError(f"{where}: model.quantization w12 stores bf16 weights; model.dtype is {dtype!r}")
     if options.get("w12_dense_fallback") and quantization != "w12":
-        raise RuntimeConfigError(f"{where}: runtime_options.w12_dense_fallback needs model.quantization w12 "
-                                 f"(it is {quantization!r})")
+        raise RuntimeConfigError(
+            f"{where}: runtime_options.w12_dense_fallback needs model.quantization w12 (it is {quantization!r})"
+        )
     return EngineConfig(
         setting=str(get("setting")),
         arm=arm,
@@ -123,6 +126,7 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
         drafter=drafter,
         runtime_options=dict(options),
         concurrency=positive_int(get("batching", "concurrency", default=1), "batching.concurrency"),
-        max_running_requests=positive_int(get("batching", "max_running_requests", default=1),
-                                          "batching.max_running_requests"),
+        max_running_requests=positive_int(
+            get("batching", "max_running_requests", default=1), "batching.max_running_requests"
+        ),
     )

@@ -9,6 +9,7 @@ appended to it; verification decides what is kept, so a drafter only affects spe
   requests, holding earlier prompts and outputs too, like SGLang's NGRAM cache.
 - `DraftModelDrafter` (`draft_model`): a small model sharing the tokenizer proposes k tokens greedily.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,16 +49,16 @@ class NgramIndex:
         table = self.table
         for pos in range(max(first_new, 1), len(tokens)):
             for n in range(self.min_n, min(self.max_n, pos) + 1):
-                table[tuple(tokens[pos - n:pos])] = (tokens, pos)
+                table[tuple(tokens[pos - n : pos])] = (tokens, pos)
         self.indexed_tokens += len(tokens) - first_new
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """The tokens that followed the longest earlier match of the current suffix, at most k of them."""
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            hit = self.table.get(tuple(tokens[len(tokens) - n:]))
+            hit = self.table.get(tuple(tokens[len(tokens) - n :]))
             if hit is not None:
                 source, pos = hit
-                return source[pos:pos + k]
+                return source[pos : pos + k]
         return []
 
 
@@ -115,8 +116,12 @@ class DraftModelDrafter(NoDrafter):
         proposals: list[int] = []
         fed = seq.tokens[:valid]
         for _ in range(k):
-            logits = self.model.forward(torch.tensor([pending], device=device), [seq.slot], [len(fed)],
-                                        logit_rows=torch.tensor([len(pending) - 1], device=device))
+            logits = self.model.forward(
+                torch.tensor([pending], device=device),
+                [seq.slot],
+                [len(fed)],
+                logit_rows=torch.tensor([len(pending) - 1], device=device),
+            )
             fed = fed + pending
             token = int(logits[0, -1].argmax())
             proposals.append(token)
@@ -142,8 +147,11 @@ def make_drafter(drafter_config, runtime_options: dict, draft_model=None):
         return NoDrafter()
     if algorithm == "ngram":
         if runtime_options.get("shared_ngram_cache"):
-            return SharedNgramCache(drafter_config.ngram_min_n, drafter_config.ngram_max_n,
-                                    runtime_options.get("ngram_cache_capacity", 1_000_000))
+            return SharedNgramCache(
+                drafter_config.ngram_min_n,
+                drafter_config.ngram_max_n,
+                runtime_options.get("ngram_cache_capacity", 1_000_000),
+            )
         return PromptLookup(drafter_config.ngram_min_n, drafter_config.ngram_max_n)
     if algorithm == "draft_model":
         return DraftModelDrafter(draft_model)

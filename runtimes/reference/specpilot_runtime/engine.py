@@ -13,6 +13,7 @@ logprobs, stop checks, detokenising, the drafter's updates). It excludes the HTT
 the time a request waits; with torch running more than one intra-op thread (/server_info `num_threads`),
 the other threads' share of a forward is not in it either (the reference runtime runs small models on one).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -20,8 +21,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -66,7 +67,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 class Engine:
@@ -181,7 +182,7 @@ class Engine:
         if first >= len(prompt):
             return
         # One batched pass over all scored rows: rows first-1-first_row .. len(prompt)-2 score tokens first..end.
-        logprobs = torch.log_softmax(logits[first - 1 - first_row:], dim=-1)
+        logprobs = torch.log_softmax(logits[first - 1 - first_row :], dim=-1)
         targets = torch.tensor(prompt[first:], device=logprobs.device).unsqueeze(1)
         chosen = logprobs.gather(1, targets).squeeze(1).tolist()
         tops = _top_rows(logprobs, req.top_logprobs_num)
@@ -204,8 +205,9 @@ class Engine:
         width = 1 + max(len(p) for p in proposals)
         rows = [[seq.tokens[-1]] + p + [0] * (width - 1 - len(p)) for seq, p in zip(running, proposals)]
         model = self.model
-        logits = model.forward(torch.tensor(rows, device=model.device), [s.slot for s in running],
-                               [s.cache_len for s in running])
+        logits = model.forward(
+            torch.tensor(rows, device=model.device), [s.slot for s in running], [s.cache_len for s in running]
+        )
         targets = logits.argmax(dim=-1).tolist()
         share = (time.thread_time() - shared_since) / len(running)  # the batched work, in equal shares
         for b, (seq, proposal) in enumerate(zip(running, proposals)):
@@ -312,8 +314,11 @@ class Engine:
         }
         if req.return_logprob:
             meta.update(
-                input_token_logprobs=seq.input_logprobs, input_top_logprobs=seq.input_top_logprobs,
-                output_token_logprobs=seq.output_logprobs, output_top_logprobs=seq.output_top_logprobs)
+                input_token_logprobs=seq.input_logprobs,
+                input_top_logprobs=seq.input_top_logprobs,
+                output_token_logprobs=seq.output_logprobs,
+                output_top_logprobs=seq.output_top_logprobs,
+            )
         return {"text": seq.text, "output_ids": seq.output_ids, "meta_info": meta}
 
 

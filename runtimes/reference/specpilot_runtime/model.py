@@ -33,6 +33,7 @@ masked to exact zeros, and that product runs block by block with the partial res
 checks all of it on stories260K: verify chunks of 1..k tokens, rejected drafts, short prompts, sequences past
 256 tokens, and a second sequence in the batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 KEY_BLOCK = 512  # attention runs in whole blocks of this many keys (batch invariance, see the docstring)
-MIN_ROWS = 16    # on CPU every product has at least this many rows (batch invariance, see the docstring)
+MIN_ROWS = 16  # on CPU every product has at least this many rows (batch invariance, see the docstring)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,9 +70,14 @@ def llama_shape(cfg) -> LlamaShape:
     if rope_theta is None:  # transformers 5 may keep it only under rope_parameters
         rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     return LlamaShape(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-        context_length=cfg.max_position_embeddings, rope_theta=float(rope_theta),
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        context_length=cfg.max_position_embeddings,
+        rope_theta=float(rope_theta),
         rms_norm_eps=cfg.rms_norm_eps,
     )
 
@@ -79,8 +85,15 @@ def llama_shape(cfg) -> LlamaShape:
 class LeanLlama:
     """Greedy-decoding forward of a Llama checkpoint over a slotted KV cache."""
 
-    def __init__(self, hf_model, num_slots: int, max_tokens_per_step: int, device: torch.device | str,
-                 w12: bool = False, dense_fallback: bool = False):
+    def __init__(
+        self,
+        hf_model,
+        num_slots: int,
+        max_tokens_per_step: int,
+        device: torch.device | str,
+        w12: bool = False,
+        dense_fallback: bool = False,
+    ):
         self.shape = s = llama_shape(hf_model.config)
         self.device = torch.device(device)
         self.dtype = next(hf_model.parameters()).dtype
@@ -90,14 +103,17 @@ class LeanLlama:
             self._encode_w12(dense_fallback)
         # Whole key blocks (batch invariance), with room past the context for padded query rows of a verify step.
         self.cache_length = -(-(s.context_length + max_tokens_per_step + 1) // KEY_BLOCK) * KEY_BLOCK
-        self.k_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, s.head_dim, self.cache_length,
-                                   dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(s.num_layers, num_slots, s.num_kv_heads, self.cache_length, s.head_dim,
-                                   dtype=self.dtype, device=self.device)
+        self.k_cache = torch.zeros(
+            s.num_layers, num_slots, s.num_kv_heads, s.head_dim, self.cache_length, dtype=self.dtype, device=self.device
+        )
+        self.v_cache = torch.zeros(
+            s.num_layers, num_slots, s.num_kv_heads, self.cache_length, s.head_dim, dtype=self.dtype, device=self.device
+        )
         self.cos, self.sin = self._rope_tables()
         # Per layer and slot views, so a single-sequence step does no indexing to find its cache.
-        self.slot_views = [[(self.k_cache[i, slot], self.v_cache[i, slot]) for i in range(s.num_layers)]
-                           for slot in range(num_slots)]
+        self.slot_views = [
+            [(self.k_cache[i, slot], self.v_cache[i, slot]) for i in range(s.num_layers)] for slot in range(num_slots)
+        ]
 
     @property
     def num_slots(self) -> int:
@@ -133,12 +149,14 @@ class LeanLlama:
             wk, wv = att.k_proj.weight.detach().float(), att.v_proj.weight.detach().float()
             # One projection gives q, k, v and the rotate_half of q and k that RoPE needs.
             wqkv = torch.cat([wq, wk, wv, rotated(wq, s.num_heads), rotated(wk, s.num_kv_heads)])
-            self.layers.append((
-                fold(wqkv, layer.input_layernorm.weight),
-                att.o_proj.weight.detach().t().contiguous(),
-                fold(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), layer.post_attention_layernorm.weight),
-                mlp.down_proj.weight.detach().t().contiguous(),
-            ))
+            self.layers.append(
+                (
+                    fold(wqkv, layer.input_layernorm.weight),
+                    att.o_proj.weight.detach().t().contiguous(),
+                    fold(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), layer.post_attention_layernorm.weight),
+                    mlp.down_proj.weight.detach().t().contiguous(),
+                )
+            )
             self.norms.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()))
 
     def _encode_w12(self, dense_fallback: bool = False) -> None:
@@ -187,8 +205,9 @@ class LeanLlama:
             return torch.softmax(scores, dim=-1)
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
 
-    def forward(self, tokens: torch.Tensor, slots: list[int], starts: list[int],
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, slots: list[int], starts: list[int], logit_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run B sequences of T new tokens (tokens [B, T]) from positions `starts` in cache `slots`.
 
         Returns float32 logits [B, T, V], or [B, R, V] for the token rows `logit_rows` ([R] indices into T).
@@ -221,16 +240,17 @@ class LeanLlama:
         else:  # query row (t, g) sees keys 0 .. start + t
             mask = torch.ones(steps, keys, dtype=torch.bool, device=self.device).tril(start)
             mask = torch.zeros(steps * group, keys, dtype=self.dtype, device=self.device).masked_fill_(
-                ~mask.repeat_interleave(group, dim=0), float("-inf"))
+                ~mask.repeat_interleave(group, dim=0), float("-inf")
+            )
         caches = self.slot_views[slot]
         x = F.embedding(tokens, self.embed)
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
             qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(steps, 2 * nh + 3 * nkv, hd)
-            qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv:] * sin
+            qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv :] * sin
             kc, vc = caches[i]
             kc[:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
-            vc[:, start:end] = qkv[:, nh + nkv: nh + 2 * nkv].transpose(0, 1)
+            vc[:, start:end] = qkv[:, nh + nkv : nh + 2 * nkv].transpose(0, 1)
             q = qk[:, :nh].reshape(steps, nkv, group, hd).transpose(0, 1).reshape(nkv, steps * group, hd)
             scores = rows_padded(torch.bmm)(q, kc[:, :, :keys])
             if not self.folded:
@@ -264,16 +284,15 @@ class LeanLlama:
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
             qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(batch * steps, 2 * nh + 3 * nkv, hd)
-            qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv:] * sin
+            qk = qkv[:, : nh + nkv] * cos + qkv[:, nh + 2 * nkv :] * sin
             k = qk[:, nh:].reshape(batch, steps, nkv, hd)
-            v = qkv[:, nh + nkv: nh + 2 * nkv].reshape(batch, steps, nkv, hd)
+            v = qkv[:, nh + nkv : nh + 2 * nkv].reshape(batch, steps, nkv, hd)
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc.permute(0, 3, 1, 2)[slot_t[:, None], positions] = k  # kc: [slot, kv, hd, pos]
             vc.permute(0, 2, 1, 3)[slot_t[:, None], positions] = v  # vc: [slot, kv, pos, hd]
-            q = qk[:, :nh].reshape(batch, steps, nkv, group, hd).transpose(1, 2).reshape(
-                batch, nkv, steps * group, hd)
+            q = qk[:, :nh].reshape(batch, steps, nkv, group, hd).transpose(1, 2).reshape(batch, nkv, steps * group, hd)
             if contiguous:
-                keys_i, values_i = kc[lo:lo + batch, :, :, :key_len], vc[lo:lo + batch, :, :key_len]
+                keys_i, values_i = kc[lo : lo + batch, :, :, :key_len], vc[lo : lo + batch, :, :key_len]
             else:
                 keys_i, values_i = kc[slot_t, :, :, :key_len], vc[slot_t, :, :key_len]
             scores = rows_padded(torch.matmul)(q, keys_i)
@@ -298,7 +317,7 @@ def _attend(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     matmul = rows_padded(torch.matmul)
     out = matmul(probs[..., :KEY_BLOCK], values[..., :KEY_BLOCK, :])
     for lo in range(KEY_BLOCK, probs.shape[-1], KEY_BLOCK):
-        out = out + matmul(probs[..., lo:lo + KEY_BLOCK], values[..., lo:lo + KEY_BLOCK, :])
+        out = out + matmul(probs[..., lo : lo + KEY_BLOCK], values[..., lo : lo + KEY_BLOCK, :])
     return out
 
 
@@ -306,12 +325,14 @@ def rows_padded(product):
     """`product(a, b)` computed, on CPU, with `a` padded by zero rows to at least MIN_ROWS rows (its dim -2), and
     the padding's rows dropped: MKL gives a row the same result in every product of MIN_ROWS rows or more, not in
     smaller ones (see the module docstring)."""
+
     def padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         rows = a.shape[-2]
         if rows >= MIN_ROWS or a.device.type != "cpu":
             return product(a, b)
         pad = a.new_zeros(*a.shape[:-2], MIN_ROWS - rows, a.shape[-1])
         return product(torch.cat([a, pad], dim=-2), b)[..., :rows, :]
+
     return padded
 
 
@@ -330,8 +351,6 @@ def _w12_projection(w12):
         return rows_padded(torch.mm)(x, weight.t().contiguous())
 
     return mm
-
-
 
 
 def load_hf_model(model_dir: str | Path, dtype: str, device: str):

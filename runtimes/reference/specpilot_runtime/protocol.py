@@ -10,6 +10,7 @@ nesting deeper than MAX_JSON_DEPTH, and strings (keys included) holding lone UTF
 be tokenized or written back as UTF-8). `request_schemas` describes the three request bodies as pydantic
 models for the OpenAPI schema; the validation itself stays here, with its messages.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,13 +26,36 @@ MAX_TOP_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # SGLang treats temperatures this small as greedy
 
 # Sampling parameters that are meaningless under greedy decoding whatever their value.
-IGNORED_SAMPLING = {"top_p", "top_k", "min_p", "skip_special_tokens", "spaces_between_special_tokens",
-                    "no_stop_trim", "seed", "sampling_seed"}
+IGNORED_SAMPLING = {
+    "top_p",
+    "top_k",
+    "min_p",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "seed",
+    "sampling_seed",
+}
 # Parameters that would change the argmax unless they have their neutral value.
-NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "min_new_tokens": 0, "n": 1}
-GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                 "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "token_ids_logprob"}
+NEUTRAL_SAMPLING = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+}
+GENERATE_KEYS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "stream",
+    "rid",
+    "token_ids_logprob",
+}
 MAX_JSON_DEPTH = 32  # the deepest valid body nests 4 levels (messages[i].content[j].text)
 COUNT_FIRST_CHARS = 4096  # texts longer than this are counted before they are tokenized into a list
 MAX_INT_DIGITS = 4300  # Python's default int_max_str_digits: longer integers cannot even be printed
@@ -71,8 +95,10 @@ def _no_constant(name: str):
 
 def _bounded_int(digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:
-        raise ApiError(f"the request body holds an integer of {len(digits.lstrip('-'))} digits; "
-                       f"at most {MAX_INT_DIGITS} are accepted")
+        raise ApiError(
+            f"the request body holds an integer of {len(digits.lstrip('-'))} digits; "
+            f"at most {MAX_INT_DIGITS} are accepted"
+        )
     return int(digits)
 
 
@@ -108,8 +134,10 @@ def _check_text(text: str, where: str, key: bool = False) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         what = "the key" if key else "the string"
-        raise ApiError(f"{what} at '{where or '(body)'}' holds a lone UTF-16 surrogate "
-                       f"({_ascii(text[exc.start:exc.end])} at index {exc.start}); it is not valid Unicode") from None
+        raise ApiError(
+            f"{what} at '{where or '(body)'}' holds a lone UTF-16 surrogate "
+            f"({_ascii(text[exc.start : exc.end])} at index {exc.start}); it is not valid Unicode"
+        ) from None
 
 
 def _ascii(text: str, limit: int = 60) -> str:
@@ -137,8 +165,9 @@ def parse_generate(body, tokenizer, limits: ModelLimits) -> tuple[GenerationRequ
     max_new = _int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "sampling_params.max_new_tokens")
     return_logprob = _bool(body.get("return_logprob", False), "return_logprob")
     start = _int(body.get("logprob_start_len", -1), "logprob_start_len", minimum=-1)
-    _require(start < len(input_ids), f"logprob_start_len {_count(start)} must be less than the input length "
-                                     f"{len(input_ids)}")
+    _require(
+        start < len(input_ids), f"logprob_start_len {_count(start)} must be less than the input length {len(input_ids)}"
+    )
     top_n = _int(body.get("top_logprobs_num", 0), "top_logprobs_num")
     _require(top_n <= MAX_TOP_LOGPROBS, f"top_logprobs_num must be at most {MAX_TOP_LOGPROBS}")
     request = GenerationRequest(
@@ -151,8 +180,11 @@ def parse_generate(body, tokenizer, limits: ModelLimits) -> tuple[GenerationRequ
         top_logprobs_num=top_n if return_logprob else 0,
         stream=_bool(body.get("stream", False), "stream"),
     )
-    _check_sampling(params, "sampling_params", extra_allowed={"max_new_tokens", "stop", "stop_token_ids",
-                                                              "ignore_eos", "temperature"})
+    _check_sampling(
+        params,
+        "sampling_params",
+        extra_allowed={"max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "temperature"},
+    )
     _check_length(request, limits)
     return request, _bool(body.get("return_text_in_logprobs", False), "return_text_in_logprobs")
 
@@ -170,8 +202,9 @@ def parse_completion(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
     else:
         raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)")
     _require(not body.get("echo"), "'echo' is not supported; use /generate with logprob_start_len")
-    _require(body.get("logprobs") in (None, False, 0),
-             "'logprobs' is not supported here; use /generate with return_logprob")
+    _require(
+        body.get("logprobs") in (None, False, 0), "'logprobs' is not supported here; use /generate with return_logprob"
+    )
     return _openai_request(body, input_ids, limits, "max_tokens")
 
 
@@ -182,19 +215,26 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
     _require(isinstance(messages, list) and messages, "'messages' must be a non-empty list")
     plain = []
     for i, message in enumerate(messages):
-        _require(isinstance(message, dict) and isinstance(message.get("role"), str),
-                 f"messages[{i}] must be an object with a string 'role'")
+        _require(
+            isinstance(message, dict) and isinstance(message.get("role"), str),
+            f"messages[{i}] must be an object with a string 'role'",
+        )
         content = message.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
-            _require(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                         for p in content), f"messages[{i}].content: only text parts are supported")
+            _require(
+                all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ),
+                f"messages[{i}].content: only text parts are supported",
+            )
             content = "".join(p["text"] for p in content)
         _require(isinstance(content, str), f"messages[{i}].content must be a string")
         plain.append({"role": message["role"], "content": content})
     _require(not body.get("logprobs"), "'logprobs' is not supported here; use /generate with return_logprob")
     if getattr(tokenizer, "chat_template", None):
-        input_ids = list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        input_ids = list(
+            tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     else:
         input_ids = encode_text(tokenizer, "\n".join(m["content"] for m in plain), limits.context_length)
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -208,8 +248,10 @@ def encode_text(tokenizer, text: str, context_length: int | None = None) -> list
     if context_length is not None and len(text) > COUNT_FIRST_CHARS and hasattr(backend, "encode_batch"):
         count = len(backend.encode_batch([text], add_special_tokens=True)[0])
         if count >= context_length:
-            raise ApiError(f"Requested token count exceeds the model's maximum context length of {context_length} "
-                           f"tokens. The input alone is {count} tokens.")
+            raise ApiError(
+                f"Requested token count exceeds the model's maximum context length of {context_length} "
+                f"tokens. The input alone is {count} tokens."
+            )
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
@@ -219,12 +261,17 @@ def _openai_request(body: dict, input_ids: list[int], limits: ModelLimits, max_k
     options = body.get("stream_options")
     _require(options is None or isinstance(options, dict), "'stream_options' must be a JSON object")
     if options is not None:
-        _require(options.get("include_usage") is None or isinstance(options["include_usage"], bool),
-                 "'stream_options.include_usage' must be true or false")
+        _require(
+            options.get("include_usage") is None or isinstance(options["include_usage"], bool),
+            "'stream_options.include_usage' must be true or false",
+        )
     max_tokens = body.get(max_key)
     if max_tokens is None:  # a prompt longer than the context gets the context-length error, not "max_tokens < 0"
-        max_tokens = DEFAULT_MAX_TOKENS if max_key == "max_tokens" and "messages" not in body else \
-            max(limits.context_length - len(input_ids), 0)
+        max_tokens = (
+            DEFAULT_MAX_TOKENS
+            if max_key == "max_tokens" and "messages" not in body
+            else max(limits.context_length - len(input_ids), 0)
+        )
     request = GenerationRequest(
         input_ids=input_ids,
         max_new_tokens=_int(max_tokens, max_key),
@@ -232,8 +279,21 @@ def _openai_request(body: dict, input_ids: list[int], limits: ModelLimits, max_k
         stop_strings=_stop_strings(body.get("stop"), "stop"),
         stream=_bool(body.get("stream", False), "stream"),
     )
-    _check_sampling({k: body[k] for k in ("temperature", "frequency_penalty", "presence_penalty",
-                                          "repetition_penalty", "n", "min_new_tokens") if k in body}, "body")
+    _check_sampling(
+        {
+            k: body[k]
+            for k in (
+                "temperature",
+                "frequency_penalty",
+                "presence_penalty",
+                "repetition_penalty",
+                "n",
+                "min_new_tokens",
+            )
+            if k in body
+        },
+        "body",
+    )
     _check_length(request, limits)
     return request
 
@@ -241,13 +301,18 @@ def _openai_request(body: dict, input_ids: list[int], limits: ModelLimits, max_k
 def _check_sampling(params: dict, where: str, extra_allowed: set[str] = frozenset()) -> None:
     for key, value in params.items():
         if key == "temperature":
-            _require(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                       and value >= 0), f"{where}.temperature must be a number >= 0")
-            _require(value is None or value <= GREEDY_TEMPERATURE,
-                     "only greedy decoding is supported: set temperature to 0")
+            _require(
+                value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0),
+                f"{where}.temperature must be a number >= 0",
+            )
+            _require(
+                value is None or value <= GREEDY_TEMPERATURE, "only greedy decoding is supported: set temperature to 0"
+            )
         elif key in NEUTRAL_SAMPLING:
-            _require(value is None or value == NEUTRAL_SAMPLING[key],
-                     f"{where}.{key}={_ascii(repr(value))} is not supported (greedy decoding only)")
+            _require(
+                value is None or value == NEUTRAL_SAMPLING[key],
+                f"{where}.{key}={_ascii(repr(value))} is not supported (greedy decoding only)",
+            )
         elif key not in IGNORED_SAMPLING and key not in extra_allowed:
             raise ApiError(f"unknown sampling parameter {where}.{_ascii(key)}")
 
@@ -258,7 +323,8 @@ def _check_length(request: GenerationRequest, limits: ModelLimits) -> None:
         raise ApiError(
             f"Requested token count exceeds the model's maximum context length of {limits.context_length} "
             f"tokens. You requested a total of {_count(total)} tokens: {len(request.input_ids)} tokens from the "
-            f"input and {_count(request.max_new_tokens)} tokens for the completion.")
+            f"input and {_count(request.max_new_tokens)} tokens for the completion."
+        )
 
 
 def _count(n: int) -> str:
@@ -279,8 +345,10 @@ def _stop_strings(stop, where: str) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    _require(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
-             f"'{where}' must be a non-empty string or a list of them")
+    _require(
+        isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+        f"'{where}' must be a non-empty string or a list of them",
+    )
     return tuple(stop)
 
 
@@ -288,11 +356,15 @@ def _token_ids(ids, where: str, limits: ModelLimits, allow_empty: bool = False) 
     _require(isinstance(ids, list), f"'{where}' must be a list of token ids")
     _require(allow_empty or ids, f"'{where}' must not be empty")
     for token in ids:
-        _require(isinstance(token, int) and not isinstance(token, bool),
-                 f"'{where}' must hold integers (batched requests are not supported)")
-        _require(0 <= token < limits.vocab_size,
-                 f"'{where}' holds {_count(token) if token >= 0 else '-' + _count(-token)}, outside the "
-                 f"vocabulary 0..{limits.vocab_size - 1}")
+        _require(
+            isinstance(token, int) and not isinstance(token, bool),
+            f"'{where}' must hold integers (batched requests are not supported)",
+        )
+        _require(
+            0 <= token < limits.vocab_size,
+            f"'{where}' holds {_count(token) if token >= 0 else '-' + _count(-token)}, outside the "
+            f"vocabulary 0..{limits.vocab_size - 1}",
+        )
     return list(ids)
 
 
@@ -325,9 +397,9 @@ def request_schemas(limits: ModelLimits) -> dict[str, type]:
     TokenId = Annotated[int, Field(ge=0, lt=limits.vocab_size)]
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=limits.context_length - 1)]
     NewTokens = Annotated[int, Field(ge=0, le=limits.context_length)]
-    Stop = Union[Annotated[str, Field(min_length=1)], list[Annotated[str, Field(min_length=1)]], None]
+    Stop = Union[Annotated[str, Field(min_length=1)], list[Annotated[str, Field(min_length=1)]], None]  # noqa: UP007
     Temperature = Annotated[float, Field(ge=0, le=GREEDY_TEMPERATURE)]
-    Ignored = Union[float, bool, None]  # parameters without effect under greedy decoding
+    Ignored = Union[float, bool, None]  # noqa: UP007 (a runtime alias pydantic reads); parameters without effect under greedy decoding
 
     class Strict(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -350,6 +422,7 @@ def request_schemas(limits: ModelLimits) -> dict[str, type]:
 
     class GenerateRequest(Strict):
         """SGLang's native /generate body: exactly one of `text` and `input_ids`."""
+
         text: str | None = None
         input_ids: TokenIds | None = None
         sampling_params: SamplingParams | None = None
@@ -379,7 +452,8 @@ def request_schemas(limits: ModelLimits) -> dict[str, type]:
 
     class CompletionRequest(OpenAIRequest):
         """OpenAI /v1/completions: one prompt, as text or token ids."""
-        prompt: Union[str, TokenIds]
+
+        prompt: str | TokenIds
         max_tokens: NewTokens | None = DEFAULT_MAX_TOKENS
         echo: Literal[False] | None = None
         logprobs: Literal[0] | None = None
@@ -390,14 +464,18 @@ def request_schemas(limits: ModelLimits) -> dict[str, type]:
 
     class ChatMessage(BaseModel):
         role: str
-        content: Union[str, list[TextPart]]
+        content: str | list[TextPart]
 
     class ChatCompletionRequest(OpenAIRequest):
         """OpenAI /v1/chat/completions: text messages; the tokenizer's chat template, else the joined text."""
+
         messages: Annotated[list[ChatMessage], Field(min_length=1)]
         max_tokens: NewTokens | None = None
         max_completion_tokens: NewTokens | None = None
         logprobs: Literal[False] | None = None
 
-    return {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
-            "/v1/chat/completions": ChatCompletionRequest}
+    return {
+        "/generate": GenerateRequest,
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+    }

@@ -5,6 +5,7 @@ the server leave some 415,000 tracked objects, and every full collection walked 
 on the 2-core VM, at a moment decided by allocation counts: a request that happened to trigger one (the
 final arm's n-gram cache allocates many small tuples, so there more often) paid 30 times its own CPU time.
 """
+
 from __future__ import annotations
 
 import gc
@@ -84,8 +85,7 @@ class Runtime:
         }
 
 
-def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str | None,
-                 device: str | None) -> Runtime:
+def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str | None, device: str | None) -> Runtime:
     config = load_engine_config(engine_dir)
     device = device or ("cuda:0" if config.device == "cuda" else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -98,20 +98,31 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
     tokenizer = _load_tokenizer(model)
     k = config.drafter.num_draft_tokens
     slots = config.max_running_requests
-    target = LeanLlama(hf_model, num_slots=slots, max_tokens_per_step=k + 1, device=device,
-                       w12=config.quantization == "w12", dense_fallback=dense_fallback)
+    target = LeanLlama(
+        hf_model,
+        num_slots=slots,
+        max_tokens_per_step=k + 1,
+        device=device,
+        w12=config.quantization == "w12",
+        dense_fallback=dense_fallback,
+    )
     draft = None
     if config.drafter.algorithm == "draft_model":
         if not draft_model:
             raise RuntimeConfigError("drafter.algorithm is draft_model: pass --draft-model <hf_model_dir>")
         draft_hf = _load_checked(draft_model, config.dtype, device, "--draft-model")
         if draft_hf.config.vocab_size != hf_model.config.vocab_size:
-            raise RuntimeConfigError(f"--draft-model {draft_model}: vocabulary {draft_hf.config.vocab_size} "
-                                     f"differs from the target's {hf_model.config.vocab_size}")
+            raise RuntimeConfigError(
+                f"--draft-model {draft_model}: vocabulary {draft_hf.config.vocab_size} "
+                f"differs from the target's {hf_model.config.vocab_size}"
+            )
         draft = LeanLlama(draft_hf, num_slots=slots, max_tokens_per_step=k + 1, device=device)
     drafter = make_drafter(config.drafter, config.runtime_options, draft)
-    limits = ModelLimits(vocab_size=target.shape.vocab_size, context_length=target.shape.context_length,
-                         eos_token_ids=_eos_ids(model, tokenizer))
+    limits = ModelLimits(
+        vocab_size=target.shape.vocab_size,
+        context_length=target.shape.context_length,
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
     engine = Engine(target, tokenizer, drafter, k, config.max_running_requests)
     _warm_up(target)
     gc.collect()
@@ -133,8 +144,10 @@ def _set_threads(config: EngineConfig, model: str, device: str) -> int:
 def _load_checked(model_dir: str, dtype: str, device: str, flag: str):
     config = _read_json(Path(model_dir) / "config.json", flag)
     if config.get("model_type") != "llama":
-        raise RuntimeConfigError(f"{flag} {model_dir}: model_type {config.get('model_type')!r}; the reference "
-                                 "runtime serves Llama-architecture checkpoints only")
+        raise RuntimeConfigError(
+            f"{flag} {model_dir}: model_type {config.get('model_type')!r}; the reference "
+            "runtime serves Llama-architecture checkpoints only"
+        )
     return load_hf_model(model_dir, dtype, device)
 
 
@@ -159,14 +172,18 @@ def _check_w12(dense_fallback: bool) -> None:
     try:
         import w12  # noqa: PLC0415, F401
     except ImportError:
-        raise RuntimeConfigError("model.quantization is w12 but no `w12` package is on sys.path "
-                                 "(the engine's kernels/ directory must be on PYTHONPATH)") from None
+        raise RuntimeConfigError(
+            "model.quantization is w12 but no `w12` package is on sys.path "
+            "(the engine's kernels/ directory must be on PYTHONPATH)"
+        ) from None
     if dense_fallback:
         try:
             import w12.gemm  # noqa: F401
         except ImportError as exc:
-            raise RuntimeConfigError(f"runtime_options.w12_dense_fallback needs w12.gemm, which failed to import "
-                                     f"({exc}); install Triton (pip install 'specpilot[kernels]')") from None
+            raise RuntimeConfigError(
+                f"runtime_options.w12_dense_fallback needs w12.gemm, which failed to import "
+                f"({exc}); install Triton (pip install 'specpilot[kernels]')"
+            ) from None
 
 
 def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:

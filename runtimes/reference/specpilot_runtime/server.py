@@ -10,6 +10,7 @@ within --header-timeout (else the connection is closed). JSON decoding, validati
 worker thread (bodies over HEAVY_BODY_BYTES one at a time, in a thread of lower priority), so the event loop
 keeps answering /health.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ class AsciiJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+def build_app(
+    runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+) -> FastAPI:
     app = FastAPI(title="specpilot reference runtime", default_response_class=AsciiJSONResponse)
     tokenizer, limits = runtime.tokenizer, runtime.limits
     heavy = ThreadPoolExecutor(1, thread_name_prefix="heavy-parse", initializer=_lower_priority)
@@ -90,8 +92,13 @@ def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         if request.url.path.startswith("/v1/"):
-            body = {"object": "error", "message": exc.message, "type": ERROR_TYPES.get(exc.status, "BadRequestError"),
-                    "param": None, "code": exc.status}
+            body = {
+                "object": "error",
+                "message": exc.message,
+                "type": ERROR_TYPES.get(exc.status, "BadRequestError"),
+                "param": None,
+                "code": exc.status,
+            }
         else:
             body = {"error": {"message": exc.message, "code": exc.status}}
         return AsciiJSONResponse(body, status_code=exc.status)
@@ -99,8 +106,9 @@ def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         logging.getLogger("specpilot_runtime").exception("request failed")
-        return AsciiJSONResponse({"error": {"message": f"internal error: {exc!r}"[:2000], "code": 500}},
-                                 status_code=500)
+        return AsciiJSONResponse(
+            {"error": {"message": f"internal error: {exc!r}"[:2000], "code": 500}}, status_code=500
+        )
 
     @app.get("/health")
     async def health():
@@ -111,7 +119,7 @@ def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0
         try:
             await asyncio.wait_for(_generate(runtime, GenerationRequest([bos], 1)), HEALTH_GENERATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, ApiError):
+        except (TimeoutError, ApiError):
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -127,9 +135,19 @@ def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": runtime.config.model_name, "object": "model", "created": int(runtime_started),
-            "owned_by": "specpilot", "root": runtime.config.model_name, "max_model_len": limits.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": runtime.config.model_name,
+                    "object": "model",
+                    "created": int(runtime_started),
+                    "owned_by": "specpilot",
+                    "root": runtime.config.model_name,
+                    "max_model_len": limits.context_length,
+                }
+            ],
+        }
 
     schemas = request_schemas(limits)
 
@@ -137,10 +155,14 @@ def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         """The route's OpenAPI extras: its request model and the error answers it gives."""
         ref = {"$ref": f"#/components/schemas/{schemas[path].__name__}"}
         error = {"content": {"application/json": {"schema": {"type": "object"}}}}
-        return {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}},
-                "responses": {400: {"description": "malformed request", **error},
-                              408: {"description": "the body did not arrive in time", **error},
-                              413: {"description": "the body is over the size limit", **error}}}
+        return {
+            "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}},
+            "responses": {
+                400: {"description": "malformed request", **error},
+                408: {"description": "the body did not arrive in time", **error},
+                413: {"description": "the body is over the size limit", **error},
+            },
+        }
 
     @app.post("/generate", **documented("/generate"))
     async def generate(request: Request):
@@ -168,8 +190,9 @@ def build_app(runtime: Runtime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
             from pydantic.json_schema import models_json_schema
 
             spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _, defs = models_json_schema([(model, "validation") for model in schemas.values()],
-                                         ref_template="#/components/schemas/{model}")
+            _, defs = models_json_schema(
+                [(model, "validation") for model in schemas.values()], ref_template="#/components/schemas/{model}"
+            )
             spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
             app.openapi_schema = spec
         return app.openapi_schema
@@ -236,8 +259,14 @@ async def _openai(runtime: Runtime, req: GenerationRequest, body: dict, chat: bo
             choice["message"] = {"role": "assistant", "content": result["text"]}
         else:
             choice.update(text=result["text"], logprobs=None)
-        return {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice],
-                "usage": _usage(meta)}
+        return {
+            "id": ident,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": _usage(meta),
+        }
 
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -247,8 +276,13 @@ async def _openai(runtime: Runtime, req: GenerationRequest, body: dict, chat: bo
             choice = {"index": 0, "delta": piece, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return {"id": ident, "object": obj + ".chunk" if chat else obj, "created": created, "model": model,
-                "choices": [choice]}
+        return {
+            "id": ident,
+            "object": obj + ".chunk" if chat else obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
 
     async def stream():
         sent = ""
@@ -257,14 +291,20 @@ async def _openai(runtime: Runtime, req: GenerationRequest, body: dict, chat: bo
         async for kind, payload in _events(runtime, req):
             text = payload if kind == "text" else payload["text"]
             if len(text) > len(sent):
-                yield chunk(text[len(sent):])
+                yield chunk(text[len(sent) :])
                 sent = text
             if kind == "done":
                 meta = payload["meta_info"]
                 yield chunk(None, _openai_finish(meta))
                 if include_usage:
-                    yield {"id": ident, "object": obj + ".chunk" if chat else obj, "created": created,
-                           "model": model, "choices": [], "usage": _usage(meta)}
+                    yield {
+                        "id": ident,
+                        "object": obj + ".chunk" if chat else obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": _usage(meta),
+                    }
 
     return _sse(stream())
 
@@ -290,8 +330,11 @@ def _matched(meta: dict):
 
 
 def _usage(meta: dict) -> dict:
-    return {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
-            "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}
+    return {
+        "prompt_tokens": meta["prompt_tokens"],
+        "completion_tokens": meta["completion_tokens"],
+        "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
+    }
 
 
 def _add_logprob_text(meta: dict, tokenizer) -> None:
@@ -411,8 +454,11 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
 # ------------------------------------------------------------------ command line
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m specpilot_runtime.server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m specpilot_runtime.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--engine", required=True, help="the engine directory (holds config.json)")
     parser.add_argument("--engine-id", required=True, help="reported by /server_info")
     parser.add_argument("--model", required=True, help="Hugging Face model directory of the target")
@@ -420,13 +466,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--device", help="cpu or cuda:N (default: from the config's hardware.device)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="larger request bodies are refused with 413 (default: %(default)s)")
-    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                        help="seconds a request body may take to arrive, else 408 (default: %(default)s)")
-    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="seconds a request head may take to arrive, else the connection is closed "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused with 413 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may take to arrive, else 408 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a request head may take to arrive, else the connection is closed (default: %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -441,12 +498,26 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.getLogger("specpilot_runtime").info(
-        "engine %s (%s/%s) on %s, %d thread(s); listening on %s:%d", args.engine_id, runtime.config.setting,
-        runtime.config.arm, runtime.device, runtime.num_threads, args.host, args.port)
+        "engine %s (%s/%s) on %s, %d thread(s); listening on %s:%d",
+        args.engine_id,
+        runtime.config.setting,
+        runtime.config.arm,
+        runtime.device,
+        runtime.num_threads,
+        args.host,
+        args.port,
+    )
     HeaderTimeoutH11Protocol.header_timeout = args.header_timeout
     app = build_app(runtime, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                http=HeaderTimeoutH11Protocol, timeout_keep_alive=5)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        http=HeaderTimeoutH11Protocol,
+        timeout_keep_alive=5,
+    )
 
 
 if __name__ == "__main__":
