@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specpilot_build.defaults import ARMS, DEFAULT_PORT, DEFAULT_SETTING, ORACLE_PORT
 from specpilot_build.errors import SpecPilotError, debug_enabled
+from specpilot_build.measure.datasets import SPLITS
 
 
 def port_number(text: str) -> int:
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     p.add_argument("--datasets", default=None, help="comma-separated subset of the dev splits")
+    p.add_argument("--split", choices=SPLITS, default="dev", help="which split (tune: the prompts a search may see)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
     p.add_argument(
         "--oracle",
@@ -692,6 +694,7 @@ def _bench(args) -> int:
         args.datasets.split(",") if args.datasets else None,
         overwrite=args.overwrite,
         oracle_engine_id=_oracle_of(engine, args.oracle).id,
+        split=args.split,
     )
     data = json.loads(path.read_text())
     skipped = f", {len(data['skipped'])} prompts skipped (too long)" if data.get("skipped") else ""

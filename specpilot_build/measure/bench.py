@@ -43,11 +43,13 @@ def bench(
     overwrite: bool = False,
     progress: bool = True,
     oracle_engine_id: str | None = None,
+    split: str = "dev",
 ):
     """Bench the engine served on host:port; returns the path of the results JSON.
 
     `oracle_engine_id`: the engine `verify` forces the run's tokens through, the setting's `ar` engine (the
-    caller builds or finds it: measure/ builds nothing); an ar engine is its own oracle."""
+    caller builds or finds it: measure/ builds nothing); an ar engine is its own oracle. `split`: the datasets'
+    split benched (datasets.SPLITS; `tune` only for a search), recorded in the results."""
     engine = resolve_engine(engine_ref) if isinstance(engine_ref, str) else engine_ref
     if oracle_engine_id is None:
         if engine.manifest.get("arm") != "ar":
@@ -79,7 +81,7 @@ def bench(
         model_dirs(engine.manifest["inputs"]["checkpoints"], config)["model"], config["model"].get("chat_template")
     )
     context = config["model"].get("context_length") or renderer.context_length
-    plan, skipped = plan_requests(renderer, names, limit, max_new_tokens, context)
+    plan, skipped = plan_requests(renderer, names, limit, max_new_tokens, context, split)
     for entry in (e for entries in skipped.values() for e in entries):
         print(f"skipped {entry['dataset']} item {entry['item_id']}: {entry['reason']}", file=sys.stderr)
     if not any(plan.values()):
@@ -126,6 +128,7 @@ def bench(
         wall_s=totals["wall_s"],
         gap_s=totals["client_gap_s"],
         client_cpu_s=totals["client_cpu_s"],
+        split=split,
     )
     return write_json(out, results)
 
@@ -151,6 +154,7 @@ def results_record(
     wall_s: float,
     gap_s: float,
     client_cpu_s: float,
+    split: str = "dev",
 ) -> dict:
     """One bench run's results: bound to the engine's and the oracle's manifests and to what the server
     reported, with every request (bench and the side-by-side bench write the same record)."""
@@ -189,6 +193,7 @@ def results_record(
         "server_info": info,
         "datasets": {
             d: {
+                "split": split,
                 "limit": limit,
                 "requests": len(plan[d]),
                 "sha256": dataset_pin(d)["sha256"],
@@ -212,13 +217,18 @@ def results_record(
 
 
 def plan_requests(
-    renderer: PromptRenderer, names: list[str], limit: int | None, max_new_tokens: int, context: int | None
+    renderer: PromptRenderer,
+    names: list[str],
+    limit: int | None,
+    max_new_tokens: int,
+    context: int | None,
+    split: str = "dev",
 ) -> tuple[dict, dict]:
     plan: dict[str, list[dict]] = {}
     skipped: dict[str, list[dict]] = {}
     for dataset in names:
         plan[dataset], skipped[dataset] = [], []
-        for item in load_split(dataset, limit):
+        for item in load_split(dataset, limit, split):
             prompt = renderer.prompt(dataset, item.id, item.prompt)
             budget = max_new_tokens if context is None else min(max_new_tokens, context - 1 - len(prompt.ids))
             if budget < 1:

@@ -87,10 +87,12 @@ def bench_side_by_side(
     pids: dict[str, int] | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    split: str = "dev",
 ) -> dict[str, Path]:
     """Bench the three arms served on host:ports[arm] interleaved; returns {arm: results path}.
 
-    `pids`: the server processes (serve()'s run records), for the process-CPU cross-check; optional."""
+    `pids`: the server processes (serve()'s run records), for the process-CPU cross-check; optional.
+    `split`: the datasets' split benched (bench.bench's), recorded in each results file."""
     engines = {arm: resolve_engine(e) if isinstance(e, str) else e for arm, e in arm_engines.items()}
     if set(engines) != set(ARMS) or set(names) != set(ARMS) or set(ports) != set(ARMS):
         raise SpecPilotError(f"side-by-side bench needs exactly the arms {', '.join(ARMS)}")
@@ -126,7 +128,7 @@ def bench_side_by_side(
             config["model"].get("chat_template"),
         )
         context = config["model"].get("context_length") or renderer.context_length
-        plan, skipped = bench_mod.plan_requests(renderer, names_, limit, max_new_tokens, context)
+        plan, skipped = bench_mod.plan_requests(renderer, names_, limit, max_new_tokens, context, split)
         plans[arm] = (names_, renderer, context, plan, skipped)
     reference = plans["ar"]
     for arm in ARMS:
@@ -213,6 +215,7 @@ def bench_side_by_side(
             walls[arm],
             gaps[arm],
             client_cpu[arm],
+            split,
         )
         process = [r["process_cpu_s"][arm] for r in round_log]
         results["side_by_side"] = {
@@ -245,6 +248,7 @@ def _results(
     walls: dict,
     gaps: dict,
     client_cpu_s: float,
+    split: str,
 ) -> dict:
     """A results record in bench's format (bench.results_record), per dataset from this arm's share."""
     _, renderer, context, plan, skipped = planned
@@ -278,6 +282,7 @@ def _results(
         wall_s=sum(walls.values()),
         gap_s=sum(gaps.values()),
         client_cpu_s=client_cpu_s,
+        split=split,
     )
 
 
