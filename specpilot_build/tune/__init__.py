@@ -1,0 +1,1 @@
+"""`make tune`: search a setting's final mechanism with Optuna, every trial benched on the tune split and verified."""

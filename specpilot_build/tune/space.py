@@ -1,0 +1,189 @@
+"""Search spaces (conf/tune/<space>.yaml): mechanism keys with their choices or ranges, checked like a mechanism.
+
+A space is composed with Hydra (its own file as the primary config, merged into the `TuneSpace` schema, so an
+unknown top-level key fails), then each of its values is composed into the setting as the final arm's only
+mechanism (`tuned`) through the real compose: the schema's own checks (unknown or misspelt key, wrong type, a
+value out of range, runtime options on SGLang or launch arguments on the reference runtime) refuse it, and the
+error names the space file and key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict
+
+from specpilot_build.errors import ConfigError
+from specpilot_build.locations import conf_dir
+
+GROUP = "tune"
+MECHANISM = "tuned"  # the candidate's name under final.mechanisms (and the winner's)
+RANGE_KEYS = {"low", "high", "step"}
+
+
+@dataclass
+class TuneSpace:
+    description: str = ""
+    params: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # section -> key -> choices | range
+
+
+@dataclass(frozen=True)
+class Space:
+    name: str
+    file: Path
+    params: dict[str, list[Any] | dict[str, Any]]  # "section.key" -> choices, or {low, high, step}
+
+    @property
+    def shown(self) -> str:
+        from specpilot_build.config.schema import shown
+
+        return shown(self.file)
+
+    def canonical(self) -> str:
+        """What a study records of its space, compared when the study is resumed."""
+        return json.dumps(self.params, sort_keys=True)
+
+    def grid(self) -> dict[str, list[Any]]:
+        """Every value of every key: ranges expanded by their step."""
+        out = {}
+        for key, spec in self.params.items():
+            if isinstance(spec, list):
+                out[key] = list(spec)
+            else:
+                step = spec.get("step", 1)
+                values, v = [], spec["low"]
+                while v <= spec["high"]:
+                    values.append(v)
+                    v += step
+                out[key] = values
+        return out
+
+    def distributions(self) -> dict:
+        import optuna.distributions as od
+
+        out: dict[str, Any] = {}
+        for key, spec in self.params.items():
+            if isinstance(spec, list):
+                out[key] = od.CategoricalDistribution(spec)
+            elif all(isinstance(spec[k], int) for k in spec):
+                out[key] = od.IntDistribution(spec["low"], spec["high"], step=spec.get("step", 1))
+            else:
+                out[key] = od.FloatDistribution(spec["low"], spec["high"], step=spec.get("step"))
+        return out
+
+
+def list_spaces() -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / GROUP).glob("*.yaml"))
+
+
+def load_space(name: str) -> Space:
+    """The space conf/tune/<name>.yaml, its shape checked (not yet against a setting: `check_space`)."""
+    file = conf_dir() / GROUP / f"{name}.yaml"
+    if name not in list_spaces():
+        raise ConfigError(f"unknown space '{name}' (no conf/{GROUP}/{name}.yaml); known: {', '.join(list_spaces())}")
+    from specpilot_build.config.schema import shown
+
+    where = shown(file)
+    raw = _compose_file(name, where)
+    params: dict[str, list[Any] | dict[str, Any]] = {}
+    for section, keys in (raw.get("params") or {}).items():
+        if not isinstance(keys, dict) or not keys:
+            raise ConfigError(f"{where}: params.{section} must map mechanism keys to choices or a range")
+        for key, spec in keys.items():
+            params[f"{section}.{key}"] = _checked_spec(spec, f"{where}: params.{section}.{key}")
+    if not params:
+        raise ConfigError(f"{where}: the space is empty (no params); give at least one key with its choices")
+    return Space(name=name, file=file, params=params)
+
+
+def _compose_file(name: str, where: str) -> dict:
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose(config_name=f"{GROUP}/{name}")[GROUP]  # a file under conf/tune/ lands at `tune`
+        merged = OmegaConf.merge(OmegaConf.structured(TuneSpace), cfg)
+        container = OmegaConf.to_container(merged, resolve=True)
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{where}: {first}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    assert isinstance(container, dict)
+    return container
+
+
+def _checked_spec(spec: Any, where: str) -> list[Any] | dict[str, Any]:
+    if isinstance(spec, list):
+        if not spec:
+            raise ConfigError(f"{where}: no choices")
+        if len({json.dumps(v, sort_keys=True) for v in spec}) != len(spec):
+            raise ConfigError(f"{where}: a choice is listed twice ({spec})")
+        return spec
+    if isinstance(spec, dict):
+        unknown = set(spec) - RANGE_KEYS
+        if unknown or not {"low", "high"} <= set(spec):
+            raise ConfigError(f"{where}: a range is {{low, high[, step]}}, got keys {sorted(spec)}")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in spec.values()):
+            raise ConfigError(f"{where}: a range's low, high and step are numbers, got {spec}")
+        if spec["low"] > spec["high"]:
+            raise ConfigError(f"{where}: low {spec['low']} is above high {spec['high']}")
+        if "step" in spec and not spec["step"] > 0:
+            raise ConfigError(f"{where}: step must be > 0, got {spec['step']}")
+        return dict(spec)
+    raise ConfigError(f"{where}: give a list of choices or a range {{low, high[, step]}}, got {spec!r}")
+
+
+def candidate_overrides(setting_mechanisms: list[str], values: dict[str, Any]) -> list[str]:
+    """Hydra overrides that make `values` ("section.key" -> value) the final arm's only mechanism."""
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        section, key = path.split(".", 1)
+        nested.setdefault(section, {})[key] = value
+    drop = [f"~mechanism@final.mechanisms.{name}" for name in setting_mechanisms]
+    return [*drop, f"+final.mechanisms={{{MECHANISM}:{_hydra_value(nested)}}}"]
+
+
+def _hydra_value(value: Any) -> str:
+    """A value in Hydra's override grammar (json covers numbers, booleans, null and quoted strings)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return json.dumps(value)
+
+
+def setting_mechanisms(setting: str) -> list[str]:
+    """The mechanisms the setting's final arm applies today (what a candidate replaces)."""
+    from specpilot_build.config.compose import compose_setting
+
+    return list((compose_setting(setting, "final").config.get("final") or {}).get("mechanisms") or {})
+
+
+def check_space(space: Space, setting: str) -> list[str]:
+    """Compose every value of the space into `setting` as the final arm's mechanism; the first the schema refuses
+    fails naming the space file and key. Returns the setting's mechanisms (what a candidate drops)."""
+    from specpilot_build.config.compose import compose_setting
+
+    mechanisms = setting_mechanisms(setting)
+    grid = {k: (v if isinstance(space.params[k], list) else [v[0], v[-1]]) for k, v in space.grid().items()}
+    for key, values in grid.items():
+        for value in values:
+            try:
+                compose_setting(setting, "final", candidate_overrides(mechanisms, {key: value}))
+            except ConfigError as exc:
+                message = str(exc).split(" (override ", 1)[0]
+                tail = str(exc).split("); ", 1)[1] if "); " in str(exc) else ""
+                raise ConfigError(
+                    f"{space.shown}: params.{key} = {value!r} is refused for setting {setting}: "
+                    f"{message}{'; ' + tail if tail else ''}"
+                ) from None
+    return mechanisms
