@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 from specpilot_build.errors import ConfigError
 from specpilot_build.locations import conf_dir
@@ -24,7 +24,7 @@ RANGE_KEYS = {"low", "high", "step"}
 @dataclass
 class TuneSpace:
     description: str = ""
-    params: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # section -> key -> choices | range
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # section -> key -> choices | range
 
 
 @dataclass(frozen=True)
