@@ -21,7 +21,7 @@ LINTED := specpilot_build runtimes kernels lab benchmarks tests
 flag = $(if $(filter-out 0,$($(1))),$(2))
 
 .PHONY: help setup demo test test-fast lint fuzz engine engine-build engine-check engine-show engine-ls engine-fsck \
-	engine-rm engine-gc sweep lock env-lock env-host-profile env-install models serve stop bench compare score \
+	engine-rm engine-gc sweep tune lock env-lock env-host-profile env-install models serve stop bench compare score \
 	verify attest-check diff bundle w12-promote
 
 help: ## this list
@@ -76,6 +76,9 @@ engine-gc: $(STAMP) ## remove unreferenced objects and temporaries [DRY_RUN=1] [
 
 sweep: $(STAMP) ## build SETTINGS x ARMS as one Hydra multirun [LAUNCHER=local|slurm OVERRIDES]
 	$(SP) sweep --settings $(SETTINGS) --arms $(ARMS) $(if $(LAUNCHER),--launcher $(LAUNCHER)) $(OVERRIDES)
+
+tune: $(STAMP) ## search SETTING's final mechanism (Optuna, tune split, lossless only) [SPACE TRIALS SAMPLER=tpe|grid|random SEED STUDY LIMIT]
+	$(SP) tune --setting $(SETTING) --port $(PORT) $(if $(SPACE),--space $(SPACE)) $(if $(TRIALS),--trials $(TRIALS)) $(if $(SAMPLER),--sampler $(SAMPLER)) $(if $(SEED),--seed $(SEED)) $(if $(STUDY),--study $(STUDY)) $(call flag,LIMIT,--limit $(LIMIT))
 
 lock: $(STAMP) ## pin SETTING's model and drafter repos to commits, files to sha256 [UPDATE=1]
 	$(SP) lock --setting $(SETTING) $(call flag,UPDATE,--update)

@@ -130,6 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every job")
     p.set_defaults(handler=_sweep)
 
+    p = verbs.add_parser("tune", help="search the final arm's mechanism with Optuna on the tune split, lossless only")
+    p.add_argument("--setting", default=DEFAULT_SETTING)
+    p.add_argument("--space", default="ngram", help="conf/tune/<space>.yaml")
+    p.add_argument("--trials", type=int, default=8, help="the study's size (a resumed study runs the rest)")
+    p.add_argument("--sampler", choices=("tpe", "grid", "random"), default="tpe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--study", default=None, help="study name (default <setting>-<space>)")
+    p.add_argument("--limit", type=int, default=2, help="tune-split items per dataset per trial")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--datasets", default=None, help="comma-separated subset of the benchmarks")
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="ar, stock, final on PORT..PORT+2")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a trial may take")
+    p.set_defaults(handler=_tune)
+
     p = verbs.add_parser("lock", help="pin a setting's model and drafter repos to commits, files to sha256")
     p.add_argument("--setting", required=True)
     p.add_argument("--update", action="store_true", help="re-resolve `main` even for repos already pinned")
@@ -462,6 +476,25 @@ def _sweep(args) -> int:
     from specpilot_build.cli.sweep import run_sweep
 
     run_sweep(args.settings, args.arms, args.launcher, args.overrides)
+    return 0
+
+
+def _tune(args) -> int:
+    from specpilot_build.tune.run import tune
+
+    tune(
+        args.setting,
+        args.space,
+        args.trials,
+        args.sampler,
+        args.seed,
+        args.study,
+        args.limit,
+        args.max_new_tokens,
+        args.datasets.split(",") if args.datasets else None,
+        args.port,
+        args.timeout,
+    )
     return 0
 
 

@@ -1,0 +1,77 @@
+"""The winner of a study as a mechanism file, conf/mechanism/tuned/<setting>.yaml, its provenance in its header.
+
+The file is checked before the tune reports it: composed into the setting as the final arm's only mechanism and
+built, it must give exactly the winning trial's engine id (a cache hit); otherwise the previous file is put back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.locations import conf_dir
+from specpilot_build.tune.space import MECHANISM
+
+FOLDER = "tuned"
+
+
+def winner_path(setting: str) -> Path:
+    return conf_dir() / "mechanism" / FOLDER / f"{setting}.yaml"
+
+
+def winner_overrides(setting: str, mechanisms: list[str]) -> list[str]:
+    """Overrides that compose the setting with the winner file as its final arm's only mechanism."""
+    drop = [f"~mechanism@final.mechanisms.{name}" for name in mechanisms]
+    return [*drop, f"+mechanism@final.mechanisms.{MECHANISM}={FOLDER}/{setting}"]
+
+
+def mechanism_text(setting: str, study, number: int) -> str:
+    trial = study.trials[number]
+    attrs = trial.user_attrs
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in trial.params.items():
+        section, key = path.split(".", 1)
+        nested.setdefault(section, {})[key] = value
+    fs = attrs["final_stock"]
+    header = [
+        f"# Mechanism (tuned by `make tune SETTING={setting}`): the best lossless trial of study '{study.study_name}'.",
+        f"# Compose it: {' '.join(winner_overrides(setting, ['<each mechanism of the setting>']))}",
+        f"# study: {study.study_name}; trial: {number}; engine: {attrs['engine_id']}",
+        f"# objective (tune split, lower bound of the 95% CI of final/stock tokens/s): {fs['ci95'][0]:.4f}"
+        f" (point {fs['speedup']:.4f}, n {fs['n']})",
+        f"# tune prompts: {attrs['prompts_digest']}",
+    ]
+    header += [f"# results {arm}: {digest}" for arm, digest in sorted(attrs["results_digests"].items())]
+    header.append(f"# verify statement: {attrs['verify_digest']} ({attrs['verdict']})")
+    return "\n".join(header) + "\n" + yaml.safe_dump(nested, sort_keys=False)
+
+
+def write_winner(setting: str, study, number: int, mechanisms: list[str]) -> Path:
+    from specpilot_build.assemble.builder import build_composed
+    from specpilot_build.config.compose import compose_setting
+
+    path = winner_path(setting)
+    text = mechanism_text(setting, study, number)
+    expected = study.trials[number].user_attrs["engine_id"]
+    previous = path.read_bytes() if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+    try:
+        built = build_composed(compose_setting(setting, "final", winner_overrides(setting, mechanisms)))
+        if built.engine.id != expected:
+            raise SpecPilotError(
+                f"{path} composes to engine {built.engine.id[:16]}, not the winning trial's {expected[:16]}; "
+                "not written"
+            )
+    except BaseException:
+        if previous is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(previous)
+        raise
+    return path
