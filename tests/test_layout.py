@@ -18,6 +18,7 @@ BASE = {"(root)", "errors", "locations", "defaults"}
 # goes back.
 ALLOWED = {
     "measure": {"serve", "store", "models", "pins"},
+    "tune": {"config", "assemble", "serve", "measure", "store", "models", "pins"},
     "serve": {"store", "models", "pins"},
     "assemble": {"store", "config", "models", "pins", "hosts"},
     "bundle": {"store", "models", "pins"},

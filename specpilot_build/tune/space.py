@@ -9,6 +9,7 @@ error names the space file and key."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,10 +181,14 @@ def check_space(space: Space, setting: str) -> list[str]:
             try:
                 compose_setting(setting, "final", candidate_overrides(mechanisms, {key: value}))
             except ConfigError as exc:
-                message = str(exc).split(" (override ", 1)[0]
-                tail = str(exc).split("); ", 1)[1] if "); " in str(exc) else ""
                 raise ConfigError(
-                    f"{space.shown}: params.{key} = {value!r} is refused for setting {setting}: "
-                    f"{message}{'; ' + tail if tail else ''}"
+                    f"{space.shown}: params.{key} = {value!r} is refused for setting {setting}: {_without_override(exc)}"
                 ) from None
     return mechanisms
+
+
+def _without_override(exc: ConfigError) -> str:
+    """The schema's message without the generated override it names (the space file and key say where)."""
+    text = re.sub(r" \(override [^()]*\)", "", str(exc))
+    text = re.sub(r"Error merging override \S+; ", "", text)
+    return text.removeprefix("config: ")

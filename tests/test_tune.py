@@ -1,0 +1,206 @@
+"""`make tune`: spaces checked against the mechanism schema by name, the study bound to its space, and bounded tunes
+on the embedded default with real Hydra, real reference servers on loopback and the real stories260K model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import pytest
+
+from specpilot_build.cli.main import main
+from specpilot_build.errors import ConfigError, SpecPilotError
+from specpilot_build.locations import REPO_ROOT
+
+SETTING = "cpu_c1_stories260k_ngram"
+DATASETS = ["gsm8k", "mbpp"]
+
+
+@pytest.fixture
+def conf(tmp_path, monkeypatch):
+    """A copy of the repo's conf/ that a test may add spaces and winners to (SPECPILOT_CONF)."""
+    root = tmp_path / "conf"
+    shutil.copytree(REPO_ROOT / "conf", root)
+    monkeypatch.setenv("SPECPILOT_CONF", str(root))
+    return root
+
+
+def _space(conf, name: str, text: str) -> str:
+    (conf / "tune" / f"{name}.yaml").write_text(text)
+    return name
+
+
+def _refusal(name: str) -> str:
+    from specpilot_build.tune.space import check_space, load_space
+
+    with pytest.raises(ConfigError) as caught:
+        check_space(load_space(name), SETTING)
+    message = str(caught.value)
+    assert "\n" not in message and f"{name}.yaml" in message
+    return message
+
+
+def test_the_shipped_space_composes_into_the_embedded_default():
+    from specpilot_build.tune.space import check_space, load_space
+
+    space = load_space("ngram")
+    assert check_space(space, SETTING) == ["shared-ngram-cache", "tuned-ngram"]
+    assert space.grid()["drafter.num_draft_tokens"] == [2, 4, 6, 8, 10, 12, 14, 16]
+
+
+def test_a_misspelt_key_is_refused_naming_file_key_and_the_nearest(conf):
+    name = _space(conf, "typo", "params:\n  drafter:\n    num_draft_tokns: [2, 4]\n")
+    message = _refusal(name)
+    assert "num_draft_tokns" in message and "did you mean 'final.mechanisms.tuned.drafter.num_draft_tokens'" in message
+
+
+def test_an_unknown_runtime_option_and_section_are_refused(conf):
+    assert "shared_ngram_cach" in _refusal(
+        _space(conf, "opt", "params:\n  runtime_options:\n    shared_ngram_cach: [true]\n")
+    )
+    assert "drafte" in _refusal(_space(conf, "sec", "params:\n  drafte:\n    num_draft_tokens: [2]\n"))
+
+
+def test_a_range_the_schema_refuses_is_refused(conf):
+    message = _refusal(_space(conf, "zero", "params:\n  drafter:\n    num_draft_tokens: {low: 0, high: 4}\n"))
+    assert "params.drafter.num_draft_tokens = 0" in message and "must be >= 1" in message
+    message = _refusal(_space(conf, "kind", "params:\n  runtime_options:\n    num_threads: [1.5]\n"))
+    assert "num_threads" in message and "takes int" in message
+    message = _refusal(_space(conf, "sglang", "params:\n  launch_args:\n    speculative-num-steps: [2]\n"))
+    assert "launch arguments are SGLang's" in message
+
+
+def test_empty_spaces_and_bad_shapes_are_refused(conf):
+    from specpilot_build.tune.space import load_space
+
+    for name, text, words in (
+        ("empty", "description: nothing\n", "the space is empty"),
+        ("nochoice", "params:\n  drafter:\n    ngram_max_n: []\n", "no choices"),
+        ("backwards", "params:\n  drafter:\n    ngram_max_n: {low: 5, high: 2}\n", "low 5 is above high 2"),
+        ("toplevel", "param:\n  drafter:\n    ngram_max_n: [2]\n", "param"),
+    ):
+        _space(conf, name, text)
+        with pytest.raises(ConfigError) as caught:
+            load_space(name)
+        assert f"{name}.yaml" in str(caught.value) and words in str(caught.value), str(caught.value)
+    with pytest.raises(ConfigError, match="unknown space 'nosuch'"):
+        load_space("nosuch")
+
+
+def test_trials_zero_is_refused_in_one_line(capsys):
+    assert main(["tune", "--trials", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: TRIALS=0: a tune needs at least 1 trial"
+
+
+def test_a_study_name_reused_with_another_space_is_refused_naming_the_difference():
+    from specpilot_build.tune.study import open_study
+
+    binding = {"setting": SETTING, "space": {"drafter.ngram_max_n": [2, 3]}}
+    open_study("reused", binding, None)
+    open_study("reused", dict(binding), None)  # the same binding loads it
+    with pytest.raises(SpecPilotError) as caught:
+        open_study("reused", {**binding, "space": {"drafter.ngram_max_n": [2, 4]}}, None)
+    message = str(caught.value)
+    assert "study 'reused'" in message and "[2, 3]" in message and "[2, 4]" in message and "\n" not in message
+
+
+def _three_ports() -> int:
+    """A base port with the two after it free too (tune serves ar, stock, final on PORT..PORT+2)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base > 65000:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free ports")
+
+
+def _tune(space: str, trials: int, sampler: str, study: str, **kw):
+    from specpilot_build.tune.run import tune
+
+    return tune(
+        SETTING,
+        space,
+        trials,
+        sampler,
+        0,
+        study,
+        limit=1,
+        max_new_tokens=24,
+        datasets=DATASETS,
+        port=_three_ports(),
+        **kw,
+    )
+
+
+@pytest.mark.slow
+def test_a_bounded_tune_benches_the_tune_split_verifies_and_writes_a_winner_that_builds_it(conf):
+    from specpilot_build.assemble.builder import build_composed
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.measure.datasets import load_split
+    from specpilot_build.measure.results import load_results
+    from specpilot_build.tune.winner import winner_overrides, winner_path
+
+    summary = _tune("ngram", 2, "random", "bounded")
+    assert [t["number"] for t in summary["trials"]] == [0, 1]
+    complete = [t for t in summary["trials"] if t["state"] == "COMPLETE"]
+    assert complete and summary["best"]["objective"] == max(t["objective"] for t in complete)
+    import optuna
+
+    study = optuna.load_study(study_name="bounded", storage=summary["storage"])
+    attrs = study.trials[summary["best"]["number"]].user_attrs
+    _, final = load_results(attrs["runs"]["final"])
+    # the trial benched the tune split's first item of each dataset, never a dev prompt
+    assert {d["split"] for d in final["datasets"].values()} == {"tune"}
+    tune_ids = {(d, item.id) for d in DATASETS for item in load_split(d, 1, "tune")}
+    dev_ids = {(d, item.id) for d in DATASETS for item in load_split(d, 1, "dev")}
+    assert {(r["dataset"], r["item_id"]) for r in final["requests"]} == tune_ids != dev_ids
+    assert attrs["prompt_digests"] == [r["prompt_digest"] for r in final["requests"]]
+    assert attrs["verdict"] == "lossless"
+    report = json.loads(open(attrs["verify_json"]).read())
+    assert report["checked_engine_id"] == attrs["engine_id"] and report["verdict"] == "lossless"
+    # the winner composes and builds to exactly the winning engine, and carries its provenance
+    path = winner_path(SETTING)
+    assert path == conf / "mechanism" / "tuned" / f"{SETTING}.yaml" and summary["winner"] == str(path)
+    text = path.read_text()
+    for needle in ("study: bounded", f"engine: {attrs['engine_id']}", attrs["verify_digest"], attrs["prompts_digest"]):
+        assert needle in text
+    built = build_composed(
+        compose_setting(SETTING, "final", winner_overrides(SETTING, ["shared-ngram-cache", "tuned-ngram"]))
+    )
+    assert built.engine.id == attrs["engine_id"] and not built.created
+
+
+@pytest.mark.slow
+def test_grid_visits_each_point_once_resumes_with_the_next_trial_and_counts_cache_hits(conf):
+    space = _space(conf, "two", "params:\n  drafter:\n    num_draft_tokens: [2, 3]\n")
+    first = _tune(space, 1, "grid", "grid", write_winner=False)
+    assert [t["number"] for t in first["trials"]] == [0]
+    resumed = _tune(space, 5, "grid", "grid", write_winner=False)  # TRIALS above the grid: each point once
+    numbers = [t["number"] for t in resumed["trials"]]
+    assert numbers == [0, 1]
+    points = sorted(t["params"]["drafter.num_draft_tokens"] for t in resumed["trials"])
+    assert points == [2, 3]
+    again = _tune(space, 5, "grid", "grid", write_winner=False)  # nothing left: no new trial
+    assert [t["number"] for t in again["trials"]] == [0, 1]
+    # another study over the same points builds nothing new: every candidate is a cache hit
+    other = _tune(space, 2, "grid", "grid-again", write_winner=False)
+    assert other["cache_hits"] == 2 and first["cache_hits"] == 0
+
+
+@pytest.mark.slow
+def test_a_failing_candidate_is_recorded_with_its_reason_and_cannot_win(conf):
+    space = _space(conf, "bad", "params:\n  drafter:\n    ngram_min_n: [1, 6]\n    ngram_max_n: [3]\n")
+    summary = _tune(space, 2, "grid", "failing", write_winner=False)
+    by_min = {t["params"]["drafter.ngram_min_n"]: t for t in summary["trials"]}
+    assert by_min[6]["state"] == "FAIL" and "ngram_min_n 6 > drafter.ngram_max_n 3" in by_min[6]["reason"]
+    assert by_min[1]["state"] == "COMPLETE" and summary["best"]["number"] == by_min[1]["number"]
