@@ -13,6 +13,7 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
 
 SAMPLERS = ("tpe", "grid", "random")
+TPE_STARTUP = 3  # random trials before TPE models the results (Optuna's default of 10 is a whole short tune)
 INTERRUPTED = "interrupted"  # a trial's reason when the tune stopped under it (Ctrl-C, a killed process)
 
 
@@ -24,7 +25,7 @@ def make_sampler(name: str, seed: int, grid: dict[str, list[Any]]):
     import optuna
 
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=TPE_STARTUP)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
