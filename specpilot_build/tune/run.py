@@ -7,6 +7,7 @@ the study holds that many. Every server started here is stopped on the way out, 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from typing import Any
 
@@ -86,6 +87,7 @@ def tune(
     table = _table()
     started = time.perf_counter()
     pids: dict[str, int] = {}
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the servers and the trial as Ctrl-C does
     try:
         for arm, engine in baseline.items():
             pids[arm] = serve(engine.id, ports[arm], quiet=True)["pid"]
@@ -119,6 +121,7 @@ def tune(
             _add_row(table, trial.number, values, outcome.attrs)
             console.print(_row_line(trial.number, values, outcome.attrs))
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for arm in pids:
             stop(ports[arm])
     console.print(table)
@@ -134,6 +137,10 @@ def tune(
     summary["json"] = str(out)
     _print_summary(summary, console)
     return summary
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _state(name: str):
