@@ -72,8 +72,8 @@ def tune(
     target = trials
     if sampler == "grid":
         points = 1
-        for values in grid.values():
-            points *= len(values)
+        for choices in grid.values():
+            points *= len(choices)
         if trials > points:
             console.print(f"the grid has {points} points; TRIALS={trials} runs each once")
             target = points

@@ -113,7 +113,13 @@ def _measure(engines: dict[str, Engine], ports: dict, pids: dict, slice_: Slice,
     )
     quiet = Console(file=io.StringIO())
     report = compare(
-        *(str(runs[a]) for a in ARMS), name=f"{prefix}_compare", chart=False, console=quiet, overwrite=True
+        str(runs["ar"]),
+        str(runs["stock"]),
+        str(runs["final"]),
+        name=f"{prefix}_compare",
+        chart=False,
+        console=quiet,
+        overwrite=True,
     )
     verification = verify(str(runs["final"]), oracle=engines["ar"], port=ports["ar"], progress=False, console=quiet)
     _, final = load_results(runs["final"])
