@@ -97,13 +97,14 @@ def test_trials_zero_is_refused_in_one_line(capsys):
 def test_a_study_name_reused_with_another_space_is_refused_naming_the_difference():
     from specpilot_build.tune.study import open_study
 
-    binding = {"setting": SETTING, "space": {"drafter.ngram_max_n": [2, 3]}}
+    binding = {"setting": SETTING, "space": {"drafter.ngram_max_n": [2, 3], "drafter.ngram_min_n": [1]}}
     open_study("reused", binding, None)
-    open_study("reused", dict(binding), None)  # the same binding loads it
+    open_study("reused", json.loads(json.dumps(binding)), None)  # the same binding loads it
     with pytest.raises(SpecPilotError) as caught:
-        open_study("reused", {**binding, "space": {"drafter.ngram_max_n": [2, 4]}}, None)
+        open_study("reused", {**binding, "space": {"drafter.ngram_max_n": [2, 4], "drafter.ngram_min_n": [1]}}, None)
     message = str(caught.value)
-    assert "study 'reused'" in message and "[2, 3]" in message and "[2, 4]" in message and "\n" not in message
+    assert "study 'reused'" in message and "\n" not in message
+    assert "space drafter.ngram_max_n [2, 3], this tune has [2, 4]" in message
 
 
 def _three_ports() -> int:
@@ -204,3 +205,39 @@ def test_a_failing_candidate_is_recorded_with_its_reason_and_cannot_win(conf):
     by_min = {t["params"]["drafter.ngram_min_n"]: t for t in summary["trials"]}
     assert by_min[6]["state"] == "FAIL" and "ngram_min_n 6 > drafter.ngram_max_n 3" in by_min[6]["reason"]
     assert by_min[1]["state"] == "COMPLETE" and summary["best"]["number"] == by_min[1]["number"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_server_and_the_same_command_resumes_with_the_next_trial(conf, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import optuna
+
+    from specpilot_build.tune.study import storage_path
+
+    space = _space(conf, "one", "params:\n  drafter:\n    num_draft_tokens: [2, 3, 4]\n")
+    port = _three_ports()
+    argv = [sys.executable, "-m", "specpilot_build.cli", "tune", "--space", space, "--trials", "1", "--study", "cut"]
+    argv += ["--limit", "1", "--max-new-tokens", "24", "--datasets", ",".join(DATASETS), "--port", str(port)]
+    argv += ["--sampler", "grid"]
+    log = tmp_path / "tune.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    deadline = time.monotonic() + 240
+    while "bench ar|stock|final" not in log.read_text(errors="replace"):  # a trial is under way
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130, log.read_text()
+    for p in (port, port + 1, port + 2):  # no server is left behind
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    study = optuna.load_study(study_name="cut", storage=f"sqlite:///{storage_path()}")
+    assert [(t.number, t.state.name, t.user_attrs.get("reason")) for t in study.trials] == [(0, "FAIL", "interrupted")]
+    assert subprocess.run(argv, capture_output=True, text=True, timeout=300).returncode == 0
+    study = optuna.load_study(study_name="cut", storage=f"sqlite:///{storage_path()}")
+    assert [(t.number, t.state.name) for t in study.trials] == [(0, "FAIL"), (1, "COMPLETE")]

@@ -50,10 +50,14 @@ def open_study(name: str, binding: dict[str, Any], sampler):
         study.set_user_attr("binding", binding)
         return study
     for key in sorted(set(recorded) | set(binding)):
-        if recorded.get(key) != binding.get(key):
+        was, now = recorded.get(key), binding.get(key)
+        if was != now:
+            if isinstance(was, dict) and isinstance(now, dict):  # name the first entry that differs
+                inner = next(k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k))
+                key, was, now = f"{key} {inner}", was.get(inner, "(absent)"), now.get(inner, "(absent)")
             raise SpecPilotError(
-                f"study '{name}' ({path}) was made with {key} {_shown(recorded.get(key))}, this tune has "
-                f"{_shown(binding.get(key))}; give another STUDY or the same {key}"
+                f"study '{name}' ({path}) was made with {key} {_shown(was)}, this tune has "
+                f"{_shown(now)}; give another STUDY or the same {key.split()[0]}"
             )
     return study
 
