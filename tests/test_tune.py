@@ -157,7 +157,7 @@ def test_a_bounded_tune_benches_the_tune_split_verifies_and_writes_a_winner_that
     assert complete and summary["best"]["objective"] == max(t["objective"] for t in complete)
     import optuna
 
-    study = optuna.load_study(study_name="bounded", storage=summary["storage"])
+    study = optuna.load_study(study_name="bounded", storage=f"sqlite:///{summary['storage']}")
     attrs = study.trials[summary["best"]["number"]].user_attrs
     _, final = load_results(attrs["runs"]["final"])
     # the trial benched the tune split's first item of each dataset, never a dev prompt

@@ -24,6 +24,10 @@ from specpilot_build.tune.trial import SPLIT, Slice, run_trial
 TRIAL_TIMEOUT_S = 900.0
 
 
+class TrialFailed(Exception):
+    """A trial that failed, timed out or was not lossless: recorded failed (its reason is a user attribute)."""
+
+
 def tune(
     setting: str,
     space_name: str = "ngram",
@@ -91,11 +95,10 @@ def tune(
     try:
         for arm, engine in baseline.items():
             pids[arm] = serve(engine.id, ports[arm], quiet=True)["pid"]
-        while len(studies.counted(study)) < target:
-            if sampler == "grid" and study.sampler.is_exhausted(study):
-                break
-            trial = study.ask(space.distributions())
-            values = dict(trial.params)
+        distributions = space.distributions()
+
+        def objective(trial) -> float:
+            values = {key: _suggest(trial, key, dist) for key, dist in distributions.items()}
             try:
                 outcome = run_trial(
                     setting=setting,
@@ -110,16 +113,20 @@ def tune(
                 )
             except KeyboardInterrupt:
                 trial.set_user_attr("reason", studies.INTERRUPTED)
-                study.tell(trial, state=_state("FAIL"))
-                raise
+                raise  # Optuna records the trial failed and re-raises
             for key, value in outcome.attrs.items():
                 trial.set_user_attr(key, value)
-            if outcome.ok:
-                study.tell(trial, outcome.objective)
-            else:
-                study.tell(trial, state=_state("FAIL"))
             _add_row(table, trial.number, values, outcome.attrs)
             console.print(_row_line(trial.number, values, outcome.attrs))
+            if not outcome.ok:
+                raise TrialFailed(outcome.attrs["reason"])
+            assert outcome.objective is not None
+            return outcome.objective
+
+        remaining = target - len(studies.counted(study))
+        if remaining > 0:
+            # optimize, not ask/tell: the grid sampler stops the study from inside the loop when it is exhausted
+            study.optimize(objective, n_trials=remaining, catch=(TrialFailed,))
     finally:
         signal.signal(signal.SIGTERM, previous)
         for arm in pids:
@@ -143,10 +150,14 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _state(name: str):
-    import optuna
+def _suggest(trial, key: str, dist) -> Any:
+    import optuna.distributions as od
 
-    return getattr(optuna.trial.TrialState, name)
+    if isinstance(dist, od.CategoricalDistribution):
+        return trial.suggest_categorical(key, dist.choices)
+    if isinstance(dist, od.IntDistribution):
+        return trial.suggest_int(key, dist.low, dist.high, step=dist.step)
+    return trial.suggest_float(key, dist.low, dist.high, step=dist.step)
 
 
 def summarize(study, name: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from specpilot_build.store.engines import Engine
 from specpilot_build.tune.space import candidate_overrides
 
 SPLIT = "tune"
+REASON_CHARS = 600  # a failure's message (a server's log tail included), on one line
 LOSSLESS = "lossless"  # verify's verdict when every token of the run is what ar emits
 
 
@@ -73,7 +74,7 @@ def run_trial(
     except TrialTimeout:
         attrs["reason"] = f"timed out after {timeout_s:.0f} s"
     except SpecPilotError as exc:
-        attrs["reason"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        attrs["reason"] = " ".join(str(exc).split())[:REASON_CHARS] or type(exc).__name__
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
