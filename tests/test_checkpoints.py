@@ -203,6 +203,9 @@ def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned(sha
                 pinned_gpu_settings.append(setting) if not setting.startswith("cpu") else None
             elif req.repo.startswith("specpilot-synthetic/"):  # written by SpecPilot itself: no hub revision
                 assert pins[req.repo].files == () and pins[req.repo].converted, (setting, req.repo)
+            elif req.repo in pins and pins[req.repo].wheel is not None:  # a package's wheel: its digests as seen
+                notes = (shared / "docs" / "smollm2.md").read_text()
+                assert pins[req.repo].wheel.sha256 in notes and pins[req.repo].files[0].sha256 in notes, setting
             else:
                 assert req.repo not in pins, f"{setting}: {req.repo} is pinned but not in pins.md"
     assert pinned_gpu_settings
