@@ -114,10 +114,10 @@ def test_files_sit_in_the_hub_cache_layout_the_real_client_resolves(stories, tin
 def test_present_and_verified_means_no_work(stories, tiny_pin, monkeypatch, llama2c_dir):
     model_dir, cache = stories
     before = {p: p.stat().st_mtime_ns for p in [*model_dir.iterdir(), *(cache.rglob("blobs/*"))]}
-    import specpilot_build.models.checkpoints as checkpoints
+    import specpilot_build.models.proof as proof
 
     hashed = []
-    monkeypatch.setattr(checkpoints, "sha256_of", lambda path, **kw: hashed.append(path))
+    monkeypatch.setattr(proof, "sha256_of", lambda path, **kw: hashed.append(path))
     assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=llama2c_dir) == model_dir
     assert hashed == []  # the stamps prove the files unchanged since they were verified
     assert {p: p.stat().st_mtime_ns for p in before} == before

