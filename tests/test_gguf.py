@@ -419,3 +419,36 @@ def test_the_lock_round_trips_a_wheel_pin_and_refuses_a_revision_that_is_no_vers
     lockfile.write_text(lockfile.read_text().replace('revision = "1.0"', 'revision = "main"'))
     with pytest.raises(SpecPilotError, match=r'checkpoints.toml \["tinypkg"\]: revision of a wheel pin'):
         load_checkpoint_pins(lockfile)
+
+
+@pytest.mark.slow
+def test_the_served_model_answers_chat_completions_through_its_chat_template_as_the_oracle(made, tmp_path):
+    """The reference server on the converted model: /v1/chat/completions applies the GGUF's ChatML template and
+    answers with the oracle's greedy text; /generate on the oracle's prompt ids gives its greedy text too."""
+    import httpx
+    from reference_runtime_helpers import engine_config, free_port, launch, stop, wait_healthy, write_engine
+
+    golden = json.loads(gguf_golden.GOLDEN.read_text())
+    config = engine_config("ar")
+    config.update(setting=SETTING, model={"name": "smollm2-135m", "dtype": "float32", "quantization": None})
+    port = free_port()
+    proc = launch(write_engine(tmp_path / "engine", config), "id-smollm2", port, made)
+    try:
+        url = wait_healthy(proc, port)
+        for case in golden["cases"]:
+            expected = case["greedy_text"].removesuffix("<|im_end|>")
+            body = {"max_tokens": golden["max_new_tokens"], "temperature": 0}
+            if "messages" in case:
+                r = httpx.post(url + "/v1/chat/completions", json={**body, "messages": case["messages"]}, timeout=300)
+                choice = r.json()["choices"][0]
+                assert choice["message"] == {"role": "assistant", "content": expected}
+                assert choice["finish_reason"] == ("stop" if case["greedy_ids"][-1] == 2 else "length")
+                assert r.json()["usage"]["prompt_tokens"] == len(case["prompt_ids"])
+            native = httpx.post(
+                url + "/generate",
+                json={"input_ids": case["prompt_ids"], "sampling_params": {"max_new_tokens": golden["max_new_tokens"]}},
+                timeout=300,
+            ).json()
+            assert native["text"] == expected
+    finally:
+        stop(proc)
