@@ -18,6 +18,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 from specpilot_build.errors import SpecPilotError
@@ -26,6 +28,7 @@ from specpilot_build.models.wheel_weights import extract_pinned
 from specpilot_build.pins.lockfile import load_lock
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 SETTING = "cpu_c1_smollm2-135m_ngram"
 
 
@@ -127,6 +130,21 @@ def test_q8_0_block_is_d_times_signed_byte(tmp_path):
     block = d.tobytes() + quants.tobytes()
     values = dequantized(_one_tensor_gguf(tmp_path / "q80.gguf", block, GGMLQuantizationType.Q8_0), tmp_path)
     assert values[0].tolist() == [0.125 * q for q in range(-16, 16)]
+
+
+finite_f16 = st.floats(-60000, 60000, width=16, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(d=finite_f16, m=finite_f16, quants=st.binary(min_size=16, max_size=16), q8=st.binary(min_size=32, max_size=32))
+def test_any_block_dequantizes_to_the_spec_formula_in_float32(tmp_path, d, m, quants, q8):
+    d16, m16 = np.float16(d), np.float16(m)
+    q41 = dequantized(_one_tensor_gguf(tmp_path / "a.gguf", d16.tobytes() + m16.tobytes() + quants, Q4_1), tmp_path)
+    nibbles = [b & 0xF for b in quants] + [b >> 4 for b in quants]
+    assert q41[0].tolist() == [float(np.float32(d16) * np.float32(q) + np.float32(m16)) for q in nibbles]
+    q80 = dequantized(_one_tensor_gguf(tmp_path / "b.gguf", d16.tobytes() + q8, Q8_0), tmp_path)
+    signed = np.frombuffer(q8, dtype=np.int8)
+    assert q80[0].tolist() == [float(np.float32(q) * np.float32(d16)) for q in signed]
 
 
 # --- the tiny Llama: transformers' GGUF loader as the oracle ------------------------------------------
