@@ -22,7 +22,7 @@ flag = $(if $(filter-out 0,$($(1))),$(2))
 
 .PHONY: help setup demo test test-fast lint fuzz engine engine-build engine-check engine-show engine-ls engine-fsck \
 	engine-rm engine-gc sweep lock env-lock env-host-profile env-install models serve stop bench compare score \
-	verify attest-check diff bundle w12-promote
+	verify attest-check diff bundle w12-promote gaps
 
 help: ## this list
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -103,6 +103,9 @@ bench: $(STAMP) ## bench ENGINE (served on PORT) on the dev splits as RUN [LIMIT
 
 compare: $(STAMP) ## speedups with 95% CIs of the runs AR, STOCK and FINAL [REPORT OVERWRITE=1]
 	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL) $(if $(REPORT),--report $(REPORT)) $(call flag,OVERWRITE,--overwrite)
+
+gaps: $(STAMP) ## the cost model of ENGINE's c1 bench run RUN: time per token by part, the ceilings, the gaps ranked
+	$(SP) gaps --engine $(ENGINE) --run $(RUN)
 
 score: $(STAMP) ## grade RUN: answers, and code in a sandbox [WORKERS]
 	$(SP) score $(RUN) $(if $(WORKERS),--workers $(WORKERS))
