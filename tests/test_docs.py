@@ -64,11 +64,11 @@ def looks_like_path(text: str) -> bool:
     return "/" in text or text.endswith(EXTENSIONS)
 
 
-def named_paths(page: Path) -> list[tuple[str, str]]:
+def named_paths(page: Path, text: str | None = None) -> list[tuple[str, str]]:
     """(path relative to the repo root, as written) for every path-like backticked span (read from the root) and
     every relative link (read from the page's folder, as a renderer follows it). Fenced code blocks are commands,
     not references, and are left out."""
-    text = FENCE.sub("", page.read_text())
+    text = FENCE.sub("", page.read_text() if text is None else text)
     found = []
     for span in BACKTICKED.findall(text):
         span = span.strip().rstrip(":,.;")
@@ -115,17 +115,27 @@ def test_every_repo_path_named_exists() -> None:
             why = missing(rel)
             if why:
                 problems.append(f"{page.relative_to(REPO)}: `{written}` {why}")
-    assert checked >= 300, f"only {checked} paths found in the pages: the extraction matches too little"
+    assert checked >= 250, f"only {checked} paths found in the pages: the extraction matches too little"
     assert not problems, "\n".join(problems)
 
 
 def test_extraction_sees_what_it_must() -> None:
-    page = REPO / "README.md"
-    paths = {rel for rel, _ in named_paths(page)}
-    assert "docs/verbs.md" in paths and "conf/setting" in paths, sorted(paths)
-    assert missing("docs/no-such-page.md") and missing("specpilot_build/no_such.py")
-    assert missing("store/names.py")  # an abbreviation of specpilot_build/store/names.py is refused
-    assert missing("engines/.objects") is None
+    text = (
+        "See `conf/setting/` and `kernels/w12/FORMAT.md`, [the verbs](verbs.md), `tuned_h200.json`,\n"
+        "`engines/<id>/manifest.json`, `../shared/docs/pins.md`, `drafter.num_draft_tokens=6`, `make engine`,\n"
+        "[cosign](https://docs.sigstore.dev), `store/names.py`.\n```bash\npython3 benchmarks/not_read.py\n```\n"
+    )
+    found = named_paths(REPO / "docs" / "a-page.md", text)
+    assert found == [
+        ("conf/setting", "conf/setting/"),
+        ("kernels/w12/FORMAT.md", "kernels/w12/FORMAT.md"),
+        ("tuned_h200.json", "tuned_h200.json"),
+        ("store/names.py", "store/names.py"),
+        ("docs/verbs.md", "verbs.md"),
+    ]
+    assert [rel for rel, _ in found if missing(rel)] == ["store/names.py"]  # written from the wrong folder
+    assert missing("docs/no-such-page.md") and missing("specpilot_build/no_such.py") and missing("no_such.json")
+    assert missing("engines/.objects") is None  # output git ignores
 
 
 def cli_verbs() -> list[tuple[str, ...]]:
