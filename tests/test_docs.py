@@ -15,7 +15,7 @@ from specpilot_build.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "docs/*.md", "benchmarks/*.md")
-EXTENSIONS = (".md", ".py", ".yaml", ".yml", ".toml", ".json", ".sh", ".cu", ".txt", ".patch", ".txt")
+EXTENSIONS = (".md", ".py", ".yaml", ".yml", ".toml", ".json", ".sh", ".cu", ".txt", ".patch")
 # Words inside a backticked span that make it something other than one path: placeholders, globs, shell
 # variables, Hydra overrides, URLs.
 NOT_ONE_PATH = re.compile(r"[\s<>{}*$=~…]|\.\.\.|://")
