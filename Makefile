@@ -53,8 +53,10 @@ lint: $(STAMP) ## ruff (lint and format check) over the code, mypy over specpilo
 fuzz: $(STAMP) ## a longer hostile-client run against the reference runtime [SECONDS URL]
 	$(VENV)/bin/python benchmarks/server_fuzz.py --seconds $(or $(SECONDS),300) $(if $(URL),--url $(URL))
 
-engine engine-build: $(STAMP) ## build (or find) the engine of SETTING and ARM [OVERRIDES]; prints id and path
+engine-build: $(STAMP) ## build (or find) the engine of SETTING and ARM [OVERRIDES]; prints id and path
 	$(SP) engine build --setting $(SETTING) --arm $(ARM) $(OVERRIDES)
+
+engine: engine-build ## the same as engine-build
 
 engine-check: $(STAMP) ## re-hash ENGINE against its manifest [REPAIR=1 mends it]
 	$(SP) engine check $(ENGINE) $(call flag,REPAIR,--repair)
