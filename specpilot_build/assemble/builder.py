@@ -132,9 +132,15 @@ def _substitute(
     return None, tuple(notes)
 
 
+# The stages whose code shapes an engine tree; serving, measuring, bundling, caching and the command line do not,
+# so editing them moves no build key.
+BUILDING_STAGES = ("assemble", "config", "pins", "models", "hosts", "store")
+
+
 def _builder_source_digest() -> str:
     package = Path(__file__).resolve().parent.parent
-    parts = [(p.relative_to(package).as_posix(), p.read_bytes()) for p in sorted(package.rglob("*.py"))]
+    sources = [p for p in package.glob("*.py")] + [p for s in BUILDING_STAGES for p in (package / s).rglob("*.py")]
+    parts = [(p.relative_to(package).as_posix(), p.read_bytes()) for p in sorted(sources)]
     return digest_bytes(b"".join(name.encode() + b"\0" + data for name, data in parts))
 
 
