@@ -183,12 +183,11 @@ def keys(tmp_path_factory):
 
 
 def snapshot(root: Path) -> set[str]:
-    """Every path of a store but its build scratch (engines/.tmp, the lock file)."""
+    """Every path of a store (a temporary tree left under engines/.tmp too), but the lock file and the empty
+    scratch folder a build or pull makes."""
     if not root.exists():
         return set()
-    return {
-        p.relative_to(root).as_posix() for p in root.rglob("*") if p.relative_to(root).parts[0] not in (".tmp", ".lock")
-    }
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")} - {".tmp", ".lock"}
 
 
 def objects_of(engine: Engine) -> dict[str, int]:
