@@ -42,8 +42,8 @@ def load_split(dataset: str, limit: int | None = None) -> list[Item]:
     if limit is not None and limit < 0:
         raise SpecPilotError(f"dataset limit must be >= 0, got {limit}")
     rows = _read_rows(dataset_file(dataset))
-    items = [_ITEM_BUILDERS[dataset](index, row) for index, row in enumerate(rows)]
-    items = [item for item in items if item is not None]
+    built = (_ITEM_BUILDERS[dataset](index, row) for index, row in enumerate(rows))
+    items = [item for item in built if item is not None]
     items.sort(key=lambda item: hashlib.sha256(f"{dataset}:{item.id}".encode()).digest())
     return items if limit is None else items[:limit]
 
@@ -65,8 +65,9 @@ def dataset_file(dataset: str) -> Path:
     pin = dataset_pin(dataset)
     cached = data_dir() / "datasets" / pin["file"]
     candidates = [cached]
-    if mirror_dir() is not None:
-        candidates.append(mirror_dir() / "datasets" / pin["file"])
+    mirror = mirror_dir()
+    if mirror is not None:
+        candidates.append(mirror / "datasets" / pin["file"])
     for path in candidates:
         if path.is_file():
             _check_hash(path, pin)
