@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -306,6 +307,26 @@ def test_the_cache_group_enters_no_engine_id(source, tmp_path, monkeypatch):
     default = build_head(compose_setting(EMBEDDED, "ar"))[1]
     with_cache = build_head(compose_setting(EMBEDDED, "ar", substituting(url, public)))[1]
     assert build_key(default) == build_key(with_cache)
+
+
+def test_serving_an_id_the_store_lacks_pulls_it_from_the_configured_substituter(
+    source, keys, tmp_path, monkeypatch, capsys
+):
+    root, engines = source
+    url = f"file://{tmp_path}/cache"
+    push_engine(engines["final"], BinaryCache(url), keys["trusted"], root)
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO_ROOT / "conf", conf)
+    (conf / "cache" / "team.yaml").write_text(f"substituters: [{url}]\ntrusted_public_keys: [{keys['public']}]\n")
+    top = conf / "config.yaml"
+    top.write_text(top.read_text().replace("  - cache: none\n", "  - cache: team\n"))
+    monkeypatch.setenv("SPECPILOT_CONF", str(conf))
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    assert main(["serve", "--engine", engines["final"].id[:12], "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"pulled from {url}" in out.err and (tmp_path / "engines" / engines["final"].id).is_dir()
+    assert main(["serve", "--engine", engines["stock"].id[:12], "--dry-run"]) == 2  # not in the cache either
+    assert "miss" in (out := capsys.readouterr()).err and f"no engine {engines['stock'].id[:12]}" in out.err
 
 
 # --- refusals -----------------------------------------------------------------------------------------------

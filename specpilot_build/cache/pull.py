@@ -265,9 +265,12 @@ def _materialise(
             result.bytes_fetched += len(blob)
             if progress is not None:
                 progress(entry["blake3"], len(blob))
-        with open(path, "wb") as fh:
-            fh.write(data)
-        os.chmod(path, 0o755 if entry["exec"] else 0o644)
+        try:
+            with open(path, "wb") as fh:
+                fh.write(data)
+            os.chmod(path, 0o755 if entry["exec"] else 0o644)
+        except OSError as exc:  # a full disk, a quota: the temporary tree goes, the store keeps what it had
+            raise SpecPilotError(f"{path}: cannot write it ({exc.strerror}); nothing was pulled") from None
         st = os.lstat(path)
         known[entry["path"]] = (entry, (st.st_dev, st.st_ino))
     return known

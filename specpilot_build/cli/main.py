@@ -730,11 +730,42 @@ def _engine_of(engine_ref: str | None, setting: str | None, arm: str):
         from specpilot_build.assemble.builder import build_engine
 
         return build_engine(setting, arm).engine
-    from specpilot_build.store.engines import resolve_engine
+    from specpilot_build.store.engines import resolve_engine, scan_store
 
     if engine_ref is None:
         raise SpecPilotError("name an engine (id or unique prefix) or a --setting to build")
+    ref = engine_ref.strip().lower()
+    if len(ref) >= 4 and all(c in "0123456789abcdef" for c in ref) and scan_store(prefix=ref) == ([], []):
+        pulled = _substitute_engine(ref)
+        if pulled is not None:
+            return pulled
     return resolve_engine(engine_ref)
+
+
+def _substitute_engine(ref: str):
+    """An engine id the store lacks, pulled from the first configured substituter that has it (None when no
+    substituter is configured, or none holds it). A refused pull is an error: the id was asked for exactly."""
+    from specpilot_build.cache.pull import pull_engine
+    from specpilot_build.cache.remote import BinaryCache
+    from specpilot_build.cache.settings import cache_settings
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.store.engines import store_root
+
+    settings = cache_settings(compose_setting(DEFAULT_SETTING, "final").config)
+    for url in settings.substituters:
+        cache = BinaryCache(url)
+        held = (
+            cache.exists(f"manifests/{ref}.json")
+            if len(ref) == 64
+            else any(n.startswith(ref) for n in cache.names("manifests"))
+        )
+        if not held:
+            print(f"substituter {url}: miss (no engine {ref})", file=sys.stderr)
+            continue
+        result = pull_engine(cache, ref, settings.trusted, store_root())
+        print(result.summary(cache), file=sys.stderr)
+        return result.engine
+    return None
 
 
 def _stop(args) -> int:
