@@ -471,7 +471,7 @@ def test_killing_the_s3_server_mid_pull_leaves_the_store_as_it_was_and_a_rerun_c
             moto.kill()
 
     with pytest.raises(CacheError, match=f"cache {url}: reading objects/"):
-        pull_engine(BinaryCache(url), final.id, keys["trust"], store, progress=kill_after_two)
+        pull_engine(BinaryCache(url), final.id, keys["trust"], store, progress=kill_after_two, batch=1)
     assert len(seen) == 2 and snapshot(store) == set()
     moto.start()  # a new server has none of the old one's state: push again, then pull
     url = f"s3://{new_bucket()}/specpilot"
@@ -496,7 +496,7 @@ def test_a_push_cut_off_mid_transfer_exposes_no_engine_and_a_rerun_completes(mot
     os.environ["AWS_ENDPOINT_URL"], direct = f"http://127.0.0.1:{relay.port}", os.environ["AWS_ENDPOINT_URL"]
     try:
         with pytest.raises(CacheError, match=f"cache {url}: "):
-            push_engine(final, BinaryCache(url), keys["trusted"], root, progress=cut_after_three)
+            push_engine(final, BinaryCache(url), keys["trusted"], root, progress=cut_after_three, batch=1)
     finally:
         os.environ["AWS_ENDPOINT_URL"] = direct
     cache = BinaryCache(url)  # straight to the server, which kept what it was sent

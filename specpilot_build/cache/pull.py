@@ -38,7 +38,8 @@ from specpilot_build.store.engines import (
 from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json
 from specpilot_build.store.names import plain_relpath
 
-Progress = Callable[[str, int], None]  # (object digest, bytes received), after each object
+Progress = Callable[[str, int], None]  # (object digest, bytes received), after each object is checked
+BATCH = 64  # objects asked for at once (concurrently on s3 and hf)
 
 
 @dataclass
@@ -65,6 +66,7 @@ def pull_engine(
     trusted: dict[str, Ed25519PublicKey],
     root: Path,
     progress: Progress | None = None,
+    batch: int = BATCH,
 ) -> PullResult:
     """Pull engine `ref` (its id or a unique prefix of an id the cache holds); at least one entry naming it must
     be signed by a trusted key."""
@@ -74,6 +76,8 @@ def pull_engine(
     for key in cache.names(f"{IDS}/{eid}"):
         try:
             entry = _read_entry(cache, key, trusted)
+        except FileNotFoundError:
+            continue  # a marker whose entry was removed
         except IntegrityError as exc:
             problems.append(str(exc))
             continue
@@ -82,7 +86,7 @@ def pull_engine(
     if not entries:
         why = problems[0] if problems else f"no entry in {cache.where(KEYS)}/ names it"
         raise IntegrityError(f"engine {eid[:12]}: no entry signed by a trusted key in {cache}: {why}")
-    result = fetch(cache, entries[0], root, progress=progress)
+    result = fetch(cache, entries[0], root, progress=progress, batch=batch)
     for entry in entries:
         index_put(root, entry["build_key"], eid)
         result.keys.append(entry["build_key"])
@@ -96,6 +100,7 @@ def pull_key(
     trusted: dict[str, Ed25519PublicKey],
     root: Path,
     progress: Progress | None = None,
+    batch: int = BATCH,
 ) -> PullResult | None:
     """The engine the cache's entry for `build_key` names, pulled and checked to record exactly `head` (what
     the build would make); None when the cache has no entry for the key."""
@@ -109,7 +114,7 @@ def pull_key(
             f"{head['arm']}, but the entry names engine {entry['engine'][:12]} of {entry['setting']} "
             f"{entry['arm']}; refused"
         )
-    result = fetch(cache, entry, root, head=head, progress=progress)
+    result = fetch(cache, entry, root, head=head, progress=progress, batch=batch)
     index_put(root, build_key, result.engine.id)
     result.keys.append(build_key)
     return result
@@ -196,6 +201,7 @@ def fetch(
     root: Path,
     head: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    batch: int = BATCH,
 ) -> PullResult:
     eid = entry["engine"]
     manifest = fetch_manifest(cache, eid)
@@ -218,7 +224,7 @@ def fetch(
     with store_lock(root):
         tree = new_build_dir(root)
         try:
-            known = _materialise(cache, manifest, tree, root, result, progress)
+            known = _materialise(cache, manifest, tree, root, result, progress, batch)
             engine, created = commit(tree, {k: v for k, v in manifest.items() if k != "files"}, root, known=known)
         except BaseException:
             remove_tree(tree)
@@ -236,41 +242,52 @@ def _materialise(
     root: Path,
     result: PullResult,
     progress: Progress | None,
+    batch: int,
 ) -> dict[str, tuple[dict[str, Any], tuple[int, int]]]:
     """Write every file of the manifest into `tree`: content the store already holds is linked from its
-    object (checked), the rest fetched and checked on arrival. Returns commit's `known` entries."""
+    object (checked), the rest fetched `batch` objects at a time and checked on arrival. Returns commit's
+    `known` entries."""
     eid = blake3.blake3(canonical_json(manifest)).hexdigest()
-    fetched: dict[str, bytes] = {}
     known: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {}
+    wanted: dict[str, list[dict[str, Any]]] = {}  # digest -> the entries holding it, in manifest order
     for entry in manifest["files"]:
         path = tree / entry["path"]
         path.parent.mkdir(parents=True, exist_ok=True)
         obj = object_path(root, entry["blake3"], entry["exec"])
-        if entry["blake3"] not in fetched and object_state(obj, entry["size"], entry["blake3"], entry["exec"]) == "ok":
+        if entry["blake3"] not in wanted and object_state(obj, entry["size"], entry["blake3"], entry["exec"]) == "ok":
             os.link(obj, path)
             result.objects_local += 1
             st = os.lstat(path)
             known[entry["path"]] = (entry, (st.st_dev, st.st_ino))
-            continue
-        data = fetched.get(entry["blake3"])
-        if data is None:
-            rel = object_name(entry["blake3"])
-            blob = cache.read(rel)
-            where = f"{cache.where(rel)} ({entry['path']} of engine {eid[:12]})"
+        else:
+            wanted.setdefault(entry["blake3"], []).append(entry)
+    digests = list(wanted)
+    for start in range(0, len(digests), batch):
+        chunk = digests[start : start + batch]
+        blobs = cache.read_many([object_name(d) for d in chunk])
+        for digest in chunk:
+            first = wanted[digest][0]
+            rel = object_name(digest)
+            where = f"{cache.where(rel)} ({first['path']} of engine {eid[:12]})"
+            blob = blobs[rel]
             if blob is None:
                 raise IntegrityError(f"{where}: missing from the cache; refused")
-            data = unpack(blob, entry["size"], entry["blake3"], where)
-            fetched[entry["blake3"]] = data
+            data = unpack(blob, first["size"], digest, where)
             result.objects_fetched += 1
             result.bytes_fetched += len(blob)
+            for entry in wanted[digest]:
+                known[entry["path"]] = (entry, _write(tree / entry["path"], data, entry["exec"]))
             if progress is not None:
-                progress(entry["blake3"], len(blob))
-        try:
-            with open(path, "wb") as fh:
-                fh.write(data)
-            os.chmod(path, 0o755 if entry["exec"] else 0o644)
-        except OSError as exc:  # a full disk, a quota: the temporary tree goes, the store keeps what it had
-            raise SpecPilotError(f"{path}: cannot write it ({exc.strerror}); nothing was pulled") from None
-        st = os.lstat(path)
-        known[entry["path"]] = (entry, (st.st_dev, st.st_ino))
+                progress(digest, len(blob))
     return known
+
+
+def _write(path: Path, data: bytes, executable: bool) -> tuple[int, int]:
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+        os.chmod(path, 0o755 if executable else 0o644)
+    except OSError as exc:  # a full disk, a quota: the temporary tree goes, the store keeps what it had
+        raise SpecPilotError(f"{path}: cannot write it ({exc.strerror}); nothing was pulled") from None
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino

@@ -9,17 +9,19 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import blake3
 
 from specpilot_build.cache.objects import object_name, pack
-from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, BinaryCache
+from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, OBJECTS, BinaryCache
 from specpilot_build.cache.signing import SigningKey, signed_entry
 from specpilot_build.errors import IntegrityError, SpecPilotError
 from specpilot_build.store.engines import Engine, index_keys
 from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json, digest_bytes, read_regular
 
 Progress = Callable[[str, int], None]  # (object digest, compressed bytes sent), after each object sent
+BATCH = 64  # objects put at once (concurrently on s3 and hf)
 
 
 @dataclass
@@ -45,6 +47,7 @@ def push_engine(
     key: SigningKey,
     root: Path,
     progress: Progress | None = None,
+    batch: int = BATCH,
 ) -> PushSummary:
     """Push `engine`, signing an entry for every build key the store's index maps to it. Each file is re-hashed
     before it is sent: a damaged store is never copied into a cache."""
@@ -63,29 +66,35 @@ def push_engine(
             f"into this store); build it here with `make engine` first"
         )
     summary = PushSummary(engine.id)
-    sent: set[str] = set()
+    unique: dict[str, dict[str, Any]] = {}
     for entry in manifest["files"]:
-        digest = entry["blake3"]
-        if digest in sent:
-            continue
-        sent.add(digest)
-        rel = object_name(digest)
-        if cache.exists(rel):
+        unique.setdefault(entry["blake3"], entry)
+    present = set(cache.names(OBJECTS))  # one listing; an object another push adds meanwhile is sent twice
+    todo: dict[str, dict[str, Any]] = {}
+    for digest, entry in unique.items():
+        if digest.split(":", 1)[1] in present:
             summary.objects_skipped += 1
             summary.bytes_skipped += entry["size"]
-            continue
-        data = read_regular(engine.path / entry["path"])[0]
-        if digest_bytes(data) != digest or len(data) != entry["size"]:
-            raise IntegrityError(
-                f"engine {engine.id[:12]}: {entry['path']} differs from its manifest; nothing of it was pushed "
-                f"past this file (`specpilot engine check {engine.id[:12]}`)"
-            )
-        blob = pack(data)
-        cache.write(rel, blob)
-        summary.objects_sent += 1
-        summary.bytes_sent += len(blob)
-        if progress is not None:
-            progress(digest, len(blob))
+        else:
+            todo[digest] = entry
+    digests = list(todo)
+    for start in range(0, len(digests), batch):
+        packed: dict[str, bytes] = {}
+        for digest in digests[start : start + batch]:
+            entry = todo[digest]
+            data = read_regular(engine.path / entry["path"])[0]
+            if digest_bytes(data) != digest or len(data) != entry["size"]:
+                raise IntegrityError(
+                    f"engine {engine.id[:12]}: {entry['path']} differs from its manifest; refused before sending "
+                    f"it (`specpilot engine check {engine.id[:12]}`)"
+                )
+            packed[object_name(digest)] = pack(data)
+        cache.write_many(packed)
+        for rel, blob in packed.items():
+            summary.objects_sent += 1
+            summary.bytes_sent += len(blob)
+            if progress is not None:
+                progress("blake3:" + rel.rsplit("/", 1)[1], len(blob))
     manifest_rel = f"{MANIFESTS}/{engine.id}.json"
     if cache.read(manifest_rel) != raw:
         cache.write(manifest_rel, raw)

@@ -76,6 +76,34 @@ class BinaryCache:
             except FileNotFoundError:
                 return None
 
+    def read_many(self, rels: list[str]) -> dict[str, bytes | None]:
+        """`read` of several paths at once: one concurrent batch on an async backend (s3, hf), in turn on file://."""
+        if self.local or len(rels) < 2:
+            return {rel: self.read(rel) for rel in rels}
+        with self._talking(f"reading {rels[0]} and {len(rels) - 1} more"):
+            got = self.fs.cat([self._path(r) for r in rels], on_error="return")
+        out: dict[str, bytes | None] = {}
+        for rel in rels:
+            value = got.get(self._path(rel), FileNotFoundError())
+            if isinstance(value, FileNotFoundError):
+                out[rel] = None
+            elif isinstance(value, BaseException):
+                with self._talking(f"reading {rel}"):
+                    raise value
+            else:
+                out[rel] = bytes(value)
+        return out
+
+    def write_many(self, items: dict[str, bytes]) -> None:
+        """`write` of several paths at once (concurrently on s3 and hf; each is still whole or absent)."""
+        if self.local or len(items) < 2:
+            for rel, data in items.items():
+                self.write(rel, data)
+            return
+        first = next(iter(items))
+        with self._talking(f"writing {first} and {len(items) - 1} more"):
+            self.fs.pipe({self._path(rel): data for rel, data in items.items()})
+
     def exists(self, rel: str) -> bool:
         with self._talking(f"looking up {rel}"):
             return bool(self.fs.exists(self._path(rel)))
