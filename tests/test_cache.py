@@ -329,6 +329,14 @@ def test_serving_an_id_the_store_lacks_pulls_it_from_the_configured_substituter(
     assert "miss" in (out := capsys.readouterr()).err and f"no engine {engines['stock'].id[:12]}" in out.err
 
 
+def test_substituters_without_a_trusted_key_are_a_config_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    code = main(["engine", "build", "--setting", EMBEDDED, f"cache.substituters=[file://{tmp_path}/c]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cache.trusted_public_keys is empty" in err and err.count("\n") == 1
+    assert not (tmp_path / "engines").exists() or not any(p.name != ".lock" for p in (tmp_path / "engines").iterdir())
+
+
 # --- refusals -----------------------------------------------------------------------------------------------
 
 

@@ -108,13 +108,6 @@ class BinaryCache:
         with self._talking(f"looking up {rel}"):
             return bool(self.fs.exists(self._path(rel)))
 
-    def size(self, rel: str) -> int | None:
-        with self._talking(f"looking up {rel}"):
-            try:
-                return int(self.fs.size(self._path(rel)))
-            except FileNotFoundError:
-                return None
-
     def write(self, rel: str, data: bytes) -> None:
         """Put `data` at `rel` so that no reader ever sees a part of it (see the module docstring)."""
         with self._talking(f"writing {rel}"):
@@ -146,9 +139,13 @@ class BinaryCache:
         return sorted(n for n in names if n and not n.startswith("."))
 
     def age(self, rel: str, now: float) -> float:
-        """Seconds since `rel` was last written (0 when the backend does not say: treated as new)."""
+        """Seconds since `rel` was last written; 0 when the backend does not say (hf:// reports no time, so
+        `cache gc` there removes nothing unless its grace is 0); infinite when `rel` is already gone."""
         with self._talking(f"looking up {rel}"):
-            info = self.fs.info(self._path(rel))
+            try:
+                info = self.fs.info(self._path(rel))
+            except FileNotFoundError:
+                return float("inf")
         stamp = info.get("mtime", info.get("LastModified", info.get("last_modified")))
         if isinstance(stamp, datetime):
             stamp = stamp.timestamp()
