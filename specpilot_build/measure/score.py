@@ -363,9 +363,9 @@ def _failure_detail(outcome: sandbox.Outcome) -> str | None:
 
 
 def _reference_records(datasets: set[str]) -> dict[str, dict[str, dict]]:
-    from specpilot_build.measure.datasets import load_split
+    from specpilot_build.measure.datasets import all_items
 
-    return {dataset: {item.id: item.record for item in load_split(dataset)} for dataset in datasets}
+    return {dataset: {item.id: item.record for item in all_items(dataset)} for dataset in datasets}
 
 
 def _record_for(records: dict, dataset: str, item_id: str, path: Path) -> dict:

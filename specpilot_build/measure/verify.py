@@ -388,7 +388,7 @@ def _check_identity(data: dict) -> list[dict]:
 
 def _rendered_items(data: dict, renderer, failures: list) -> dict:
     """(dataset, item id) -> the prompt ids re-rendered from the pinned dataset item."""
-    from specpilot_build.measure.datasets import dataset_pin, load_split
+    from specpilot_build.measure.datasets import all_items, dataset_pin
 
     rendered = {}
     for dataset in sorted({r["dataset"] for r in data["requests"]}):
@@ -397,7 +397,7 @@ def _rendered_items(data: dict, renderer, failures: list) -> dict:
         if recorded != pinned:
             failures.append(_failure(None, f"datasets.{dataset}.sha256", f"recorded {recorded}, pinned {pinned}"))
         wanted = {r["item_id"] for r in data["requests"] if r["dataset"] == dataset}
-        for item in load_split(dataset):
+        for item in all_items(dataset):
             if item.id in wanted:
                 rendered[(dataset, item.id)] = renderer.render(item.prompt)
     return rendered
