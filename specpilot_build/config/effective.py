@@ -13,6 +13,7 @@ NO_DRAFTER = {"name": "none", "algorithm": "none"}
 def effective_config(config: dict) -> dict:
     cfg = copy.deepcopy(config)
     arm = cfg["arm"]
+    cfg.pop("cache", None)  # substituters say where an engine may be fetched from, not what it runs
     declared = (cfg.pop("final", None) or {}).get("mechanisms") or {}
     # final.mechanisms maps each mechanism's name to what it sets, in the order the setting lists them
     mechanisms = [dict(body, name=name) for name, body in declared.items()] if arm["applies_mechanisms"] else []

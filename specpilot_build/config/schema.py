@@ -128,6 +128,14 @@ class Final:
 
 
 @dataclass
+class Cache:
+    # fsspec URLs (file://, s3://, hf://) asked, in order, for a setting's build key before it is built
+    substituters: List[str] = field(default_factory=list)
+    # "name:<64 hex>" ed25519 public keys; only entries signed by one of them are used
+    trusted_public_keys: List[str] = field(default_factory=list)
+
+
+@dataclass
 class SpecPilotConfig:
     setting: str = MISSING  # the preset's file name (compose.py sets it from Hydra's choice)
     description: str = MISSING
@@ -138,6 +146,7 @@ class SpecPilotConfig:
     arm: Arm = MISSING
     runtime: Runtime = MISSING
     final: Final = field(default_factory=Final)
+    cache: Cache = field(default_factory=Cache)  # where engines come from, never what they are: not in any id
 
 
 GROUP_SCHEMAS = (
@@ -147,6 +156,7 @@ GROUP_SCHEMAS = (
     ("batching", Batching),
     ("arm", Arm),
     ("runtime", Runtime),
+    ("cache", Cache),
 )
 MECHANISM_GROUP = "mechanism"
 MECHANISMS_AT = "final.mechanisms"  # where a setting puts them: - /mechanism@final.mechanisms.<name>: <file>

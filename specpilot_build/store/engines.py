@@ -292,6 +292,34 @@ def put_object(root: Path, data: bytes, executable: bool, digest: str | None = N
     return obj
 
 
+def index_put(root: Path, key: str, eid: str) -> None:
+    """Record that the build key `key` gives engine `eid` (engines/.index/<key>, replaced in one step)."""
+    index = root / INDEX
+    index.mkdir(parents=True, exist_ok=True)
+    tmp = index / f".{key}.{os.getpid()}"
+    tmp.write_text(eid + "\n")
+    os.replace(tmp, index / key)
+
+
+def index_keys(root: Path, eid: str) -> list[str]:
+    """The build keys the index maps to `eid` (sorted); entries that cannot be read are skipped."""
+    found = []
+    try:
+        names = sorted(os.listdir(root / INDEX))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name.startswith(".") or not is_engine_id(name):
+            continue
+        try:
+            with open(root / INDEX / name, "rb") as fh:
+                if fh.read(200).decode("ascii", "replace").strip() == eid:
+                    found.append(name)
+        except OSError:
+            continue
+    return found
+
+
 def _sweep_abandoned(tmp: Path) -> None:
     """Remove build directories of processes that no longer run (interrupted builds)."""
     for child in tmp.iterdir():
