@@ -249,3 +249,13 @@ def test_engine_ls_lists_every_directory_without_a_valid_manifest_with_the_reaso
         assert out.returncode == 3 and f"engine rm {name[:12]}" in out.stderr and "Traceback" not in out.stderr
         assert cli("engine", "rm", name, store=store).returncode == 0
         assert not (store / name).exists()
+
+
+def test_the_spec_s_worked_example_is_the_golden_vector():
+    spec = (REPO / "docs" / "store.md").read_text(encoding="utf-8")
+    example = spec.split("## 10. Example", 1)[1]
+    block = example.split("```\n", 2)[1]
+    assert "".join(block.splitlines()).encode("utf-8") == GOLDEN_MANIFEST
+    assert f"{len(GOLDEN_MANIFEST)} bytes" in example
+    assert GOLDEN_ID in example and GOLDEN_DIR_DIGEST in example
+    assert f".objects/4b/{DIGESTS['bin/run']}.x" in example and f".objects/8e/{DIGESTS['a.txt']}`" in example
