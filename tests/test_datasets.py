@@ -19,11 +19,30 @@ def mirror(monkeypatch, tmp_path, shared):
     monkeypatch.delenv("SPECPILOT_LOCKFILES", raising=False)
 
 
+@pytest.mark.parametrize("name", datasets.BENCHMARKS)
+def test_dev_tune_and_train_are_disjoint_and_cover_every_item(mirror, name):
+    every = [item.id for item in datasets.all_items(name)]
+    parts = {split: [item.id for item in datasets.load_split(name, split=split)] for split in datasets.SPLITS}
+    dev, tune = datasets.SPLIT_SIZES[name]
+    assert (len(parts["dev"]), len(parts["tune"])) == (dev, tune)
+    assert parts["train"], "every benchmark keeps items to train drafters on"
+    assert parts["dev"] + parts["tune"] + parts["train"] == every
+    assert not set(parts["dev"]) & set(parts["tune"]) and not set(parts["train"]) & (
+        set(parts["dev"]) | set(parts["tune"])
+    )
+    assert datasets.load_split(name, 3, split="tune") == datasets.load_split(name, split="tune")[:3]
+
+
+def test_an_unknown_split_is_refused_by_name(mirror):
+    with pytest.raises(SpecPilotError, match="unknown split 'test'; known: dev, tune, train"):
+        datasets.load_split("gsm8k", split="test")
+
+
 @pytest.mark.parametrize(
     "name,rows", [("gsm8k", 1319), ("humaneval", 164), ("math500", 500), ("mbpp", 500), ("mt-bench", 80)]
 )
 def test_full_split_sizes_match_the_upstream_row_counts(mirror, name, rows):
-    items = datasets.load_split(name)
+    items = datasets.all_items(name)
     assert len(items) == rows
     assert len({item.id for item in items}) == rows
 
@@ -98,11 +117,11 @@ def test_download_from_the_pinned_url_fills_the_cache(monkeypatch, tmp_path, loo
     )
     monkeypatch.setenv("SPECPILOT_MIRROR", "")
     monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
-    items = datasets.load_split("mt-bench")
+    items = datasets.all_items("mt-bench")
     assert len(items) == 80
     assert (tmp_path / "data/datasets/mt-bench/question.jsonl").read_bytes() == content
     (root / "q.jsonl").unlink()  # the second load is served by the cache
-    assert [i.id for i in datasets.load_split("mt-bench")] == [i.id for i in items]
+    assert [i.id for i in datasets.all_items("mt-bench")] == [i.id for i in items]
 
 
 def test_download_with_wrong_bytes_is_refused_and_not_cached(monkeypatch, tmp_path, loopback_server):

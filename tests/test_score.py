@@ -9,7 +9,7 @@ import pytest
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import sandbox, score
-from specpilot_build.measure.datasets import load_split
+from specpilot_build.measure.datasets import all_items, load_split
 
 
 def _request(dataset: str, item_id: str, text: str, finish: str = "stop", tokens: int = 10) -> dict:
@@ -51,12 +51,12 @@ def canonical(tmp_path_factory, shared):
     """A results file whose answers are the upstream canonical solutions of every HumanEval problem and
     every MBPP test-split problem; one in ten restated as a fenced markdown answer, the way chat models write."""
     requests = []
-    for index, item in enumerate(load_split("humaneval")):
+    for index, item in enumerate(all_items("humaneval")):
         solution = item.record["canonical_solution"]
         if index % 10 == 0:
             solution = _fenced(item.record["prompt"] + solution)
         requests.append(_request("humaneval", item.id, solution))
-    for index, item in enumerate(load_split("mbpp")):
+    for index, item in enumerate(all_items("mbpp")):
         solution = item.record["code"].replace("\r\n", "\n")
         if index % 10 == 0:
             solution = _fenced(solution + "\n")
@@ -107,7 +107,7 @@ def test_score_json_is_written_next_to_the_run(canonical):
 def mixed(tmp_path_factory, shared):
     gsm8k = load_split("gsm8k", 6)
     math500 = load_split("math500", 6)
-    humaneval = {item.id: item.record for item in load_split("humaneval")}
+    humaneval = {item.id: item.record for item in all_items("humaneval")}
     mbpp = load_split("mbpp", 3)
     mt_bench = load_split("mt-bench", 2)
     requests = [
@@ -187,7 +187,7 @@ def test_missing_run_exits_with_a_one_line_error(tmp_path, capsys):
 
 def test_gsm8k_final_number_from_every_reference_solution(shared):
     wrong = []
-    for item in load_split("gsm8k"):
+    for item in all_items("gsm8k"):
         answer = item.record["answer"]
         reference = score.gsm8k_reference(answer)
         body, final = answer.split("####")
@@ -348,7 +348,7 @@ def _thief(function: str, vector: str) -> str:
 
 @pytest.mark.parametrize("vector", sorted(STEAL))
 def test_a_completion_that_prints_what_it_can_read_and_exits_0_fails(vector, shared):
-    humaneval = {item.id: item.record for item in load_split("humaneval")}["HumanEval/0"]
+    humaneval = {item.id: item.record for item in all_items("humaneval")}["HumanEval/0"]
     mbpp = load_split("mbpp", 1)[0].record
     mbpp_name = score._called_function(mbpp["test_list"])
     wrong_humaneval = "def has_close_elements(numbers, threshold):\n    return None\n"
@@ -370,7 +370,7 @@ def test_a_completion_that_prints_what_it_can_read_and_exits_0_fails(vector, sha
     ],
 )
 def test_exiting_early_with_status_0_fails(exit_code, shared):
-    humaneval = {item.id: item.record for item in load_split("humaneval")}["HumanEval/0"]
+    humaneval = {item.id: item.record for item in all_items("humaneval")}["HumanEval/0"]
     at_module_level = _fenced(f"def has_close_elements(numbers, threshold):\n    return None\n{exit_code}\n")
     in_the_function = _fenced(
         "def has_close_elements(numbers, threshold):\n" + "".join(f"    {line}\n" for line in exit_code.splitlines())
@@ -380,7 +380,7 @@ def test_exiting_early_with_status_0_fails(exit_code, shared):
 
 
 def test_an_answer_equal_to_everything_fails(shared):
-    records = {item.id: item.record for item in load_split("humaneval")}
+    records = {item.id: item.record for item in all_items("humaneval")}
     always_equal = (
         "class Anything(list):\n    def __eq__(self, other):\n        return True\n"
         "    def __ne__(self, other):\n        return False\n    __bool__ = lambda self: True\n"
@@ -396,8 +396,8 @@ def test_an_answer_equal_to_everything_fails(shared):
 
 def test_correct_answers_that_need_helpers_and_setup_code_pass(shared):
     """HumanEval/32's tests call the prompt's poly(); MBPP 367's setup builds trees of the answer's Node."""
-    humaneval = {item.id: item.record for item in load_split("humaneval")}
-    mbpp = {item.id: item.record for item in load_split("mbpp")}
+    humaneval = {item.id: item.record for item in all_items("humaneval")}
+    mbpp = {item.id: item.record for item in all_items("mbpp")}
     h32, m367 = humaneval["HumanEval/32"], mbpp["367"]
     assert "poly(" in h32["test"] and "Node(" in m367["test_setup_code"]
     assert score.grade("humaneval", [_fenced(h32["prompt"] + h32["canonical_solution"])], [h32])[0]["correct"]

@@ -13,6 +13,8 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -214,6 +216,21 @@ def test_an_oversized_body_is_a_413(server, url, path):
             yield big[i : i + 65536]
 
     error_message(httpx.post(url + path, content=chunked(), timeout=60), path, status=413)
+    still_serving(server)
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+def test_a_client_that_sends_its_whole_body_first_still_reads_the_413(server, url, path):
+    """urllib (like most SDKs) writes all of a 10 MB body before it reads: the refusal must reach it as a
+    JSON 413, not as a connection reset."""
+    big = b'{"text": "' + b"a" * (5 * BODY_LIMIT) + b'"}'
+    request = urllib.request.Request(url + path, data=big, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 413
+    body = json.loads(refused.value.read())
+    message = body["message"] if path.startswith("/v1/") else body["error"]["message"]
+    assert str(len(big)) in message and str(BODY_LIMIT) in message
     still_serving(server)
 
 

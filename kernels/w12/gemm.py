@@ -14,9 +14,9 @@ bf16 copy, if any).
 Where the escapes are added is part of the config: after the main loop in the first K range, or a chunk
 per main-loop step over every K range (`esc_step`); their activations come from x or from a transposed copy
 made per call (`xt`: one contiguous run per escape). The tuned configs differ by the weight's escape count
-(`heavy`), as the fastest choice does (BENCH.md).
+(`heavy`), as the fastest choice does (benchmarks/w12_gemm.md).
 
-Where even the tuned kernel is slower than cuBLAS (M buckets 32 and 64 on most shapes: BENCH.md), a weight may
+Where even the tuned kernel is slower than cuBLAS (M buckets 32 and 64 on most shapes: benchmarks/w12_gemm.md), a weight may
 keep its bf16 matrix too (`keep_dense`: memory for speed, the caller's choice); those buckets then run F.linear on
 it. Which buckets fall back is measured per shape and escape class (fallback_h200.json).
 
@@ -123,7 +123,7 @@ TUNED: dict[tuple[int, int, int, bool], Config] = _load_table("tuned_h200.json",
 # `specpilot_lab.w12_bench --save-fallback`, promoted by `make w12-promote`)
 SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_table("fallback_h200.json", lambda e: float(e["speedup"]))
 DEFAULT_FALLBACK = (32, 64)  # unmeasured: W12 was below cuBLAS at M = 32 on 22 of 24 shape x family cases
-# and at M = 64 on all 24 (BENCH.md)
+# and at M = 64 on all 24 (benchmarks/w12_gemm.md)
 
 
 def fallback_buckets(n: int, k: int, many_escapes: bool = False) -> tuple[int, ...]:
@@ -482,7 +482,8 @@ def _split_workspace(device, need_parts: int, row_blocks: int):
 
 
 # Programmatic dependent launch (compute capability >= 9.0): the Triton kernel lets the kernel after it launch once all
-# its programs have started; only the ws kernel is launched as a dependent (BENCH.md item 15 says why).
+# its programs have started; only the ws kernel is launched as a dependent (the Triton kernel as one measured slower
+# in the 64-layer stack: its many programs per SM hold SMs the next kernels want).
 TRIGGER = True
 
 

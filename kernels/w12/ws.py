@@ -11,7 +11,7 @@ It is launched as a programmatic dependent of the kernel ahead of it in the stre
 that kernel's leave their SMs, and its producer loads the first stages' weight before waiting for that kernel to
 complete (griddepcontrol.wait); x is read and y, the pieces and the counters written only after the wait. A plan
 therefore synchronizes the device once when it is made, so that whatever wrote the weight is done. The Triton kernel
-lets a following ws kernel launch early (gemm.TRIGGER); it is not launched as a dependent itself (BENCH.md item 15).
+lets a following ws kernel launch early (gemm.TRIGGER); it is not launched as a dependent itself (that measured slower).
 
 Imports only torch and the standard library: the GPU host may have nothing else.
 """

@@ -6,7 +6,7 @@ the writes of the keys and values into the cache (`attention_inputs`).
 Why they exist: each runs just before a projection (qkv and gate_up after a norm, down after the SiLU product),
 and W12's ws GEMM kernel is launched as a programmatic dependent, so it can start and load its weight while the
 kernel ahead of it finishes, but only once every program of that kernel has signalled `launch_dependents`.
-torch's own kernels never do, so a ws kernel after them starts only when they complete (kernels/w12/BENCH.md,
+torch's own kernels never do, so a ws kernel after them starts only when they complete (benchmarks/w12_gemm.md,
 items 15 and 16). These signal it at the start of every program, on compute capability 9.0 and later (as
 kernels/w12/gemm.py's Triton GEMM does); the signal is a no-op before a kernel not launched as a dependent. They
 also replace many small torch kernels by one each: a residual add and the norm's eight by one, the SiLU

@@ -12,11 +12,11 @@ Weights come from families.py (default: every family). The GEMM table and the de
 CUDA graphs over rotated buffers (> L2), cuBLAS side by side, per family. --cliff times W12 on the normal
 family with 0.01% and 0.1% planted escapes; --eager times calls made one at a time with no graph, and the host
 cost of one call (CPU timer around it, no sync). --pick checks and times a few finalist configs per shape and M
-bucket under CUDA graphs and keeps the best (the wider sweeps they came from are in BENCH.md; explore.py, which
+bucket under CUDA graphs and keeps the best (the wider sweeps they came from are in benchmarks/w12_gemm.md; explore.py, which
 ran them, is in commit e009eac).
 
 Prints a compact summary at the end; every table is in the --out JSON (`--render` prints them as markdown,
-the source of BENCH.md). --dry-run runs the same plumbing on CPU with tiny shapes and wall-clock times (the
+the source of benchmarks/w12_gemm.md). --dry-run runs the same plumbing on CPU with tiny shapes and wall-clock times (the
 reference path: decode, then F.linear): it checks the script, it measures nothing.
 """
 
@@ -209,7 +209,7 @@ def _swap(bucket, *tiles):
 
 def finalists(n: int, k: int, bucket: int) -> list[Config]:
     """The tiles to time, each with the escape handling the shape's tuned light entry has now (esc_step, xt:
-    chosen per escape class by the escape arms of 2026-12-01, BENCH.md), so a re-pick keeps it."""
+    chosen per escape class by the escape arms of 2026-12-01), so a re-pick keeps it."""
     now = pick_config(n, k, bucket)
     return [dataclasses.replace(cfg, esc_step=now.esc_step, xt=now.xt) for cfg in _tiles(n, bucket)]
 
@@ -610,7 +610,7 @@ def family_summary(family: str, rows: list[dict], stack_rows: list[dict]) -> str
 
 def render(result: dict, compact: bool = False) -> str:
     """Markdown tables from a results JSON written by this script (older single-family JSONs too)."""
-    if "families" not in result:  # before the families (BENCH.md's 2026-11-30 run)
+    if "families" not in result:  # before the families (the first recorded run, 2026-11-30)
         result = {"families": {"normal": {"table": result.get("table", []), "stack": result.get("stack", [])}}}
     fams = result["families"]
     out = []
@@ -772,7 +772,9 @@ def save_tuned(result: dict, path: Path = RESULTS / "tuned_h200.json") -> None:
     for key in picked:
         tuned_key(key)  # a malformed key is an error here, not at the next import
     entries.update(picked)
-    comment = old.get("_comment", "Picked on an H200 (see BENCH.md); key: N,K,M bucket, or N,K,bucket,heavy")
+    comment = old.get(
+        "_comment", "Picked on an H200 (see benchmarks/w12_gemm.md); key: N,K,M bucket, or N,K,bucket,heavy"
+    )
     _write_candidate(path, {"_comment": comment, **entries})
     print(f"wrote {path}: {len(picked)} entries picked, {len(entries) - len(picked)} kept")
 

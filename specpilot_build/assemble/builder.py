@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,9 @@ class BuildResult:
         return sum(f["size"] for f in self.engine.manifest["files"])
 
 
-def build_engine(setting: str, arm: str = "final", overrides: list[str] = (), lock: Lock | None = None) -> BuildResult:
+def build_engine(
+    setting: str, arm: str = "final", overrides: Sequence[str] = (), lock: Lock | None = None
+) -> BuildResult:
     return build_composed(compose_setting(setting, arm, list(overrides)), lock=lock)
 
 

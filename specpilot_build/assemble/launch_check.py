@@ -95,8 +95,8 @@ def check_launch_args(engines: list[Engine], model_dir: Path, timeout: float = 9
         spec = _flag_check_of(engine)
         groups.setdefault(json.dumps(spec, sort_keys=True), []).append(engine)
     results: dict[str, str | None] = {}
-    for spec, members in groups.items():
-        results.update(_check_group(members, json.loads(spec), model_dir, timeout))
+    for key, members in groups.items():
+        results.update(_check_group(members, json.loads(key), model_dir, timeout))
     return results
 
 

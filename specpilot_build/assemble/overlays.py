@@ -242,6 +242,8 @@ def parse_patch(text: str, where: str) -> list[FilePatch]:
         if not hunks:
             raise SpecPilotError(f"{where}: {new or old}: no hunks")
         path = new if new is not None else old
+        if path is None:
+            raise SpecPilotError(f"{where}: line {i - len(hunks)}: both sides of a file section are /dev/null")
         patches.append(FilePatch(path=path, create=old is None, delete=new is None, hunks=hunks))
     if not patches:
         raise SpecPilotError(f"{where}: no file sections (---/+++) found")

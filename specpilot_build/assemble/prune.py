@@ -117,6 +117,8 @@ _EXTENSION = re.compile(r"^(.*/)?([A-Za-z_]\w*)(\.[\w-]+)?\.(so|pyd)$")
 def import_graph(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> dict:
     """{"modules": {module: member path}, "edges": {module: [modules it may import]}}, cached per wheel."""
     cache_dir = data_dir() / "cache" / "import-graph"
+    if zf.filename is None:
+        raise SpecPilotError("import graph: the wheel has no file name to cache by")
     sha256 = _wheel_sha256(Path(zf.filename), cache_dir)
     cache = cache_dir / f"{sha256}.json"
     try:
@@ -154,8 +156,7 @@ def scan_imports(zf: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> dict:
     for module, (info, is_package) in sources.items():
         package = module if is_package else module.rpartition(".")[0]
         named = _imported_names(zf.read(info), package)
-        found = {_known_prefix(n, modules) for n in named if n.split(".")[0] in tops}
-        found.discard(None)
+        found = {p for n in named if n.split(".")[0] in tops and (p := _known_prefix(n, modules)) is not None}
         found.discard(module)
         edges[module] = sorted(found)
     return {"format": GRAPH_FORMAT, "modules": modules, "edges": edges}

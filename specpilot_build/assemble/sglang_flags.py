@@ -142,7 +142,7 @@ def flag_table(
 ) -> tuple[dict, list[dict]]:
     """The flag table of the SGLang in `python_dir` (an assembled tree's python/), cached by its inputs, and the
     stand-ins used to read it ([] without `flag_check`: the builder's own packages)."""
-    inputs = {"wheel": wheel_sha256, "overlays": overlays}
+    inputs: dict[str, object] = {"wheel": wheel_sha256, "overlays": overlays}
     if flag_check is not None:
         inputs["flag_check"] = flag_check
     key = digest_bytes(canonical_json(inputs)).split(":")[1]

@@ -217,9 +217,8 @@ def dataset_members() -> list[Member]:
     lock_path = REPO_ROOT / "lockfiles" / "datasets.toml"
     members = []
     for name, pin in sorted(tomllib.loads(lock_path.read_text()).items()):
-        places = [data_dir() / "datasets" / pin["file"]] + (
-            [mirror_dir() / "datasets" / pin["file"]] if mirror_dir() is not None else []
-        )
+        mirror = mirror_dir()
+        places = [data_dir() / "datasets" / pin["file"]] + ([mirror / "datasets" / pin["file"]] if mirror else [])
         source = next((p for p in places if p.is_file()), None)
         if source is None:
             raise SpecPilotError(

@@ -168,12 +168,15 @@ def unpack(archive: Path, tree: Path) -> None:
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _check_inside(tree, target.parent, member.name)
+                src = tar.extractfile(member)
+                if src is None:
+                    raise InstallError(f"{archive}: {member.name} is not a regular file")
                 fd = os.open(
                     target,
                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
                     0o755 if member.mode & 0o111 else 0o644,
                 )
-                with os.fdopen(fd, "wb") as out, tar.extractfile(member) as src:
+                with os.fdopen(fd, "wb") as out, src:
                     shutil.copyfileobj(src, out, CHUNK)
     except FileExistsError as exc:
         raise InstallError(f"archive member {exc.filename} appears twice; refused") from None

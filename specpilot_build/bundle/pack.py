@@ -17,6 +17,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -134,7 +135,8 @@ def split_archive(archive: Path, folder: Path, part_bytes: int, meta: dict) -> d
     every part's sha256 and blake3, `meta`) and the installer; returns the index."""
     folder.mkdir(parents=True)
     whole_b3, whole_sha = blake3.blake3(), hashlib.sha256()
-    parts, size = [], archive.stat().st_size
+    parts: list[dict[str, Any]] = []
+    size = archive.stat().st_size
     with open(archive, "rb") as src:
         for number in range(max(1, -(-size // part_bytes))):
             name = f"part-{number:03d}"

@@ -588,6 +588,8 @@ def _engine_of(engine_ref: str | None, setting: str | None, arm: str):
         return build_engine(setting, arm).engine
     from specpilot_build.store.engines import resolve_engine
 
+    if engine_ref is None:
+        raise SpecPilotError("name an engine (id or unique prefix) or a --setting to build")
     return resolve_engine(engine_ref)
 
 

@@ -10,6 +10,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -32,7 +33,7 @@ def build_job(cfg: DictConfig) -> dict:
 
     out = Path(HydraConfig.get().runtime.output_dir)
     composed = from_hydra_config(cfg, dict(HydraConfig.get().runtime.choices))
-    row = {"setting": composed.setting, "arm": composed.arm}
+    row: dict[str, object] = {"setting": composed.setting, "arm": composed.arm}
     try:
         result = build_composed(composed)
         row.update(
@@ -78,7 +79,7 @@ class SummaryCallback(Callback):
         print(f"summary: {summary}")
 
 
-def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: list[str] = ()) -> list[dict]:
+def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: Sequence[str] = ()) -> list[dict]:
     """A Hydra multirun of `settings` x `arms` (comma-separated); the summary callback prints the table."""
     sweep_dir = data_dir() / "hydra" / "multirun" / time.strftime("%Y-%m-%d_%H-%M-%S")
     hydra_args = [
@@ -113,13 +114,13 @@ def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: 
     return rows
 
 
-def _jobs(settings: str, arms: str, overrides: list[str]) -> list[tuple[str, str, list[str]]]:
+def _jobs(settings: str, arms: str, overrides: Sequence[str]) -> list[tuple[str, str, list[str]]]:
     """Every (setting, arm, overrides) the multirun will launch, sweep overrides (`key=a,b`) expanded."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     axes = []
     for override in OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("hydra")]):
-        key = override.input_line.split("=", 1)[0]
+        key = override.get_key_element()
         values = (
             list(override.sweep_string_iterator())
             if override.is_sweep_override()

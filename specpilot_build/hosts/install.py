@@ -58,7 +58,7 @@ def select_distributions(lock: EnvLock, rules: list[dict], cfg: dict) -> tuple[l
     """(the wheels to install, {dropped distribution: the rule's why}) for this setting."""
     by_name = {w.name: w for w in lock.wheels}
     dropped: dict[str, str] = {}
-    roots = [canonicalize_name(Requirement(r).name) for r in lock.requirements]
+    roots: list[str] = [canonicalize_name(Requirement(r).name) for r in lock.requirements]
     for rule in rules:
         for name in map(canonicalize_name, rule.get("keep") or ()):
             if name not in by_name and name not in lock.staying:
@@ -75,16 +75,15 @@ def select_distributions(lock: EnvLock, rules: list[dict], cfg: dict) -> tuple[l
             if rule_applies(rule, cfg) and name in by_name:
                 dropped[name] = rule["why"]
     keep: set[str] = set()
-    stack = [n for n in roots if n in by_name]
+    stack: list[str] = [n for n in roots if n in by_name]
     while stack:
-        name = stack.pop()
-        if name in keep or name in dropped:
+        wanted = stack.pop()
+        if wanted in keep or wanted in dropped:
             continue
-        keep.add(name)
-        stack.extend(by_name[name].requires)
-    for name in sorted(by_name):
-        if name not in keep and name not in dropped:
-            dropped[name] = "needed only by dropped distributions"
+        keep.add(wanted)
+        stack.extend(by_name[wanted].requires)
+    for unneeded in sorted(set(by_name) - keep - set(dropped)):
+        dropped[unneeded] = "needed only by dropped distributions"
     kept = [w for w in lock.wheels if w.name in keep]
     return kept, dropped
 

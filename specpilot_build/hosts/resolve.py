@@ -54,9 +54,9 @@ def runtime_requirement(pin: WheelPin) -> str:
     return f"{pin.distribution}=={pin.version}"
 
 
-def target_environment(profile: HostProfile) -> dict:
+def target_environment(profile: HostProfile) -> dict[str, str]:
     """The marker environment of the host (Linux x86-64 CPython of the profile's version)."""
-    env = default_environment()
+    env = {key: str(value) for key, value in default_environment().items()}
     env.update(
         {
             "python_version": profile.python_short,
@@ -286,7 +286,7 @@ def manylinux_tags(glibc: str) -> list[str]:
 
 def parse_freeze(text: str, where: str) -> dict[str, str]:
     """`pip list --format=freeze` (or `pip freeze`) lines: name==version; other lines are refused by number."""
-    packages = {}
+    packages: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):

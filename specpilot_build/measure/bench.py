@@ -137,7 +137,7 @@ def results_record(
     *,
     name: str,
     renderer: PromptRenderer,
-    context: int,
+    context: int | None,
     names: list[str],
     plan: dict,
     skipped: dict,
@@ -214,7 +214,8 @@ def results_record(
 def plan_requests(
     renderer: PromptRenderer, names: list[str], limit: int | None, max_new_tokens: int, context: int | None
 ) -> tuple[dict, dict]:
-    plan, skipped = {}, {}
+    plan: dict[str, list[dict]] = {}
+    skipped: dict[str, list[dict]] = {}
     for dataset in names:
         plan[dataset], skipped[dataset] = [], []
         for item in load_split(dataset, limit):

@@ -22,6 +22,7 @@ each is written with an in-toto statement binding its speedups to the three resu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -121,7 +122,8 @@ def compare_predicate(report: dict, runs: dict) -> dict:
 def check_arms(runs: dict) -> None:
     """Each run is a different engine, of the arm it is passed as (by its manifest), all of one setting, target
     pin, dtype and hardware; ar serves no drafter, stock and final do."""
-    seen_paths, seen_engines = {}, {}
+    seen_paths: dict[Path, str] = {}
+    seen_engines: dict[str, str] = {}
     for arm, (path, data) in runs.items():
         require_current(path, data)
         where = Path(path).resolve()
@@ -255,7 +257,8 @@ def speed_report(runs: dict) -> dict:
     aligned = {arm: _aligned(data, runs["ar"]) for arm, data in runs.items()}
     rng = np.random.default_rng(SEED)
     draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d]))) for d in datasets}
-    speedups, identity = {}, {}
+    speedups: dict[str, dict[str, Any]] = {}
+    identity: dict[str, dict[str, Any]] = {}
     for num, den in PAIRS:
         key = f"{num}/{den}"
         speedups[key], identity[key] = {}, {}
@@ -317,7 +320,7 @@ def _speedup(runs, aligned, draws, num, den, parts, concurrency) -> dict:
         column(den, "completion_tokens"),
         [draws[d] for d in parts],
     )
-    result = {"n": sum(len(aligned[num][d]) for d in parts)}
+    result: dict[str, Any] = {"n": sum(len(aligned[num][d]) for d in parts)}
     if concurrency > 1:
         throughput = {
             arm: sum(runs[arm]["per_dataset"][d]["completion_tokens"] for d in parts)
@@ -361,7 +364,7 @@ def _divergence(a: list, b: list) -> int:
 def _aligned(data: dict, reference: dict) -> dict:
     """The run's requests per dataset, in the reference run's order of items."""
     by_key = {(r["dataset"], r["item_id"]): r for r in data["requests"]}
-    aligned = {}
+    aligned: dict[str, list[dict]] = {}
     for r in reference["requests"]:
         aligned.setdefault(r["dataset"], []).append(by_key[(r["dataset"], r["item_id"])])
     return aligned

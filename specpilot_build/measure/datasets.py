@@ -1,13 +1,16 @@
-"""Benchmark data: pinned files (lockfiles/datasets.toml), hash-verified, and a deterministic dev split.
+"""Benchmark data: pinned files (lockfiles/datasets.toml), hash-verified, and deterministic disjoint splits.
 
 A file is taken from the first of: the data-dir cache (<data>/datasets/<file>), the offline mirror
 (<mirror>/datasets/<file>), a download of the pinned URL into the cache. Whatever the source, its sha256
 must equal the pin, or the loader refuses naming the file.
 
-Dev split (identical for every arm, every run): the benchmark's evaluation rows (gsm8k test, all 164
+Splits (identical for every arm, every run): the benchmark's evaluation rows (gsm8k test, all 164
 HumanEval problems, MATH-500, MBPP test task ids 11-510, MT-Bench's 80 questions, first turn only) ordered by
-sha256("<dataset>:<item id>") — a fixed pseudo-random order that does not depend on Python's RNG — and cut
-to the first `limit` items (None: all). Growing `limit` only appends items, so small splits nest in large ones.
+sha256("<dataset>:<item id>") — a fixed pseudo-random order that does not depend on Python's RNG — then cut
+into three disjoint parts (SPLIT_SIZES): `dev`, the first items, is what bench, compare, score and verify
+report on; `tune`, the next ones, is where a search tries candidates (held out from every reported number);
+`train`, the rest, is the only part a drafter may be trained on. A split is cut to its first `limit` items
+(None: all); growing `limit` only appends items, so small runs nest in large ones.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir, lockfiles_dir, mirror_dir
 
 BENCHMARKS = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")
+SPLITS = ("dev", "tune", "train")
+SPLIT_SIZES = {  # (dev, tune) items; train is the rest
+    "gsm8k": (500, 200),
+    "humaneval": (100, 24),
+    "math500": (300, 100),
+    "mbpp": (300, 100),
+    "mt-bench": (50, 10),
+}
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -35,17 +46,33 @@ class Item:
     record: dict = field(repr=False)  # the raw upstream row (answers, tests) for scoring
 
 
-def load_split(dataset: str, limit: int | None = None) -> list[Item]:
-    """The dev split of one benchmark: its first `limit` items in the documented fixed order."""
+def load_split(dataset: str, limit: int | None = None, split: str = "dev") -> list[Item]:
+    """One split of one benchmark: its first `limit` items in the documented fixed order."""
     if dataset not in BENCHMARKS:
         raise SpecPilotError(f"unknown dataset {dataset!r}; known: {', '.join(BENCHMARKS)}")
+    if split not in SPLITS:
+        raise SpecPilotError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
     if limit is not None and limit < 0:
         raise SpecPilotError(f"dataset limit must be >= 0, got {limit}")
+    dev, tune = SPLIT_SIZES[dataset]
+    items = all_items(dataset)
+    if len(items) <= dev + tune:
+        raise SpecPilotError(
+            f"{dataset}: {len(items)} items, too few for its dev and tune splits ({dev} + {tune}) and a train split"
+        )
+    part = {"dev": items[:dev], "tune": items[dev : dev + tune], "train": items[dev + tune :]}[split]
+    return part if limit is None else part[:limit]
+
+
+def all_items(dataset: str) -> list[Item]:
+    """Every item of one benchmark in the fixed order the splits cut (for looking records up by id)."""
+    if dataset not in BENCHMARKS:
+        raise SpecPilotError(f"unknown dataset {dataset!r}; known: {', '.join(BENCHMARKS)}")
     rows = _read_rows(dataset_file(dataset))
-    items = [_ITEM_BUILDERS[dataset](index, row) for index, row in enumerate(rows)]
-    items = [item for item in items if item is not None]
+    built = (_ITEM_BUILDERS[dataset](index, row) for index, row in enumerate(rows))
+    items = [item for item in built if item is not None]
     items.sort(key=lambda item: hashlib.sha256(f"{dataset}:{item.id}".encode()).digest())
-    return items if limit is None else items[:limit]
+    return items
 
 
 def dataset_pin(dataset: str) -> dict:
@@ -65,8 +92,9 @@ def dataset_file(dataset: str) -> Path:
     pin = dataset_pin(dataset)
     cached = data_dir() / "datasets" / pin["file"]
     candidates = [cached]
-    if mirror_dir() is not None:
-        candidates.append(mirror_dir() / "datasets" / pin["file"])
+    mirror = mirror_dir()
+    if mirror is not None:
+        candidates.append(mirror / "datasets" / pin["file"])
     for path in candidates:
         if path.is_file():
             _check_hash(path, pin)

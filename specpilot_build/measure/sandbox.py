@@ -81,6 +81,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import IO
 
 
 @dataclass(frozen=True)
@@ -327,7 +328,8 @@ def _exposed_private_paths(runtime: tuple[str, ...]) -> list[str]:
     """Which of the checkout, the data directory and the mirror a runtime bind would make readable."""
     from specpilot_build.locations import REPO_ROOT, data_dir, mirror_dir
 
-    private = [REPO_ROOT, data_dir()] + ([mirror_dir()] if mirror_dir() else [])
+    mirror = mirror_dir()
+    private = [REPO_ROOT, data_dir()] + ([mirror] if mirror else [])
     exposed = []
     for path in private:
         real = os.path.realpath(path)
@@ -410,8 +412,8 @@ class _Started:
     proc: subprocess.Popen
     scratch: Path
     uid: int | None
-    out: object
-    err: object
+    out: IO[bytes]
+    err: IO[bytes]
 
     def wait(self, timeout: float) -> tuple[int | None, bool]:
         """(exit status, timed out). A pidfd wakes us the moment the process ends (Popen.wait polls)."""

@@ -72,7 +72,8 @@ def score_run(results_path: str | Path, workers: int | None = None, limits: sand
         **{key: run.get(key) for key in ("name", "engine_id", "setting", "arm", "max_new_tokens")},
         "sandbox": sandbox.isolation().describe() if {"humaneval", "mbpp"} & by_dataset.keys() else None,
         "datasets": {
-            dataset: _summary(dataset, [graded[i] for i in indices]) for dataset, indices in sorted(by_dataset.items())
+            dataset: _summary(dataset, [g for i in indices if (g := graded[i]) is not None])
+            for dataset, indices in sorted(by_dataset.items())
         },
         "items": graded,
     }
@@ -125,7 +126,7 @@ def _summary(dataset: str, graded: list[dict]) -> dict:
         "n": len(graded),
         "scored": scored,
         "correct": correct,
-        "accuracy": correct / len(graded) if scored and graded else None,
+        "accuracy": correct / len(graded) if correct is not None and graded else None,
         "truncated": sum(1 for g in graded if g["truncated"]),
     }
 
@@ -362,9 +363,9 @@ def _failure_detail(outcome: sandbox.Outcome) -> str | None:
 
 
 def _reference_records(datasets: set[str]) -> dict[str, dict[str, dict]]:
-    from specpilot_build.measure.datasets import load_split
+    from specpilot_build.measure.datasets import all_items
 
-    return {dataset: {item.id: item.record for item in load_split(dataset)} for dataset in datasets}
+    return {dataset: {item.id: item.record for item in all_items(dataset)} for dataset in datasets}
 
 
 def _record_for(records: dict, dataset: str, item_id: str, path: Path) -> dict:

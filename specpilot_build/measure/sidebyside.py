@@ -30,7 +30,9 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +77,7 @@ def process_cpu_s(pid: int | None) -> float | None:
 
 
 def bench_side_by_side(
-    engines: dict[str, Engine | str],
+    arm_engines: Mapping[str, Engine | str],
     names: dict[str, str],
     ports: dict[str, int],
     limit: int | None = None,
@@ -89,7 +91,7 @@ def bench_side_by_side(
     """Bench the three arms served on host:ports[arm] interleaved; returns {arm: results path}.
 
     `pids`: the server processes (serve()'s run records), for the process-CPU cross-check; optional."""
-    engines = {arm: resolve_engine(e) if isinstance(e, str) else e for arm, e in engines.items()}
+    engines = {arm: resolve_engine(e) if isinstance(e, str) else e for arm, e in arm_engines.items()}
     if set(engines) != set(ARMS) or set(names) != set(ARMS) or set(ports) != set(ARMS):
         raise SpecPilotError(f"side-by-side bench needs exactly the arms {', '.join(ARMS)}")
     if len(set(ports.values())) != len(ARMS):
@@ -111,10 +113,10 @@ def bench_side_by_side(
                 f"{arm} engine {engines[arm].id[:16]}"
             )
 
-    concurrency = {arm: int(engines[arm].config["batching"]["concurrency"]) for arm in ARMS}
-    if len(set(concurrency.values())) != 1:
-        raise SpecPilotError(f"the arms' concurrencies differ ({concurrency}); side by side needs one")
-    concurrency = concurrency["ar"]
+    concurrencies = {arm: int(engines[arm].config["batching"]["concurrency"]) for arm in ARMS}
+    if len(set(concurrencies.values())) != 1:
+        raise SpecPilotError(f"the arms' concurrencies differ ({concurrencies}); side by side needs one")
+    concurrency = concurrencies["ar"]
     plans = {}
     for arm in ARMS:
         config = engines[arm].config
@@ -146,9 +148,9 @@ def bench_side_by_side(
         for dataset, entries in plan.items()
         for i in range(0, len(entries), concurrency)
     ]
-    answers = {arm: {} for arm in ARMS}  # arm -> (dataset, item_id) -> Answer
-    walls = {arm: {} for arm in ARMS}
-    gaps = {arm: {} for arm in ARMS}
+    answers: dict[str, dict[tuple[str, str], Any]] = {arm: {} for arm in ARMS}  # arm -> (dataset, item_id) -> Answer
+    walls: dict[str, dict[tuple[str, str], float]] = {arm: {} for arm in ARMS}
+    gaps: dict[str, dict[tuple[str, str], Any]] = {arm: {} for arm in ARMS}
     client_cpu = {arm: 0.0 for arm in ARMS}
     round_log = []
     total = sum(len(entries) for _, entries in rounds) * len(ARMS)
@@ -177,7 +179,7 @@ def bench_side_by_side(
                 record["process_cpu_s"][arm] = None if before is None or after is None else after - before
             round_log.append(record)
 
-    per_request_process = {arm: {} for arm in ARMS}
+    per_request_process: dict[str, dict[Any, Any]] = {arm: {} for arm in ARMS}
     for record in round_log:
         if len(record["items"]) == 1:
             for arm in ARMS:
@@ -294,18 +296,18 @@ def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
     `process_cpu_s` (the whole server process; the primary figure, `speedups`) and `cpu_s` (engine thread).
     Refuses runs where neither is on every request (not benched side by side, or a server that reports
     nothing and runs elsewhere)."""
-    runs = {}
-    for arm, ref in (("ar", ar), ("stock", stock), ("final", final)):
-        runs[arm] = load_results(ref)
-    measures = [m for m in MEASURES if all(r.get(m) is not None for _, data in runs.values() for r in data["requests"])]
+    loaded = {arm: load_results(ref) for arm, ref in (("ar", ar), ("stock", stock), ("final", final))}
+    measures = [
+        m for m in MEASURES if all(r.get(m) is not None for _, data in loaded.values() for r in data["requests"])
+    ]
     if not measures:
-        path, data = next((p, d) for p, d in runs.values() if any(r.get("cpu_s") is None for r in d["requests"]))
+        path, data = next((p, d) for p, d in loaded.values() if any(r.get("cpu_s") is None for r in d["requests"]))
         missing = [f"{r['dataset']}/{r['item_id']}" for r in data["requests"] if r.get("cpu_s") is None]
         raise SpecPilotError(
             f"{path}: requests {', '.join(missing[:5])} record no server CPU time (cpu_s, "
             "process_cpu_s); bench the arms side by side on a server that reports it"
         )
-    runs = {arm: data for arm, (_, data) in runs.items()}
+    runs = {arm: data for arm, (_, data) in loaded.items()}
     datasets = sorted({r["dataset"] for r in runs["ar"]["requests"]})
     aligned = {arm: _aligned(data, runs["ar"]) for arm, data in runs.items()}
     for arm in runs:
@@ -314,7 +316,7 @@ def cpu_speedups(ar: str | Path, stock: str | Path, final: str | Path) -> dict:
                 raise SpecPilotError(f"the {arm} run holds other prompts than the ar run in {d}")
     rng = np.random.default_rng(SEED)
     draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d]))) for d in datasets}
-    by_measure = {}
+    by_measure: dict[str, dict[str, dict[str, Any]]] = {}
     for measure in measures:
         speedups = by_measure[measure] = {}
         for num, den in PAIRS:

@@ -31,6 +31,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from specpilot_build import __version__
 from specpilot_build.defaults import ORACLE_PORT
@@ -203,7 +204,7 @@ def force_tokens(
         }
         for r in unforced
     ]
-    totals = {}
+    totals: dict[str, dict[str, int]] = {}
     for c in checks:
         t = totals.setdefault(
             c["dataset"], {"requests": 0, "tokens": 0, "verified": 0, "near_ties": 0, "real_mismatches": 0}
@@ -239,7 +240,7 @@ def _post_each(url: str, bodies: list[dict], concurrency: int, advance) -> list:
         return [a.body for a in client.post_all(url, bodies, concurrency, on_answer=advance).answers]
     except SpecPilotError:
         pass  # one request was refused: send them one at a time to learn which
-    answers = []
+    answers: list[dict | str] = []
     for body in bodies:
         try:
             answers.append(client.post_all(url, [body], 1).answers[0].body)
@@ -282,7 +283,7 @@ def eos_ids(renderer) -> tuple[set[int], set[int]]:
     """(ids a server stops on: generation_config's and the tokenizer's EOS; those plus config.json's)."""
     tokenizer, model_dir = renderer.tokenizer, Path(renderer.tokenizer.name_or_path)
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    extra = set()
+    extra: set[int] = set()
     for name, into in (("generation_config.json", stop), ("config.json", extra)):
         try:
             value = json.loads((model_dir / name).read_text()).get("eos_token_id")
@@ -387,7 +388,7 @@ def _check_identity(data: dict) -> list[dict]:
 
 def _rendered_items(data: dict, renderer, failures: list) -> dict:
     """(dataset, item id) -> the prompt ids re-rendered from the pinned dataset item."""
-    from specpilot_build.measure.datasets import dataset_pin, load_split
+    from specpilot_build.measure.datasets import all_items, dataset_pin
 
     rendered = {}
     for dataset in sorted({r["dataset"] for r in data["requests"]}):
@@ -396,7 +397,7 @@ def _rendered_items(data: dict, renderer, failures: list) -> dict:
         if recorded != pinned:
             failures.append(_failure(None, f"datasets.{dataset}.sha256", f"recorded {recorded}, pinned {pinned}"))
         wanted = {r["item_id"] for r in data["requests"] if r["dataset"] == dataset}
-        for item in load_split(dataset):
+        for item in all_items(dataset):
             if item.id in wanted:
                 rendered[(dataset, item.id)] = renderer.render(item.prompt)
     return rendered
@@ -662,7 +663,8 @@ class _oracle_server:
     """Use a server already serving the oracle on the port, else serve it for the duration and stop it."""
 
     def __init__(self, engine, url: str, port: int):
-        self.engine, self.url, self.port, self.started, self.info = engine, url, port, False, {}
+        self.engine, self.url, self.port, self.started = engine, url, port, False
+        self.info: dict[str, Any] = {}
 
     def __enter__(self):
         try:

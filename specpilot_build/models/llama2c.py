@@ -287,7 +287,7 @@ def bpe_merges(pieces: list[str], scores: list[float]) -> list[list[str]]:
     one priority in SentencePiece, and since they yield the same piece their relative order is moot."""
     ids = {piece: i for i, piece in enumerate(pieces)}
     normal = {i for i, p in enumerate(pieces) if i > 2 and not _is_byte_piece(p)}
-    merges = []
+    merges: list[list[str]] = []
     for i in sorted(normal, key=lambda i: (-scores[i], i)):
         piece = pieces[i]
         splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]

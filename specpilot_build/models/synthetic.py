@@ -17,13 +17,22 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 from specpilot_build.errors import PinError, SpecPilotError
 from specpilot_build.locations import data_dir
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile
 
 NAMESPACE = "specpilot-synthetic"
-TOKENIZER_SOURCE = {
+
+
+class _TokenizerSource(TypedDict):
+    repo: str
+    files: list[str]
+    source_format: str
+
+
+TOKENIZER_SOURCE: _TokenizerSource = {
     "repo": "karpathy/tinyllamas",
     "files": ["stories260K/stories260K.bin", "stories260K/tok512.bin"],
     "source_format": "llama2c",

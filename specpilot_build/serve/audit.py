@@ -175,7 +175,7 @@ def static_importers(root: Path, files: list[str], modules: set[str]) -> dict[st
         except (OSError, SyntaxError, ValueError) as exc:  # an unread file could hide an importer: no verdict
             raise SpecPilotError(f"import audit: cannot read the imports of {root / path}: {exc}") from None
         package = module_name(path).split(".") if path.endswith("__init__.py") else module_name(path).split(".")[:-1]
-        named = set()
+        named: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 named.update(alias.name for alias in node.names)

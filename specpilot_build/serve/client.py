@@ -97,7 +97,7 @@ async def _post_all(url, bodies, concurrency, on_answer, timeout) -> Pass:
             raise SpecPilotError(f"request to {url}/generate failed: {exc!r}") from None
         wall = time.perf_counter() - start
         cpu = time.process_time() - cpu0
-    return Pass(answers, wall, sum(gaps), cpu, concurrency)
+    return Pass([a for a in answers if a is not None], wall, sum(gaps), cpu, concurrency)
 
 
 class progress_bar:

@@ -46,7 +46,7 @@ def test_no_zeros_and_lossless_through_w12(family):
 
 
 def test_normal_is_the_weights_bench_md_was_measured_on():
-    """BENCH.md's 2026-11-30 tables drew Normal(0, sigma_row) like this; the family must not drift from it."""
+    """The 2026-11-30 tables (benchmarks/w12_gemm.md's history) drew Normal(0, sigma_row) like this; the family must not drift from it."""
     g = torch.Generator().manual_seed(11)
     sigma = 0.02 * torch.exp(0.5 * torch.randn(300, 1, generator=g))
     before = (torch.randn(300, 700, generator=g) * sigma).to(torch.bfloat16)

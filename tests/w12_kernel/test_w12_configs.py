@@ -82,7 +82,7 @@ def test_pick_times_tiles_with_the_escape_handling_the_shape_has_now():
 
     n, k = SHAPES["o"]
     now = gemm.TUNED[(n, k, 8, False)]
-    assert now.esc_step  # o at M <= 8 spreads its escapes over the loop (BENCH.md)
+    assert now.esc_step  # o at M <= 8 spreads its escapes over the loop (benchmarks/w12_gemm.md)
     tiles = bench.finalists(n, k, 8)
     assert len({(c.block_n, c.num_stages, c.split_k) for c in tiles}) == len(tiles) > 1
     assert all(c.esc_step == now.esc_step and c.xt == now.xt for c in tiles)

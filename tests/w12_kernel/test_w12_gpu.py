@@ -29,7 +29,7 @@ GEMM_CONFIGS = [
     Config(64, 128, 4, 3, split_k=2),
     Config(32, 128, 4, 3, swap=True),
     Config(32, 128, 4, 3, swap=True, block_m=8),
-    # the picked H200 tiles: two warps, x.T as the n8/n16 operand, split K (BENCH.md)
+    # the picked H200 tiles: two warps, x.T as the n8/n16 operand, split K (benchmarks/w12_gemm.md)
     Config(32, 128, 2, 3, swap=True, block_m=8, split_k=3),
     Config(32, 256, 2, 2, swap=True, block_m=8),
     Config(32, 128, 2, 4, swap=True, block_m=16, split_k=2),

@@ -1,4 +1,4 @@
-// y = x @ W.T for W in W12 form (format version 4 planes), 1 <= M <= 64, on sm_90a (BENCH.md item 13): a
+// y = x @ W.T for W in W12 form (format version 4 planes), 1 <= M <= 64, on sm_90a: a
 // warp-specialized stream-K kernel. One producer thread issues TMA loads into a ring of stages guarded by full and
 // empty mbarriers; two consumer warpgroups take 64 rows each of the CTA's 128-row tile and never meet at a CTA
 // barrier. A unit is 128 rows x 64 half-columns (64 columns of each half of K), its planes contiguous (one bulk
@@ -9,8 +9,7 @@
 // Escapes (grouped by unit and consumer warp, ws.py escape_table) are scalar multiply-adds by the lanes holding the
 // escape's row, into accumulators of their own. Split tiles are summed by the CTA holding the tile's first unit, in
 // CTA order: the result does not depend on timing. The CTAs' ranges of units and each tile's first and last CTA come
-// from a table made with the plan (ws.cta_ranges), not from 64-bit divisions at every split tile's end (BENCH.md
-// item 21).
+// from a table made with the plan (ws.cta_ranges), not from 64-bit divisions at every split tile's end.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -343,7 +342,7 @@ struct Consumer {
   // Tile `tile`, units from..to of it done here: store it, or leave this piece for the CTA that holds the tile's first
   // unit (for which the tile is the last of its range; it sums the pieces in CTA order), counted without waiting.
   // (A "last to arrive sums" variant, which needs every piece written and an atomic's answer at every split tile
-  // end, was slower: BENCH.md item 13.)
+  // end, was slower on the H200.)
   __device__ void finish(int tile, int from, int to, float* acc) const {
     if (from == tile * p.ks && to == (tile + 1) * p.ks) {
       store(tile, acc);

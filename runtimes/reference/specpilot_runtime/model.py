@@ -23,7 +23,7 @@ tokens are scored with it, so the prefill that scores a whole sequence at once (
 tokens through) gives, bit for bit, the logits that prefill and verify steps gave chunk by chunk, whatever the
 drafter proposed and whatever else was in the batch. On CPU, MKL runs a product of few rows through other kernels
 than a larger one: on an Intel CPU a single row (GEMV) differed, which alone made a position's float32 logits
-differ by up to 1.4e-5 (benchmarks/tolerance.md); on an AMD EPYC with AVX2 (2026-12-01) products of 1-3, 5-7
+differ by up to 1.4e-5 (benchmarks/tolerance.md); on an AMD EPYC with AVX2 products of 1-3, 5-7
 and 9-11 rows differed and every product of 12 rows or more gave each row the same result. So on CPU every
 product here has at least MIN_ROWS rows, padded with zero rows that are dropped again (`rows_padded`). The
 attention's probs @ values product also reduced in another order over more keys (a short prefill against a

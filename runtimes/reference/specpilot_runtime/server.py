@@ -4,8 +4,10 @@ Launch (what `make serve` runs from the engine tree):
   PYTHONPATH=<engine>/runtime python -m specpilot_runtime.server --engine <engine_dir> --engine-id <id> \
       --model <hf_model_dir> [--draft-model <dir>] --host 127.0.0.1 --port <port> [--device cpu|cuda:0]
 
-Hostile input: a body over --max-body-bytes is refused with 413 before it is read (Content-Length) or as
-soon as it grows past the limit; the body must arrive within --body-timeout (else 408) and the request head
+Hostile input: a body over --max-body-bytes is refused with 413 before it is kept (Content-Length) or as
+soon as it grows past the limit. The rest of the body, up to DRAIN_BYTES, is read and dropped before the
+answer goes out, so that a client that sends its whole body before reading (urllib, most SDKs) gets the 413
+instead of a connection reset; the body must arrive within --body-timeout (else 408) and the request head
 within --header-timeout (else the connection is closed). JSON decoding, validation and tokenizing run in a
 worker thread (bodies over HEAVY_BODY_BYTES one at a time, in a thread of lower priority), so the event loop
 keeps answering /health.
@@ -42,6 +44,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DRAIN_BYTES = 64 * 1024 * 1024  # an oversized body up to this is read and dropped so the 413 reaches the client
 HEAVY_BODY_BYTES = 64 * 1024  # bodies this large are parsed and tokenized one at a time, in a niced thread
 HEAVY_PARSE_NICE = 10
 TRIM_DELAY_S = 1.0  # after a big body: malloc_trim, whatever else runs
@@ -400,20 +403,30 @@ _MALLOC_TRIM = None
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body, refused with 413 past `limit` bytes (announced or received) and with 408 after `timeout` s."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(f"the request body is {declared} bytes; the limit is {limit} bytes", status=413)
-    chunks, size = [], 0
+    too_large = declared is not None and declared.isdigit() and int(declared) > limit
+    chunks: list[bytes] = []
+    size = 0
     try:
         async with asyncio.timeout(timeout):
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > limit:
-                    raise ApiError(f"the request body is over the limit of {limit} bytes", status=413)
+                if too_large or size > limit:
+                    chunks.clear()
+                    too_large = True
+                    if size > DRAIN_BYTES:
+                        break
+                    continue
                 chunks.append(chunk)
     except TimeoutError:
-        raise ApiError(f"the request body did not arrive within {timeout:g} s", status=408) from None
+        if not too_large:
+            raise ApiError(f"the request body did not arrive within {timeout:g} s", status=408) from None
     except ClientDisconnect:
-        raise ApiError("the client disconnected before its request body was complete") from None
+        if not too_large:
+            raise ApiError("the client disconnected before its request body was complete") from None
+    if too_large:
+        if declared is not None and declared.isdigit():
+            raise ApiError(f"the request body is {declared} bytes; the limit is {limit} bytes", status=413)
+        raise ApiError(f"the request body is over the limit of {limit} bytes", status=413)
     return b"".join(chunks)
 
 
