@@ -22,7 +22,7 @@ flag = $(if $(filter-out 0,$($(1))),$(2))
 
 .PHONY: help setup demo test test-fast lint fuzz engine engine-build engine-check engine-show engine-ls engine-fsck \
 	engine-rm engine-gc sweep lock env-lock env-host-profile env-install models serve stop bench compare score \
-	verify attest-check diff bundle w12-promote
+	verify attest-check diff bundle w12-promote gaps
 
 help: ## this list
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -53,8 +53,10 @@ lint: $(STAMP) ## ruff (lint and format check) over the code, mypy over specpilo
 fuzz: $(STAMP) ## a longer hostile-client run against the reference runtime [SECONDS URL]
 	$(VENV)/bin/python benchmarks/server_fuzz.py --seconds $(or $(SECONDS),300) $(if $(URL),--url $(URL))
 
-engine engine-build: $(STAMP) ## build (or find) the engine of SETTING and ARM [OVERRIDES]; prints id and path
+engine-build: $(STAMP) ## build (or find) the engine of SETTING and ARM [OVERRIDES]; prints id and path
 	$(SP) engine build --setting $(SETTING) --arm $(ARM) $(OVERRIDES)
+
+engine: engine-build ## the same as engine-build
 
 engine-check: $(STAMP) ## re-hash ENGINE against its manifest [REPAIR=1 mends it]
 	$(SP) engine check $(ENGINE) $(call flag,REPAIR,--repair)
@@ -103,6 +105,9 @@ bench: $(STAMP) ## bench ENGINE (served on PORT) on the dev splits as RUN [LIMIT
 
 compare: $(STAMP) ## speedups with 95% CIs of the runs AR, STOCK and FINAL [REPORT OVERWRITE=1]
 	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL) $(if $(REPORT),--report $(REPORT)) $(call flag,OVERWRITE,--overwrite)
+
+gaps: $(STAMP) ## the cost model of ENGINE's c1 bench run RUN: time per token by part, the ceilings, the gaps ranked
+	$(SP) gaps --engine $(ENGINE) --run $(RUN)
 
 score: $(STAMP) ## grade RUN: answers, and code in a sandbox [WORKERS]
 	$(SP) score $(RUN) $(if $(WORKERS),--workers $(WORKERS))

@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report of that name")
     p.set_defaults(handler=_compare)
 
+    p = verbs.add_parser("gaps", help="the cost model: where a token's time goes against the hardware's ceilings")
+    p.add_argument("--engine", required=True, help="engine id or unique prefix the run benched")
+    p.add_argument("--run", required=True, help="a c1 bench run of that engine (path or run name)")
+    p.set_defaults(handler=_gaps)
+
     p = verbs.add_parser("attest", help="check an in-toto statement written by verify or compare")
     attest = p.add_subparsers(dest="attest_verb", required=True, metavar="ACTION")
     a = attest.add_parser("check", help="re-hash every subject of a statement; non-zero exit on any change")
@@ -772,6 +777,19 @@ def _attest_check(args) -> int:
         print(f"{args.statement}: {len(problems)} problem(s): the attested files changed")
         return 1
     print(f"{args.statement}: {len(statement['subject'])} subjects match ({statement['predicateType']})")
+    return 0
+
+
+def _gaps(args) -> int:
+    from specpilot_build.measure.gaps import gaps_report, print_report, write_report
+    from specpilot_build.measure.results import load_results
+    from specpilot_build.store.engines import resolve_engine
+
+    report = gaps_report(resolve_engine(args.engine), args.run)
+    path, _ = load_results(args.run)
+    json_path, png_path = write_report(report, path.with_name(f"gaps_{path.stem}"))
+    print_report(report)
+    print(f"wrote {json_path} and {png_path}")
     return 0
 
 
