@@ -35,7 +35,7 @@ from specpilot_build.store.engines import (
     remove_tree,
     store_lock,
 )
-from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json
+from specpilot_build.store.manifest import MANIFEST_NAME, FileEntry, canonical_json
 from specpilot_build.store.names import plain_relpath
 
 Progress = Callable[[str, int], None]  # (object digest, bytes received), after each object is checked
@@ -243,13 +243,13 @@ def _materialise(
     result: PullResult,
     progress: Progress | None,
     batch: int,
-) -> dict[str, tuple[dict[str, Any], tuple[int, int]]]:
+) -> dict[str, tuple[FileEntry, tuple[int, int]]]:
     """Write every file of the manifest into `tree`: content the store already holds is linked from its
     object (checked), the rest fetched `batch` objects at a time and checked on arrival. Returns commit's
     `known` entries."""
     eid = blake3.blake3(canonical_json(manifest)).hexdigest()
-    known: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {}
-    wanted: dict[str, list[dict[str, Any]]] = {}  # digest -> the entries holding it, in manifest order
+    known: dict[str, tuple[FileEntry, tuple[int, int]]] = {}
+    wanted: dict[str, list[FileEntry]] = {}  # digest -> the entries holding it, in manifest order
     for entry in manifest["files"]:
         path = tree / entry["path"]
         path.parent.mkdir(parents=True, exist_ok=True)
