@@ -22,7 +22,7 @@ flag = $(if $(filter-out 0,$($(1))),$(2))
 
 .PHONY: help setup demo test test-fast lint fuzz engine engine-build engine-check engine-show engine-ls engine-fsck \
 	engine-rm engine-gc sweep tune lock env-lock env-host-profile env-install models serve stop bench compare score \
-	verify attest-check diff bundle w12-promote
+	verify attest-check diff bundle push pull cache-ls cache-check cache-gc cache-keygen w12-promote gaps
 
 help: ## this list
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -53,8 +53,10 @@ lint: $(STAMP) ## ruff (lint and format check) over the code, mypy over specpilo
 fuzz: $(STAMP) ## a longer hostile-client run against the reference runtime [SECONDS URL]
 	$(VENV)/bin/python benchmarks/server_fuzz.py --seconds $(or $(SECONDS),300) $(if $(URL),--url $(URL))
 
-engine engine-build: $(STAMP) ## build (or find) the engine of SETTING and ARM [OVERRIDES]; prints id and path
+engine-build: $(STAMP) ## build (or find) the engine of SETTING and ARM [OVERRIDES]; prints id and path
 	$(SP) engine build --setting $(SETTING) --arm $(ARM) $(OVERRIDES)
+
+engine: engine-build ## the same as engine-build
 
 engine-check: $(STAMP) ## re-hash ENGINE against its manifest [REPAIR=1 mends it]
 	$(SP) engine check $(ENGINE) $(call flag,REPAIR,--repair)
@@ -107,6 +109,9 @@ bench: $(STAMP) ## bench ENGINE (served on PORT) on the dev splits as RUN [LIMIT
 compare: $(STAMP) ## speedups with 95% CIs of the runs AR, STOCK and FINAL [REPORT OVERWRITE=1]
 	$(SP) compare --ar $(AR) --stock $(STOCK) --final $(FINAL) $(if $(REPORT),--report $(REPORT)) $(call flag,OVERWRITE,--overwrite)
 
+gaps: $(STAMP) ## the cost model of ENGINE's c1 bench run RUN: time per token by part, the ceilings, the gaps ranked
+	$(SP) gaps --engine $(ENGINE) --run $(RUN)
+
 score: $(STAMP) ## grade RUN: answers, and code in a sandbox [WORKERS]
 	$(SP) score $(RUN) $(if $(WORKERS),--workers $(WORKERS))
 
@@ -121,6 +126,24 @@ diff: $(STAMP) ## why engines A and B differ [DIFF_FLAGS=--json|--files]
 
 bundle: $(STAMP) ## ENGINE (one or more ids) as one archive for an air-gapped host [HOST|ENV_DIR PART_MB OUT]
 	$(SP) bundle $(ENGINE) $(if $(HOST),--host $(HOST)) $(if $(ENV_DIR),--env $(ENV_DIR)) --part-mb $(or $(PART_MB),60) $(if $(OUT),--out $(OUT))
+
+push: $(STAMP) ## copy ENGINE to the binary cache CACHE (default: the first substituter), signed with KEY
+	$(SP) push $(ENGINE) $(if $(CACHE),--cache $(CACHE)) $(if $(KEY),--key $(KEY)) $(OVERRIDES)
+
+pull: $(STAMP) ## copy ENGINE from CACHE into the store: signature, manifest and every object checked [TRUST]
+	$(SP) pull $(ENGINE) $(if $(CACHE),--cache $(CACHE)) $(if $(TRUST),--trust $(TRUST)) $(OVERRIDES)
+
+cache-ls: $(STAMP) ## the signed entries of CACHE: build key, engine, setting, arm, signer [TRUST]
+	$(SP) cache ls $(if $(CACHE),--cache $(CACHE)) $(if $(TRUST),--trust $(TRUST)) $(OVERRIDES)
+
+cache-check: $(STAMP) ## re-check every entry, manifest and object of CACHE [TRUST]
+	$(SP) cache check $(if $(CACHE),--cache $(CACHE)) $(if $(TRUST),--trust $(TRUST)) $(OVERRIDES)
+
+cache-gc: $(STAMP) ## remove what no entry of CACHE reaches [DRY_RUN=1 GRACE=seconds]
+	$(SP) cache gc $(if $(CACHE),--cache $(CACHE)) $(call flag,DRY_RUN,--dry-run) $(if $(GRACE),--grace $(GRACE)) $(OVERRIDES)
+
+cache-keygen: $(STAMP) ## a new signing key pair NAME: writes the secret [OUT], prints the public key
+	$(SP) cache keygen $(NAME) $(if $(OUT),--out $(OUT))
 
 w12-promote: $(STAMP) ## lab: check a measured W12 TABLE and copy it into kernels/w12/ (moves W12 engine ids)
 	$(VENV)/bin/python -m specpilot_lab.w12_promote $(TABLE)

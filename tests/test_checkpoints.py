@@ -114,10 +114,10 @@ def test_files_sit_in_the_hub_cache_layout_the_real_client_resolves(stories, tin
 def test_present_and_verified_means_no_work(stories, tiny_pin, monkeypatch, llama2c_dir):
     model_dir, cache = stories
     before = {p: p.stat().st_mtime_ns for p in [*model_dir.iterdir(), *(cache.rglob("blobs/*"))]}
-    import specpilot_build.models.checkpoints as checkpoints
+    import specpilot_build.models.proof as proof
 
     hashed = []
-    monkeypatch.setattr(checkpoints, "sha256_of", lambda path, **kw: hashed.append(path))
+    monkeypatch.setattr(proof, "sha256_of", lambda path, **kw: hashed.append(path))
     assert materialize(TINY, tiny_pin, source_format="llama2c", mirror=llama2c_dir) == model_dir
     assert hashed == []  # the stamps prove the files unchanged since they were verified
     assert {p: p.stat().st_mtime_ns for p in before} == before
@@ -203,6 +203,9 @@ def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned(sha
                 pinned_gpu_settings.append(setting) if not setting.startswith("cpu") else None
             elif req.repo.startswith("specpilot-synthetic/"):  # written by SpecPilot itself: no hub revision
                 assert pins[req.repo].files == () and pins[req.repo].converted, (setting, req.repo)
+            elif req.repo in pins and pins[req.repo].wheel is not None:  # a package's wheel: its digests as seen
+                notes = (shared / "docs" / "smollm2.md").read_text()
+                assert pins[req.repo].wheel.sha256 in notes and pins[req.repo].files[0].sha256 in notes, setting
             else:
                 assert req.repo not in pins, f"{setting}: {req.repo} is pinned but not in pins.md"
     assert pinned_gpu_settings

@@ -14,13 +14,14 @@ PACKAGE = "specpilot_build"
 # Modules every stage may use: the package root (its version), typed errors, paths, defaults.
 BASE = {"(root)", "errors", "locations", "defaults"}
 # What each stage may import besides itself and BASE (cli may import everything; nothing imports cli).
-# The one-way rule: cli -> measure -> serve -> store / models -> pins; cli -> assemble -> hosts -> pins; nothing
-# goes back.
+# The one-way rule: cli -> measure -> serve -> store / models -> pins; cli -> assemble -> hosts -> pins;
+# cli / assemble -> cache -> store, config; nothing goes back.
 ALLOWED = {
     "measure": {"serve", "store", "models", "pins"},
     "tune": {"config", "assemble", "serve", "measure", "store", "models", "pins"},
     "serve": {"store", "models", "pins"},
-    "assemble": {"store", "config", "models", "pins", "hosts"},
+    "assemble": {"store", "config", "models", "pins", "hosts", "cache"},
+    "cache": {"store", "config", "pins"},
     "bundle": {"store", "models", "pins"},
     "hosts": {"store", "config", "pins"},
     "models": {"pins", "store"},

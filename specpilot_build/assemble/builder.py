@@ -18,6 +18,9 @@ import blake3
 from specpilot_build import __version__
 from specpilot_build.assemble.inputs import resolve_inputs
 from specpilot_build.assemble.tree import assemble_tree
+from specpilot_build.cache.pull import PullResult, pull_key
+from specpilot_build.cache.remote import BinaryCache
+from specpilot_build.cache.settings import cache_settings
 from specpilot_build.config.compose import Composed, compose_setting
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.pins.lockfile import Lock, load_lock
@@ -25,6 +28,7 @@ from specpilot_build.store.engines import (
     INDEX,
     Engine,
     commit,
+    index_put,
     is_engine_id,
     manifest_head,
     new_build_dir,
@@ -46,6 +50,8 @@ class BuildResult:
     engine: Engine
     created: bool
     seconds: float
+    pulled_from: str | None = None  # the substituter it came from, when it was not built here
+    notes: tuple[str, ...] = ()  # what each substituter answered (a miss, a refusal, an unreachable cache)
 
     @property
     def files(self) -> int:
@@ -77,14 +83,26 @@ def build_head(composed: Composed, lock: Lock | None = None):
     return inputs, head
 
 
+def build_key(head: dict) -> str:
+    """What a build is known by before it runs: its manifest head (effective config, choices and input digests:
+    runtime base, overlays, kernels, checkpoint pins) and the builder's own source. The store's index and every
+    cache map it to the engine id it builds."""
+    return digest_bytes(canonical_json({"head": head, "builder_source": _builder_source_digest()})).split(":")[1]
+
+
 def build_composed(composed: Composed, lock: Lock | None = None) -> BuildResult:
     started = time.perf_counter()
     inputs, head = build_head(composed, lock)
     root = store_root()
-    key = digest_bytes(canonical_json({"head": head, "builder_source": _builder_source_digest()})).split(":")[1]
+    key = build_key(head)
     known = _index_lookup(root, key, head)
     if known:
         return BuildResult(known, created=False, seconds=time.perf_counter() - started)
+    pulled, notes = _substitute(composed, key, head, root)
+    if pulled is not None:
+        return BuildResult(
+            pulled[0].engine, pulled[0].created, time.perf_counter() - started, pulled_from=pulled[1], notes=notes
+        )
     with store_lock(root):
         tree = new_build_dir(root)
         try:
@@ -94,13 +112,38 @@ def build_composed(composed: Composed, lock: Lock | None = None) -> BuildResult:
         except BaseException:
             remove_tree(tree)
             raise
-        _index_store(root, key, engine.id)
-    return BuildResult(engine, created=created, seconds=time.perf_counter() - started)
+        index_put(root, key, engine.id)
+    return BuildResult(engine, created=created, seconds=time.perf_counter() - started, notes=notes)
+
+
+def _substitute(
+    composed: Composed, key: str, head: dict, root: Path
+) -> tuple[tuple[PullResult, str] | None, tuple[str, ...]]:
+    """Ask each configured substituter for `key` in order; the first verified hit is pulled into the store. A
+    miss, an unreachable cache or a refused entry is a note, and the next substituter (or the build) follows."""
+    settings = cache_settings(composed.config)
+    notes: list[str] = []
+    for url in settings.substituters:
+        try:
+            pulled = pull_key(BinaryCache(url), key, head, settings.trusted, root)
+        except SpecPilotError as exc:
+            notes.append(f"substituter {url}: {exc}")
+            continue
+        if pulled is not None:
+            return (pulled, url), tuple(notes)
+        notes.append(f"substituter {url}: miss (no entry for build key {key[:12]})")
+    return None, tuple(notes)
+
+
+# The stages whose code shapes an engine tree; serving, measuring, bundling, caching and the command line do not,
+# so editing them moves no build key.
+BUILDING_STAGES = ("assemble", "config", "pins", "models", "hosts", "store")
 
 
 def _builder_source_digest() -> str:
     package = Path(__file__).resolve().parent.parent
-    parts = [(p.relative_to(package).as_posix(), p.read_bytes()) for p in sorted(package.rglob("*.py"))]
+    sources = [p for p in package.glob("*.py")] + [p for s in BUILDING_STAGES for p in (package / s).rglob("*.py")]
+    parts = [(p.relative_to(package).as_posix(), p.read_bytes()) for p in sorted(sources)]
     return digest_bytes(b"".join(name.encode() + b"\0" + data for name, data in parts))
 
 
@@ -127,14 +170,8 @@ def _index_lookup(root: Path, key: str, head: dict) -> Engine | None:
     return engine
 
 
-def _index_store(root: Path, key: str, eid: str) -> None:
-    index = root / INDEX
-    index.mkdir(parents=True, exist_ok=True)
-    tmp = index / f".{key}.{os.getpid()}"
-    tmp.write_text(eid + "\n")
-    os.replace(tmp, index / key)
-
-
 def describe(result: BuildResult) -> str:
     what = "built" if result.created else "exists"
+    if result.pulled_from:
+        what = f"pulled from {result.pulled_from}" if result.created else f"exists; entry in {result.pulled_from}"
     return f"{result.engine.id}  {result.engine.path}  ({what}, {result.seconds:.2f} s)"

@@ -28,6 +28,7 @@ from specpilot_build.errors import IntegrityError, SpecPilotError
 from specpilot_build.locations import REPO_ROOT, data_dir, hf_cache_dir, mirror_dir
 from specpilot_build.models.checkpoints import (
     LLAMA2C_FORMATS,
+    WHEEL_FORMATS,
     model_dirs,
     padded_pins,
     snapshot_dir,
@@ -121,6 +122,11 @@ def model_members(engine: Engine) -> list[Member]:
         section = config[role]
         if is_synthetic(record["repo"]):
             members += _synthetic_members(record, dirs[role], cache, data)
+            continue
+        wheel_dtype = WHEEL_FORMATS.get(section.get("source_format") or "hf")
+        if wheel_dtype:  # the converted directory alone: serve finds it verified and needs no wheel
+            key = "converted" if wheel_dtype == "float32" else "converted_bf16"
+            members += _directory_members(dirs[role], data, {f["path"]: f["sha256"] for f in record.get(key, [])})
             continue
         files = [f for f in record.get("files", []) if not section.get("files") or f["path"] in section["files"]]
         if not files:

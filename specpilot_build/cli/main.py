@@ -123,6 +123,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_engine_gc)
 
+    p = verbs.add_parser(
+        "push", help="copy an engine to a binary cache: objects, manifest, then an entry signed with --key"
+    )
+    p.add_argument("engine", help="engine id or unique prefix")
+    _cache_arguments(p)
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="secret key file that signs the entry (default $SPECPILOT_CACHE_KEY; `specpilot cache keygen`)",
+    )
+    p.set_defaults(handler=_push)
+    p = verbs.add_parser(
+        "pull", help="copy an engine from a binary cache into the store; signature, manifest and objects checked"
+    )
+    p.add_argument("engine", help="engine id, or a unique prefix of one the cache holds")
+    _cache_arguments(p)
+    p.set_defaults(handler=_pull)
+    cache = verbs.add_parser("cache", help="binary caches of engines (ls, check, gc, keygen)")
+    caches = cache.add_subparsers(dest="cache_verb", required=True, metavar="ACTION")
+    p = caches.add_parser("ls", help="the signed entries of a cache: build key, engine, setting, arm, signer")
+    _cache_arguments(p)
+    p.set_defaults(handler=_cache_ls)
+    p = caches.add_parser(
+        "check", help="re-check a cache: every entry's signature, manifest against its id, object against its hash"
+    )
+    _cache_arguments(p)
+    p.set_defaults(handler=_cache_check)
+    p = caches.add_parser("gc", help="remove manifests no entry names and objects no manifest lists")
+    _cache_arguments(p)
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        help="keep what is younger than this many seconds (a push in progress; default 3600)",
+    )
+    p.set_defaults(handler=_cache_gc)
+    p = caches.add_parser("keygen", help="a new ed25519 key pair: writes the secret, prints the public key")
+    p.add_argument("name", help="the key's name (signer id), e.g. ci-1")
+    p.add_argument("--out", type=Path, default=None, help="secret key file (default <data>/cache-keys/NAME.secret)")
+    p.set_defaults(handler=_cache_keygen)
+
     p = verbs.add_parser("sweep", help="build many setting x arm engines as one Hydra multirun; summary table")
     p.add_argument("--settings", required=True, help="comma-separated setting names")
     p.add_argument("--arms", default=",".join(ARMS))
@@ -230,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report of that name")
     p.set_defaults(handler=_compare)
 
+    p = verbs.add_parser("gaps", help="the cost model: where a token's time goes against the hardware's ceilings")
+    p.add_argument("--engine", required=True, help="engine id or unique prefix the run benched")
+    p.add_argument("--run", required=True, help="a c1 bench run of that engine (path or run name)")
+    p.set_defaults(handler=_gaps)
+
     p = verbs.add_parser("attest", help="check an in-toto statement written by verify or compare")
     attest = p.add_subparsers(dest="attest_verb", required=True, metavar="ACTION")
     a = attest.add_parser("check", help="re-hash every subject of a statement; non-zero exit on any change")
@@ -307,7 +355,108 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_build(args) -> int:
     from specpilot_build.assemble.builder import build_engine, describe
 
-    print(describe(build_engine(args.setting, args.arm, args.overrides)))
+    result = build_engine(args.setting, args.arm, args.overrides)
+    for note in result.notes:
+        print(note, file=sys.stderr)
+    print(describe(result))
+    return 0
+
+
+def _cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default=None, help="the cache's URL (default: the first of cache.substituters)")
+    p.add_argument("--trust", action="append", default=[], help="also trust this public key (name:hex); repeatable")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the cache group, e.g. cache=team")
+
+
+def _cache_of(args):
+    """(the cache named by --cache or the config's first substituter, the cache settings)."""
+    from specpilot_build.cache.remote import BinaryCache
+    from specpilot_build.cache.settings import cache_settings
+    from specpilot_build.config.compose import compose_setting
+
+    overrides = [o for o in args.overrides if o.split("=", 1)[0].lstrip("+~").split(".")[0] == "cache"]
+    if overrides != list(args.overrides):
+        bad = next(o for o in args.overrides if o not in overrides)
+        raise SpecPilotError(f"override {bad!r}: only the cache group (cache=..., cache.<key>=...) applies here")
+    settings = cache_settings(compose_setting(DEFAULT_SETTING, "final", overrides).config, args.trust)
+    url = args.cache or (settings.substituters[0] if settings.substituters else None)
+    if url is None:
+        raise SpecPilotError("no cache: pass --cache URL (make ... CACHE=URL) or set cache.substituters")
+    return BinaryCache(url), settings
+
+
+def _push(args) -> int:
+    from specpilot_build.cache.push import push_engine
+    from specpilot_build.cache.signing import load_signing_key
+    from specpilot_build.store.engines import resolve_engine, store_root
+
+    cache, _ = _cache_of(args)
+    secret = args.key or (Path(os.environ["SPECPILOT_CACHE_KEY"]) if os.environ.get("SPECPILOT_CACHE_KEY") else None)
+    if secret is None:
+        raise SpecPilotError(
+            "push signs its entries: pass --key FILE (make push KEY=FILE) or set SPECPILOT_CACHE_KEY; "
+            "`specpilot cache keygen NAME` makes a key pair"
+        )
+    summary = push_engine(resolve_engine(args.engine), cache, load_signing_key(secret), store_root())
+    print(summary.line(cache))
+    return 0
+
+
+def _pull(args) -> int:
+    from specpilot_build.cache.pull import pull_engine
+    from specpilot_build.store.engines import store_root
+
+    cache, settings = _cache_of(args)
+    print(pull_engine(cache, args.engine, settings.trusted, store_root()).summary(cache))
+    return 0
+
+
+def _cache_ls(args) -> int:
+    from specpilot_build.cache.maintain import list_entries
+
+    cache, settings = _cache_of(args)
+    entries = list_entries(cache, settings.trusted)
+    for e in entries:
+        state = "ok" if e.problem is None else "REFUSED: " + e.problem
+        print(f"{e.build_key[:12]}  {e.engine[:12]}  {e.setting}  {e.arm}  signer {e.signer}  {state}")
+    print(f"{cache}: {len(entries)} entries, {sum(e.problem is None for e in entries)} signed by a trusted key")
+    return 0
+
+
+def _cache_check(args) -> int:
+    from specpilot_build.cache.maintain import check_cache
+
+    cache, settings = _cache_of(args)
+    report = check_cache(cache, settings.trusted)
+    for line in report.problems:
+        print(line)
+    print(
+        f"{cache}: {report.entries} entries, {report.manifests} manifests, {report.objects} objects; "
+        f"{len(report.problems)} problem(s)"
+    )
+    return 1 if report.problems else 0
+
+
+def _cache_gc(args) -> int:
+    from specpilot_build.cache.maintain import gc_cache
+
+    cache, _ = _cache_of(args)
+    report = gc_cache(cache, grace_s=args.grace, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for rel in report.removed:
+        print(f"{verb} {cache.where(rel)}")
+    print(f"{cache}: {verb} {len(report.removed)}; kept {report.kept_young} younger than {args.grace:g} s")
+    return 0
+
+
+def _cache_keygen(args) -> int:
+    from specpilot_build.cache.signing import keygen
+    from specpilot_build.locations import data_dir
+
+    out = args.out or data_dir() / "cache-keys" / f"{args.name}.secret"
+    key = keygen(args.name, out)
+    print(f"wrote the secret key {out} (keep it private; push --key {out})")
+    print(f"public key (add it to cache.trusted_public_keys): {key.public_line()}")
     return 0
 
 
@@ -621,11 +770,42 @@ def _engine_of(engine_ref: str | None, setting: str | None, arm: str):
         from specpilot_build.assemble.builder import build_engine
 
         return build_engine(setting, arm).engine
-    from specpilot_build.store.engines import resolve_engine
+    from specpilot_build.store.engines import resolve_engine, scan_store
 
     if engine_ref is None:
         raise SpecPilotError("name an engine (id or unique prefix) or a --setting to build")
+    ref = engine_ref.strip().lower()
+    if len(ref) >= 4 and all(c in "0123456789abcdef" for c in ref) and scan_store(prefix=ref) == ([], []):
+        pulled = _substitute_engine(ref)
+        if pulled is not None:
+            return pulled
     return resolve_engine(engine_ref)
+
+
+def _substitute_engine(ref: str):
+    """An engine id the store lacks, pulled from the first configured substituter that has it (None when no
+    substituter is configured, or none holds it). A refused pull is an error: the id was asked for exactly."""
+    from specpilot_build.cache.pull import pull_engine
+    from specpilot_build.cache.remote import BinaryCache
+    from specpilot_build.cache.settings import cache_settings
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.store.engines import store_root
+
+    settings = cache_settings(compose_setting(DEFAULT_SETTING, "final").config)
+    for url in settings.substituters:
+        cache = BinaryCache(url)
+        held = (
+            cache.exists(f"manifests/{ref}.json")
+            if len(ref) == 64
+            else any(n.startswith(ref) for n in cache.names("manifests"))
+        )
+        if not held:
+            print(f"substituter {url}: miss (no engine {ref})", file=sys.stderr)
+            continue
+        result = pull_engine(cache, ref, settings.trusted, store_root())
+        print(result.summary(cache), file=sys.stderr)
+        return result.engine
+    return None
 
 
 def _stop(args) -> int:
@@ -808,6 +988,19 @@ def _attest_check(args) -> int:
         print(f"{args.statement}: {len(problems)} problem(s): the attested files changed")
         return 1
     print(f"{args.statement}: {len(statement['subject'])} subjects match ({statement['predicateType']})")
+    return 0
+
+
+def _gaps(args) -> int:
+    from specpilot_build.measure.gaps import gaps_report, print_report, write_report
+    from specpilot_build.measure.results import load_results
+    from specpilot_build.store.engines import resolve_engine
+
+    report = gaps_report(resolve_engine(args.engine), args.run)
+    path, _ = load_results(args.run)
+    json_path, png_path = write_report(report, path.with_name(f"gaps_{path.stem}"))
+    print_report(report)
+    print(f"wrote {json_path} and {png_path}")
     return 0
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specpilot_build.defaults import ARMS  # noqa: F401  (re-exported: the arms a setting composes as)
 from specpilot_build.errors import ConfigError
 from specpilot_build.locations import conf_dir, data_dir
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 GROUPS = ("hardware", "model", "drafter", "batching", "runtime", "arm")
 
@@ -28,7 +32,7 @@ def list_settings() -> list[str]:
     return sorted(p.stem for p in (conf_dir() / "setting").glob("*.yaml"))
 
 
-def compose_setting(setting: str, arm: str = "final", overrides: list[str] = ()) -> Composed:
+def compose_setting(setting: str, arm: str = "final", overrides: Sequence[str] = ()) -> Composed:
     """Compose `setting` as `arm`; unknown settings, options, keys and wrong types fail naming them."""
     if setting not in list_settings():
         raise ConfigError(
@@ -43,10 +47,8 @@ def compose_setting(setting: str, arm: str = "final", overrides: list[str] = ())
         return Composed(setting=setting, arm=arm, config=known["config"], choices=known["choices"])
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         pass
-    from omegaconf import OmegaConf
-
     cfg, choices = _compose(args)
-    composed = Composed(setting=setting, arm=arm, config=OmegaConf.to_container(cfg, resolve=True), choices=choices)
+    composed = Composed(setting=setting, arm=arm, config=plain_config(cfg), choices=choices)
     _store(cache, {"config": composed.config, "choices": composed.choices})
     return composed
 
@@ -67,7 +69,7 @@ def _compose_key(args: list[str]) -> str:
     return hasher.hexdigest()
 
 
-def _store(path: Path, record: dict) -> None:
+def _store(path: Path, record: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -77,11 +79,9 @@ def _store(path: Path, record: dict) -> None:
         pass  # a read-only data dir only costs the next compose its speed
 
 
-def from_hydra_config(cfg, choices: dict[str, str], overrides: list[str] | None = None) -> Composed:
+def from_hydra_config(cfg: DictConfig, choices: dict[str, str], overrides: list[str] | None = None) -> Composed:
     """Wrap a config Hydra already composed (inside @hydra.main, e.g. a multirun job), checked as
     compose_setting checks it; `overrides` default to the job's own (HydraConfig's overrides.task)."""
-    from omegaconf import OmegaConf
-
     from specpilot_build.config.schema import check_composed
 
     if overrides is None:
@@ -89,9 +89,19 @@ def from_hydra_config(cfg, choices: dict[str, str], overrides: list[str] | None 
 
         overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     _name_setting(cfg, choices)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = plain_config(cfg)
     check_composed(config, choices, overrides)
-    return Composed(setting=cfg.setting, arm=cfg.arm.name, config=config, choices=_recorded(choices))
+    return Composed(setting=config["setting"], arm=config["arm"]["name"], config=config, choices=_recorded(choices))
+
+
+def plain_config(cfg: DictConfig, throw_on_missing: bool = False) -> dict[str, Any]:
+    """A composed config as plain containers, interpolations resolved (a config's root is always a mapping)."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=throw_on_missing)
+    if not isinstance(container, dict):
+        raise ConfigError(f"config: the composed config is a {type(container).__name__}, not a mapping")
+    return {str(key): value for key, value in container.items()}
 
 
 def _recorded(choices: dict[str, str]) -> dict[str, str]:
@@ -101,7 +111,7 @@ def _recorded(choices: dict[str, str]) -> dict[str, str]:
     return {k.split("@")[0]: v for k, v in choices.items() if k.split("@")[0] in ("setting", *GROUPS)}
 
 
-def _name_setting(cfg, choices: dict[str, str]) -> None:
+def _name_setting(cfg: DictConfig, choices: dict[str, str]) -> None:
     """A preset is named by its file: `setting` is Hydra's choice for setting@_global_, never a key in it."""
     from omegaconf import OmegaConf
 
@@ -122,13 +132,13 @@ def _shown(path: Path) -> str:
     return shown(path)
 
 
-def _compose(overrides: list[str]):
+def _compose(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     import yaml
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+    from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     from specpilot_build.config.schema import check_composed, register
@@ -139,10 +149,10 @@ def _compose(overrides: list[str]):
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
             choices = dict(cfg.hydra.runtime.choices)
-            with _open_struct(cfg):
+            with open_dict(cfg):
                 del cfg["hydra"]
             _name_setting(cfg, choices)
-            container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+            container = plain_config(cfg, throw_on_missing=True)
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise ConfigError(f"config: {_one_line(exc)}") from exc
     finally:
@@ -150,12 +160,6 @@ def _compose(overrides: list[str]):
     del HydraConfig
     check_composed(container, choices, overrides)
     return cfg, _recorded(choices)
-
-
-def _open_struct(cfg):
-    from omegaconf import open_dict
-
-    return open_dict(cfg)
 
 
 def _one_line(exc: Exception) -> str:
@@ -182,7 +186,7 @@ def _options(listing: str) -> list[str]:
     return [name for name in listing.split() if not name.endswith("_schema")]
 
 
-def _in_file(match: re.Match) -> str:
+def _in_file(match: re.Match[str]) -> str:
     """Hydra's "In 'group/option':" as the file it means."""
     path = conf_dir() / f"{match.group(1)}.yaml"
     return f"{_shown(path)}:" if path.is_file() else match.group(0)
@@ -196,7 +200,9 @@ def _nearest_field(text: str) -> str:
     from specpilot_build.config import schema
 
     m = re.search(r"Key '([^']+)' not in '(\w+)'", text)
-    node = getattr(schema, m.group(2), None) if m else None
+    if m is None:
+        return ""
+    node = getattr(schema, m.group(2), None)
     if not is_dataclass(node):
         return ""
     close = difflib.get_close_matches(m.group(1), [f.name for f in fields(node)], n=1, cutoff=0.6)

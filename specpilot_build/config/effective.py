@@ -6,20 +6,22 @@ engines, and an `ar` engine does not depend on the drafter it does not run."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 NO_DRAFTER = {"name": "none", "algorithm": "none"}
 
 
-def effective_config(config: dict) -> dict:
+def effective_config(config: dict[str, Any]) -> dict[str, Any]:
     cfg = copy.deepcopy(config)
     arm = cfg["arm"]
+    cfg.pop("cache", None)  # substituters say where an engine may be fetched from, not what it runs
     declared = (cfg.pop("final", None) or {}).get("mechanisms") or {}
     # final.mechanisms maps each mechanism's name to what it sets, in the order the setting lists them
     mechanisms = [dict(body, name=name) for name, body in declared.items()] if arm["applies_mechanisms"] else []
     if not arm["uses_drafter"]:
         cfg["drafter"] = dict(NO_DRAFTER)
-    runtime_options: dict = {}
-    launch_args: dict = dict(cfg["runtime"].get("launch_args", {}))
+    runtime_options: dict[str, Any] = {}
+    launch_args: dict[str, Any] = dict(cfg["runtime"].get("launch_args", {}))
     kernels: list[str] = []
     for mech in mechanisms:
         cfg["model"].update(mech.get("model", {}))
@@ -43,7 +45,7 @@ def effective_config(config: dict) -> dict:
 OVERLAY_SOURCES = ("runtime", "hardware", "model", "drafter", "batching", "mechanisms")
 
 
-def overlays_in_order(cfg: dict) -> list[str]:
+def overlays_in_order(cfg: dict[str, Any]) -> list[str]:
     """The overlays an effective config names, in the one application order (OVERLAY_SOURCES)."""
     names: list[str] = []
     for source in OVERLAY_SOURCES:
@@ -55,7 +57,7 @@ def overlays_in_order(cfg: dict) -> list[str]:
     return names
 
 
-def rule_applies(rule: dict, cfg: dict) -> bool:
+def rule_applies(rule: dict[str, Any], cfg: dict[str, Any]) -> bool:
     """Every `when` key (dotted, into the config) has the value given, or one of the values of a list."""
     return all(
         lookup(cfg, key) in (value if isinstance(value, list) else [value])
@@ -63,8 +65,8 @@ def rule_applies(rule: dict, cfg: dict) -> bool:
     )
 
 
-def lookup(cfg: dict, dotted: str):
-    node = cfg
+def lookup(cfg: dict[str, Any], dotted: str) -> Any:
+    node: Any = cfg
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
             return None

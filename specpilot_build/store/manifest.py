@@ -7,18 +7,32 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
+from typing import Any, TypedDict
 
 import blake3
 
 from specpilot_build.errors import SpecPilotError
+from specpilot_build.store.names import plain_name, plain_relpath
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA = "specpilot.manifest/1"
 
+JsonObject = dict[str, Any]  # a JSON object as json.loads returns it: a manifest, its head, a config
 
-def canonical_json(obj) -> bytes:
+
+class FileEntry(TypedDict):
+    """One file of an engine tree as its manifest records it."""
+
+    path: str
+    size: int
+    exec: bool
+    blake3: str
+
+
+def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
@@ -34,16 +48,56 @@ def digest_file(path: Path) -> str:
     return "blake3:" + hasher.hexdigest()
 
 
-def engine_id(manifest: dict) -> str:
+def engine_id(manifest: JsonObject) -> str:
     return blake3.blake3(canonical_json(manifest)).hexdigest()
 
 
-def file_entry(root: Path, rel: str) -> dict:
+def file_entry(root: Path, rel: str) -> FileEntry:
     path = root / rel
     st = path.lstat()
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{rel}: not a regular file")
     return {"path": rel, "size": st.st_size, "exec": bool(st.st_mode & 0o111), "blake3": digest_file(path)}
+
+
+DIGEST = re.compile(r"blake3:[0-9a-f]{64}")
+_ENTRY_KEYS = {"path": str, "size": int, "exec": bool, "blake3": str}
+
+
+def manifest_problem(data: object) -> str | None:
+    """What keeps parsed JSON from being an engine manifest this builder reads (one phrase), or None: a JSON
+    object with this SCHEMA, `setting` and `arm` strings and a file list whose entries are exactly path,
+    size, exec and blake3, each path a plain relative path, listed once, in UTF-8 byte order."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    if data.get("schema") != SCHEMA:
+        return f"schema {data.get('schema')!r}, not {SCHEMA!r}"
+    for key in ("setting", "arm"):
+        if not isinstance(data.get(key), str):
+            return f"no {key}"
+    files = data.get("files")
+    if not isinstance(files, list):
+        return "no file list"
+    previous = b""
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict) or set(entry) != set(_ENTRY_KEYS):
+            return f"files[{i}] is not an entry of {', '.join(_ENTRY_KEYS)}"
+        for key, kind in _ENTRY_KEYS.items():
+            if not isinstance(entry[key], kind) or (kind is int and isinstance(entry[key], bool)):
+                return f"files[{i}].{key} is {entry[key]!r}"
+        if entry["size"] < 0:
+            return f"files[{i}].size is {entry['size']!r}"
+        if not DIGEST.fullmatch(entry["blake3"]):
+            return f"files[{i}].blake3 is {entry['blake3']!r}, not blake3:<64 hex digits>"
+        try:
+            plain_relpath(entry["path"], f"files[{i}].path", error=ValueError)
+        except ValueError as exc:
+            return str(exc).split(";")[0]
+        key = entry["path"].encode("utf-8", "surrogateescape")
+        if i and key <= previous:
+            return f"files[{i}].path {entry['path']!r} is out of order or listed twice"
+        previous = key
+    return None
 
 
 def entry_kind(mode: int) -> str:
@@ -211,8 +265,6 @@ def overlay_digest(directory: Path, where: str | None = None) -> str:
 
 def _files_from(directory: Path) -> Path | None:
     import tomllib
-
-    from specpilot_build.store.names import plain_name
 
     descriptor = directory / OVERLAY_DESCRIPTOR
     try:

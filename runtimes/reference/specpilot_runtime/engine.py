@@ -12,6 +12,12 @@ the forward, argmax) among the sequences in that step plus the request's own boo
 logprobs, stop checks, detokenising, the drafter's updates). It excludes the HTTP thread (parsing, JSON) and
 the time a request waits; with torch running more than one intra-op thread (/server_info `num_threads`),
 the other threads' share of a forward is not in it either (the reference runtime runs small models on one).
+
+Wall time per request (`meta_info.timing_s`, what `specpilot gaps` splits a token's time by): `queue` (submitted
+until admitted), `prefill`, and per decode step an equal share of the step's `draft` (the drafter's proposals)
+and `target` (the batched forward and argmax) among its sequences, plus the request's own `bookkeeping`
+(acceptance, logprobs, stop checks, detokenising, the drafter's updates); `engine` is submitted until done, so
+`engine` minus the parts is the time the request waited inside the loop on other sequences' own work.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 log = logging.getLogger("specpilot_runtime")
+TIMED_PARTS = ("queue", "prefill", "draft", "target", "bookkeeping")
 
 
 @dataclass
@@ -42,6 +49,7 @@ class GenerationRequest:
     # emit(kind, payload): "text" (streamed text so far), "done" (result dict), "error" (message).
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancelled: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -57,9 +65,11 @@ class Sequence:
     accepted_tokens: int = 0
     cpu_s: float = 0.0  # engine-thread CPU time charged to this request so far
     cpu_since: float | None = None  # thread_time when this request's own (uncharged) work began
+    wall_since: tuple[str, float] | None = None  # (part, perf_counter) of the request's own work under way
     finish_reason: dict | None = None
     text: str = ""
     streamed_upto: int = 0
+    timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMED_PARTS, 0.0))
     input_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
@@ -85,6 +95,9 @@ class Engine:
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.finished_requests = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.seconds = dict.fromkeys(TIMED_PARTS[1:], 0.0)  # engine-thread wall time per part, all requests
         self.thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
 
     def start(self) -> None:
@@ -132,8 +145,9 @@ class Engine:
             if request.cancelled:
                 continue
             seq = Sequence(request, heapq.heappop(self.free_slots), list(request.input_ids), len(request.input_ids))
+            seq.timing["queue"] = time.perf_counter() - request.submitted_at
             self.running.append(seq)
-            self._guarded([seq], lambda seqs: self._own_work(seqs[0], self._prefill))
+            self._guarded([seq], lambda seqs: self._own_work(seqs[0], self._prefill, "prefill"))
 
     def _guarded(self, seqs: list[Sequence], work) -> None:
         try:
@@ -145,14 +159,22 @@ class Engine:
                     self._release(seq)
                     seq.request.emit("error", f"internal error: {exc}")
 
-    @staticmethod
-    def _own_work(seq: Sequence, work) -> None:
-        """Run work(seq), charging its engine-thread CPU time to seq (to the result too, if it finishes)."""
+    def _own_work(self, seq: Sequence, work, part: str) -> None:
+        """Run work(seq), charging its engine-thread CPU time to seq (to the result too, if it finishes) and its
+        wall time to seq's `part`."""
         seq.cpu_since = time.thread_time()
+        seq.wall_since = (part, time.perf_counter())
         work(seq)
+        if seq.wall_since is not None:
+            self._charge(seq, part, time.perf_counter() - seq.wall_since[1])
+            seq.wall_since = None
         if seq.cpu_since is not None:
             seq.cpu_s += time.thread_time() - seq.cpu_since
             seq.cpu_since = None
+
+    def _charge(self, seq: Sequence, part: str, seconds: float) -> None:
+        seq.timing[part] += seconds
+        self.seconds[part] += seconds
 
     # ---------------------------------------------------------------- prefill
     def _prefill(self, seq: Sequence) -> None:
@@ -197,11 +219,12 @@ class Engine:
         running = sorted(self.running, key=lambda s: s.slot)
         if not running:
             return
-        shared_since = time.thread_time()
+        shared_since, drafting = time.thread_time(), time.perf_counter()
         proposals = []
         for seq in running:
             budget = min(self.num_draft_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1)
             proposals.append(self.drafter.propose(seq, budget)[:budget] if budget > 0 else [])
+        forwarding = time.perf_counter()
         width = 1 + max(len(p) for p in proposals)
         rows = [[seq.tokens[-1]] + p + [0] * (width - 1 - len(p)) for seq, p in zip(running, proposals)]
         model = self.model
@@ -209,10 +232,13 @@ class Engine:
             torch.tensor(rows, device=model.device), [s.slot for s in running], [s.cache_len for s in running]
         )
         targets = logits.argmax(dim=-1).tolist()
+        done = time.perf_counter()
         share = (time.thread_time() - shared_since) / len(running)  # the batched work, in equal shares
         for b, (seq, proposal) in enumerate(zip(running, proposals)):
             seq.cpu_s += share
-            self._own_work(seq, lambda seq: self._accept(seq, proposal, targets[b], logits[b]))
+            self._charge(seq, "draft", (forwarding - drafting) / len(running))
+            self._charge(seq, "target", (done - forwarding) / len(running))
+            self._own_work(seq, lambda seq: self._accept(seq, proposal, targets[b], logits[b]), "bookkeeping")
 
     def _accept(self, seq: Sequence, proposal: list[int], targets: list[int], logits: torch.Tensor) -> None:
         accepted = 0
@@ -287,6 +313,8 @@ class Engine:
             seq.text = self._decode(seq.output_ids)
         self._release(seq)
         self.finished_requests += 1
+        self.prompt_tokens += seq.prompt_len
+        self.generated_tokens += len(seq.output_ids)
         seq.request.emit("done", self._result(seq))
 
     def _release(self, seq: Sequence) -> None:
@@ -300,6 +328,10 @@ class Engine:
             now = time.thread_time()
             seq.cpu_s += now - seq.cpu_since
             seq.cpu_since = None
+        if seq.wall_since is not None:
+            part, since = seq.wall_since
+            self._charge(seq, part, time.perf_counter() - since)
+            seq.wall_since = None
         meta = {
             "prompt_tokens": seq.prompt_len,
             "completion_tokens": len(seq.output_ids),
@@ -311,6 +343,7 @@ class Engine:
             "spec_draft_token_num": seq.draft_tokens,
             "spec_accept_rate": seq.accepted_tokens / seq.draft_tokens if seq.draft_tokens else 0.0,
             "cpu_s": seq.cpu_s,
+            "timing_s": {**seq.timing, "engine": time.perf_counter() - req.submitted_at},
         }
         if req.return_logprob:
             meta.update(

@@ -39,6 +39,43 @@ class Runtime:
     limits: ModelLimits
     num_threads: int
 
+    def metrics(self) -> str:
+        """Prometheus text exposition in the names SGLang's --enable-metrics uses where one exists (sglang:...),
+        plus the engine's wall time per part of a step (specpilot:engine_seconds_total{part=...})."""
+        engine = self.engine
+        label = 'model_name="' + self.config.model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        rows = [
+            ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", engine.prompt_tokens),
+            (
+                "sglang:generation_tokens_total",
+                "counter",
+                "Number of generation tokens processed.",
+                engine.generated_tokens,
+            ),
+            ("sglang:num_requests_total", "counter", "Number of requests finished.", engine.finished_requests),
+            ("sglang:num_running_reqs", "gauge", "The number of running requests.", len(engine.running)),
+            ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", engine.waiting.qsize()),
+            (
+                "sglang:spec_accept_length",
+                "gauge",
+                "The average acceptance length of speculative decoding.",
+                engine.avg_accept_length,
+            ),
+            (
+                "sglang:spec_verify_ct_total",
+                "counter",
+                "Target forwards of decode steps (per sequence).",
+                engine.verify_steps,
+            ),
+        ]
+        lines = []
+        for name, kind, help_, value in rows:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {float(value)!r}"]
+        name = "specpilot:engine_seconds_total"
+        lines += [f"# HELP {name} Engine-thread wall time per part of the work.", f"# TYPE {name} counter"]
+        lines += [f'{name}{{{label},part="{part}"}} {float(v)!r}' for part, v in engine.seconds.items()]
+        return "\n".join(lines) + "\n"
+
     def server_info(self) -> dict:
         engine, cfg = self.engine, self.config
         avg = engine.avg_accept_length

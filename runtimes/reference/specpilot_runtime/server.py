@@ -131,6 +131,10 @@ def build_app(
     async def server_info():
         return runtime.server_info()
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(runtime.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():

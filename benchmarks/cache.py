@@ -1,0 +1,151 @@
+"""Binary cache speed and dedupe: a cold SGLang engine build beside pulling the same engine from a loopback S3
+server (moto's server mode, through s3fs) and a file:// cache into an empty store, in one run.
+
+  python benchmarks/cache.py [--setting h100_c1_qwen3-8b_dflash] [--repeat 3]
+
+Rows (whole processes, wall clock, median and min–max over --repeat runs, the rows alternating within a run):
+  cold build     `specpilot engine build` of the final arm into an empty store (wheel and compose caches warm)
+  pull s3        `specpilot pull <id> --cache s3://...` into an empty store
+  pull file      `specpilot pull <id> --cache file://...` into an empty store
+  substitute s3  `specpilot engine build` with the S3 cache as substituter, into an empty store
+Then the bytes each push sends: the stock arm into an empty cache, then the final arm of the same setting."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SP = [sys.executable, "-m", "specpilot_build.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    elapsed = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return elapsed, proc.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setting", default="h100_c1_qwen3-8b_dflash")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cache-bench-"))
+    data = Path(os.environ.get("SPECPILOT_DATA") or Path.home() / "specpilot_data")
+    port = free_port()
+    env = {
+        **os.environ,
+        "SPECPILOT_DATA": str(data),
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    os.environ.update(env)
+    moto = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            if time.monotonic() > deadline:
+                raise SystemExit("moto did not start")
+            time.sleep(0.1)
+        report(args, work, env)
+    finally:
+        moto.kill()
+        moto.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(args: argparse.Namespace, work: Path, env: dict[str, str]) -> None:
+    import s3fs
+
+    from specpilot_build.cache.push import push_engine
+    from specpilot_build.cache.remote import BinaryCache
+    from specpilot_build.cache.signing import keygen
+    from specpilot_build.store.engines import Engine, disk_usage
+
+    source = work / "source"
+    key = keygen("bench", work / "bench.secret")
+    public = key.public_line()
+    ids = {}
+    for arm in ("stock", "final"):
+        _, out = run(
+            [*SP, "engine", "build", "--setting", args.setting, "--arm", arm], {**env, "SPECPILOT_ENGINES": str(source)}
+        )
+        ids[arm] = out.split()[0]
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+    s3, local = f"s3://{bucket}/specpilot", f"file://{work}/cache"
+    pushes = {}
+    for url in (s3, local):
+        for arm in ("stock", "final"):
+            started = time.perf_counter()
+            summary = push_engine(Engine(ids[arm], source / ids[arm]), BinaryCache(url), key, source)
+            pushes[url, arm] = (summary, time.perf_counter() - started)
+    final = Engine(ids["final"], source / ids["final"])
+    files, size = len(final.manifest["files"]), disk_usage([final.path])
+
+    rows: dict[str, list[float]] = {"cold build": [], "pull s3": [], "pull file": [], "substitute s3": []}
+    for i in range(args.repeat):
+        order = list(rows) if i % 2 == 0 else list(reversed(rows))
+        for row in order:
+            store = work / f"store-{row.replace(' ', '-')}-{i}"
+            e = {**env, "SPECPILOT_ENGINES": str(store)}
+            if row == "cold build":
+                cmd = [*SP, "engine", "build", "--setting", args.setting, "--arm", "final"]
+            elif row == "substitute s3":
+                cmd = [*SP, "engine", "build", "--setting", args.setting, "--arm", "final",
+                       f"cache.substituters=[{s3}]", f"cache.trusted_public_keys=[{public}]"]  # fmt: skip
+            else:
+                cmd = [*SP, "pull", ids["final"], "--cache", s3 if row == "pull s3" else local, "--trust", public]
+            elapsed, out = run(cmd, e)
+            if ids["final"] not in out or (row == "substitute s3" and "pulled from" not in out):
+                raise SystemExit(f"{row}: unexpected output {out!r}")
+            rows[row].append(elapsed)
+            shutil.rmtree(store)
+
+    cold = statistics.median(rows["cold build"])
+    print(f"{args.setting} final: {files} files, {size / 1e6:.1f} MB; {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print("| path | median s | min–max s | vs cold build |\n|---|---|---|---|")
+    for row, times in rows.items():
+        med = statistics.median(times)
+        print(f"| {row} | {med:.2f} | {min(times):.2f}–{max(times):.2f} | {cold / med:.2f}× |")
+    print(
+        "\n| cache | push | objects sent | bytes sent | objects skipped | bytes skipped | s |\n|---|---|---|---|---|---|---|"
+    )
+    for (url, arm), (s, secs) in pushes.items():
+        name = "s3 (moto)" if url == s3 else "file"
+        print(
+            f"| {name} | {arm} | {s.objects_sent} | {s.bytes_sent} | {s.objects_skipped} | {s.bytes_skipped} | {secs:.2f} |"
+        )
+    for url in (s3, local):
+        first, second = pushes[url, "stock"][0].bytes_sent, pushes[url, "final"][0].bytes_sent
+        print(f"{'s3' if url == s3 else 'file'}: the final push sent {second / first:.1%} of the stock push's bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,554 @@
+"""Binary caches: engines pushed to and pulled from a real S3 protocol server on loopback (moto's server mode,
+through s3fs) and a file:// cache; substitution in `engine build`; every refusal of a pulled engine; a server
+killed mid-transfer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from specpilot_build.assemble.builder import build_engine, build_head, build_key
+from specpilot_build.cache.maintain import check_cache, gc_cache, list_entries
+from specpilot_build.cache.objects import object_name, pack
+from specpilot_build.cache.pull import pull_engine, pull_key
+from specpilot_build.cache.push import push_engine
+from specpilot_build.cache.remote import BinaryCache, CacheError
+from specpilot_build.cache.signing import keygen, load_signing_key, parse_public_keys, signed_entry
+from specpilot_build.cli.main import main
+from specpilot_build.config.compose import compose_setting
+from specpilot_build.errors import IntegrityError
+from specpilot_build.locations import REPO_ROOT
+from specpilot_build.store.engines import Engine, index_keys, inspect_engine
+from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json, digest_file
+
+EMBEDDED = "cpu_c1_stories260k_ngram"
+
+
+@contextlib.contextmanager
+def engines_at(path: Path):
+    saved = os.environ.get("SPECPILOT_ENGINES")
+    os.environ["SPECPILOT_ENGINES"] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ["SPECPILOT_ENGINES"] = saved or ""
+        if saved is None:
+            del os.environ["SPECPILOT_ENGINES"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen | None = None, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server on port {port} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {seconds} s")
+
+
+class Moto:
+    """moto's S3 server as a subprocess on a loopback port (its state lives in that process's memory)."""
+
+    def __init__(self, port: int, log: Path):
+        self.port, self.log, self.proc = port, log, None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        wait_for_port(self.port, self.proc)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class Relay:
+    """A loopback TCP relay in front of a server: killing it cuts every connection mid-transfer while the server
+    behind it (and what it stores) lives on."""
+
+    def __init__(self, target: int):
+        self.target, self.port = target, free_port()
+        self.sockets: list[socket.socket] = []
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                return
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        with contextlib.suppress(OSError):
+            b.shutdown(socket.SHUT_WR)
+
+    def kill(self) -> None:
+        for s in [self.listener, *self.sockets]:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    port = free_port()
+    server = Moto(port, tmp_path_factory.mktemp("moto") / "moto.log")
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_MAX_ATTEMPTS": "2",  # a dead server fails a request quickly
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    server.start()
+    yield server
+    server.kill()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def new_bucket() -> str:
+    import s3fs
+
+    bucket = f"engines-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+    return bucket
+
+
+@pytest.fixture(params=["file", "s3"])
+def cache_url(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path}/cache"
+    request.getfixturevalue("moto")
+    return f"s3://{new_bucket()}/specpilot"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A store holding the embedded default's final and stock engines, built here."""
+    with engines_at(tmp_path_factory.mktemp("source-store")) as root:
+        engines = {arm: build_engine(EMBEDDED, arm).engine for arm in ("final", "stock", "ar")}
+    return root, engines
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """A trusted signing key and one nobody trusts."""
+    folder = tmp_path_factory.mktemp("keys")
+    trusted, other = keygen("ci-1", folder / "ci-1.secret"), keygen("stranger", folder / "stranger.secret")
+    return {
+        "trusted": trusted,
+        "other": other,
+        "public": trusted.public_line(),
+        "trust": parse_public_keys([trusted.public_line()], "test"),
+        "secret": folder / "ci-1.secret",
+    }
+
+
+def snapshot(root: Path) -> set[str]:
+    """Every path of a store (a temporary tree left under engines/.tmp too), but the lock file and the empty
+    scratch folder a build or pull makes."""
+    if not root.exists():
+        return set()
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")} - {".tmp", ".lock"}
+
+
+def objects_of(engine: Engine) -> dict[str, int]:
+    return {f["blake3"]: f["size"] for f in engine.manifest["files"]}
+
+
+def substituting(url: str, public: str) -> list[str]:
+    return [f"cache.substituters=[{url}]", f"cache.trusted_public_keys=[{public}]"]
+
+
+# --- push and pull ------------------------------------------------------------------------------------------
+
+
+def test_a_pushed_engine_pulls_into_an_empty_store_bit_for_bit(cache_url, source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    pushed = push_engine(final, BinaryCache(cache_url), keys["trusted"], root)
+    assert pushed.objects_sent == len(objects_of(final)) and pushed.objects_skipped == 0
+    assert pushed.keys == index_keys(root, final.id) and len(pushed.keys) == 1
+
+    empty = tmp_path / "second-data" / "engines"
+    pulled = pull_engine(BinaryCache(cache_url), final.id[:10], keys["trust"], empty)
+    assert pulled.created and pulled.engine.id == final.id
+    assert pulled.engine.path == empty / final.id
+    assert (empty / final.id / MANIFEST_NAME).read_bytes() == (final.path / MANIFEST_NAME).read_bytes()
+    state = inspect_engine(pulled.engine)
+    assert state.manifest_ok and not state.bad and not state.extras
+    for entry in final.manifest["files"]:  # content and executable bit, file by file
+        there = empty / final.id / entry["path"]
+        assert digest_file(there) == entry["blake3"]
+        assert bool(there.stat().st_mode & 0o111) == entry["exec"]
+    assert index_keys(empty, final.id) == pushed.keys  # a later build of the setting here is a no-op
+    again = pull_engine(BinaryCache(cache_url), final.id, keys["trust"], empty)
+    assert not again.created and again.objects_fetched == 0
+
+
+def test_an_object_already_in_the_cache_is_not_sent_again(cache_url, source, keys):
+    root, engines = source
+    cache = BinaryCache(cache_url)
+    final, stock = engines["final"], engines["stock"]
+    push_engine(final, cache, keys["trusted"], root)
+    shared = set(objects_of(stock)) & set(objects_of(final))
+    assert shared, "stock and final of one setting share files"
+    second = push_engine(stock, cache, keys["trusted"], root)
+    assert second.objects_skipped == len(shared)
+    assert second.bytes_skipped == sum(objects_of(stock)[d] for d in shared)
+    assert second.objects_sent == len(set(objects_of(stock)) - shared)
+    third = push_engine(final, cache, keys["trusted"], root)
+    assert third.objects_sent == 0 and third.bytes_sent == 0
+    assert len(cache.names("objects")) == len(set(objects_of(stock)) | set(objects_of(final)))
+    listed = {(e.engine, e.arm, e.problem) for e in list_entries(cache, keys["trust"])}
+    assert listed == {(final.id, "final", None), (stock.id, "stock", None)}
+
+
+def test_concurrent_pushes_of_one_engine_leave_one_whole_copy(cache_url, source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    secret = keys["secret"]
+    env = {**os.environ, "SPECPILOT_ENGINES": str(root)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "specpilot_build.cli", "push", final.id, "--cache", cache_url, "--key", str(secret)],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    report = check_cache(BinaryCache(cache_url), keys["trust"])
+    assert report.problems == [] and report.entries == 1 and report.manifests == 1
+    assert report.objects == len(objects_of(final))
+    pulled = pull_engine(BinaryCache(cache_url), final.id, keys["trust"], tmp_path / "store")
+    assert pulled.engine.id == final.id
+
+
+# --- substitution -------------------------------------------------------------------------------------------
+
+
+def test_engine_build_pulls_a_hit_and_builds_a_miss(cache_url, source, keys, tmp_path, monkeypatch):
+    root, engines = source
+    push_engine(engines["final"], BinaryCache(cache_url), keys["trusted"], root)
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    hit = build_engine(EMBEDDED, "final", substituting(cache_url, keys["public"]))
+    assert hit.pulled_from == cache_url and hit.created and hit.engine.id == engines["final"].id
+    assert inspect_engine(hit.engine).bad == []
+    miss = build_engine(EMBEDDED, "stock", substituting(cache_url, keys["public"]))
+    assert miss.pulled_from is None and miss.created and miss.engine.id == engines["stock"].id
+    assert len(miss.notes) == 1 and "miss" in miss.notes[0] and cache_url in miss.notes[0]
+
+
+def test_the_cli_prints_the_miss_and_the_substitution(source, keys, tmp_path, monkeypatch, capsys):
+    root, engines = source
+    url = f"file://{tmp_path}/cache"
+    push_engine(engines["final"], BinaryCache(url), keys["trusted"], root)
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    args = ["engine", "build", "--setting", EMBEDDED, *substituting(url, keys["public"])]
+    assert main([*args, "--arm", "stock"]) == 0
+    out = capsys.readouterr()
+    assert "miss" in out.err and engines["stock"].id in out.out and "(built" in out.out
+    assert main([*args, "--arm", "final"]) == 0
+    assert f"{engines['final'].id}" in (out := capsys.readouterr()).out and f"pulled from {url}" in out.out
+
+
+def test_the_cache_group_enters_no_engine_id(source, tmp_path, monkeypatch):
+    """Substituters say where an engine may come from, not what it is: the same ids with or without them."""
+    _, engines = source
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    url = f"file://{tmp_path}/empty-cache"
+    public = "k:" + "00" * 32
+    built = build_engine(EMBEDDED, "ar", substituting(url, public))
+    assert built.engine.id == engines["ar"].id
+    default = build_head(compose_setting(EMBEDDED, "ar"))[1]
+    with_cache = build_head(compose_setting(EMBEDDED, "ar", substituting(url, public)))[1]
+    assert build_key(default) == build_key(with_cache)
+
+
+def test_serving_an_id_the_store_lacks_pulls_it_from_the_configured_substituter(
+    source, keys, tmp_path, monkeypatch, capsys
+):
+    root, engines = source
+    url = f"file://{tmp_path}/cache"
+    push_engine(engines["final"], BinaryCache(url), keys["trusted"], root)
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO_ROOT / "conf", conf)
+    (conf / "cache" / "team.yaml").write_text(f"substituters: [{url}]\ntrusted_public_keys: [{keys['public']}]\n")
+    top = conf / "config.yaml"
+    top.write_text(top.read_text().replace("  - cache: none\n", "  - cache: team\n"))
+    monkeypatch.setenv("SPECPILOT_CONF", str(conf))
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    assert main(["serve", "--engine", engines["final"].id[:12], "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"pulled from {url}" in out.err and (tmp_path / "engines" / engines["final"].id).is_dir()
+    assert main(["serve", "--engine", engines["stock"].id[:12], "--dry-run"]) == 2  # not in the cache either
+    assert "miss" in (out := capsys.readouterr()).err and f"no engine {engines['stock'].id[:12]}" in out.err
+
+
+def test_substituters_without_a_trusted_key_are_a_config_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    code = main(["engine", "build", "--setting", EMBEDDED, f"cache.substituters=[file://{tmp_path}/c]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cache.trusted_public_keys is empty" in err and err.count("\n") == 1
+    assert not (tmp_path / "engines").exists() or not any(p.name != ".lock" for p in (tmp_path / "engines").iterdir())
+
+
+# --- refusals -----------------------------------------------------------------------------------------------
+
+
+def _entry_rel(cache: BinaryCache, eid: str) -> str:
+    (key,) = cache.names(f"ids/{eid}")
+    return f"keys/{key}.json"
+
+
+def _unsigned(cache, engines, keys):
+    rel = _entry_rel(cache, engines["final"].id)
+    entry = json.loads(cache.read(rel))
+    del entry["signature"]
+    cache.write(rel, canonical_json(entry))
+    return "not a signed cache entry"
+
+
+def _bad_signature(cache, engines, keys):
+    rel = _entry_rel(cache, engines["final"].id)
+    entry = json.loads(cache.read(rel))
+    entry["signature"] = ("0" if entry["signature"][0] != "0" else "1") + entry["signature"][1:]
+    cache.write(rel, canonical_json(entry))
+    return "does not verify with trusted key 'ci-1'"
+
+
+def _wrong_key(cache, engines, keys):
+    rel = _entry_rel(cache, engines["final"].id)
+    entry = json.loads(cache.read(rel))
+    forged = signed_entry(keys["other"], entry["build_key"], entry["engine"], entry["setting"], entry["arm"])
+    cache.write(rel, canonical_json(forged))
+    return "signed by key 'stranger', which is not trusted"
+
+
+def _final_only(engines) -> dict:
+    """The largest file of the final engine whose content no other arm has (so no store holds it already)."""
+    others = set(objects_of(engines["ar"])) | set(objects_of(engines["stock"]))
+    return max((f for f in engines["final"].manifest["files"] if f["blake3"] not in others), key=lambda f: f["size"])
+
+
+def _tampered_object(cache, engines, keys):
+    entry = _final_only(engines)
+    data = (engines["final"].path / entry["path"]).read_bytes()
+    cache.write(object_name(entry["blake3"]), pack(bytes([data[0] ^ 1]) + data[1:]))
+    return f"{object_name(entry['blake3'])} ({entry['path']} of engine {engines['final'].id[:12]}): content hashes to"
+
+
+def _truncated_object(cache, engines, keys):
+    entry = _final_only(engines)
+    rel = object_name(entry["blake3"])
+    blob = cache.read(rel)
+    cache.write(rel, blob[: len(blob) // 2])
+    return f"{rel} ({entry['path']} of engine"
+
+
+def _manifest_not_the_id(cache, engines, keys):
+    final, stock = engines["final"], engines["stock"]
+    cache.write(f"manifests/{final.id}.json", (stock.path / MANIFEST_NAME).read_bytes())
+    return f"hashes to {stock.id[:12]}, not the engine id {final.id[:12]}"
+
+
+REFUSALS = {
+    "unsigned": _unsigned,
+    "bad-signature": _bad_signature,
+    "wrong-key": _wrong_key,
+    "tampered-object": _tampered_object,
+    "truncated-object": _truncated_object,
+    "manifest-not-the-id": _manifest_not_the_id,
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_pull_refuses_what_it_cannot_trust_and_leaves_the_store_as_it_was(
+    case, cache_url, source, keys, tmp_path, monkeypatch, capsys
+):
+    root, engines = source
+    cache = BinaryCache(cache_url)
+    push_engine(engines["final"], cache, keys["trusted"], root)
+    words = REFUSALS[case](cache, engines, keys)
+    store = tmp_path / "engines"
+    push_engine(engines["ar"], cache, keys["trusted"], root)  # the store is not empty before the pull
+    pull_engine(cache, engines["ar"].id, keys["trust"], store)
+    before = snapshot(store)
+    with pytest.raises(IntegrityError) as refused:
+        pull_engine(cache, engines["final"].id, keys["trust"], store)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+    assert snapshot(store) == before
+    # the command line: one line naming it, exit 3, no traceback
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(store))
+    monkeypatch.delenv("SPECPILOT_DEBUG", raising=False)
+    code = main(["pull", engines["final"].id, "--cache", cache_url, "--trust", keys["public"]])
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1 and words in err and "Traceback" not in err
+    assert snapshot(store) == before
+    # the substitution refuses it too, says so, and builds the engine itself
+    built = build_engine(EMBEDDED, "final", substituting(cache_url, keys["public"]))
+    assert built.pulled_from is None and built.engine.id == engines["final"].id
+    assert any(words in n for n in built.notes)
+
+
+def test_an_entry_mapping_a_build_key_to_another_settings_engine_is_refused(cache_url, source, keys, tmp_path):
+    root, engines = source
+    cache = BinaryCache(cache_url)
+    final, stock = engines["final"], engines["stock"]
+    push_engine(final, cache, keys["trusted"], root)
+    push_engine(stock, cache, keys["trusted"], root)
+    (final_key,) = index_keys(root, final.id)
+    head = build_head(compose_setting(EMBEDDED, "final"))[1]
+    store = tmp_path / "engines"
+    # signed by the trusted key, honest about the engine it names, but under final's build key
+    cache.write(
+        f"keys/{final_key}.json", canonical_json(signed_entry(keys["trusted"], final_key, stock.id, EMBEDDED, "stock"))
+    )
+    with pytest.raises(
+        IntegrityError,
+        match=f"build key {final_key[:12]} is for {EMBEDDED} final, but the entry names engine {stock.id[:12]}",
+    ):
+        pull_key(cache, final_key, head, keys["trust"], store)
+    # ... and lying about it: the entry says final, the manifest it names says stock
+    cache.write(
+        f"keys/{final_key}.json", canonical_json(signed_entry(keys["trusted"], final_key, stock.id, EMBEDDED, "final"))
+    )
+    with pytest.raises(IntegrityError, match=f"engine {stock.id[:12]} is {EMBEDDED} stock, but its entry"):
+        pull_key(cache, final_key, head, keys["trust"], store)
+    assert snapshot(store) == set()
+
+
+# --- interruptions ------------------------------------------------------------------------------------------
+
+
+def test_killing_the_s3_server_mid_pull_leaves_the_store_as_it_was_and_a_rerun_completes(moto, source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    url = f"s3://{new_bucket()}/specpilot"
+    push_engine(final, BinaryCache(url), keys["trusted"], root)
+    store = tmp_path / "engines"
+    seen = []
+
+    def kill_after_two(digest: str, size: int) -> None:
+        seen.append(digest)
+        if len(seen) == 2:
+            moto.kill()
+
+    with pytest.raises(CacheError, match=f"cache {url}: reading objects/"):
+        pull_engine(BinaryCache(url), final.id, keys["trust"], store, progress=kill_after_two, batch=1)
+    assert len(seen) == 2 and snapshot(store) == set()
+    moto.start()  # a new server has none of the old one's state: push again, then pull
+    url = f"s3://{new_bucket()}/specpilot"
+    push_engine(final, BinaryCache(url), keys["trusted"], root)
+    pulled = pull_engine(BinaryCache(url), final.id, keys["trust"], store)
+    assert pulled.created and inspect_engine(pulled.engine).bad == []
+
+
+def test_a_push_cut_off_mid_transfer_exposes_no_engine_and_a_rerun_completes(moto, source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    bucket = new_bucket()
+    relay = Relay(moto.port)
+    url = f"s3://{bucket}/specpilot"
+    sent = []
+
+    def cut_after_three(digest: str, size: int) -> None:
+        sent.append(digest)
+        if len(sent) == 3:
+            relay.kill()
+
+    os.environ["AWS_ENDPOINT_URL"], direct = f"http://127.0.0.1:{relay.port}", os.environ["AWS_ENDPOINT_URL"]
+    try:
+        with pytest.raises(CacheError, match=f"cache {url}: "):
+            push_engine(final, BinaryCache(url), keys["trusted"], root, progress=cut_after_three, batch=1)
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = direct
+    cache = BinaryCache(url)  # straight to the server, which kept what it was sent
+    assert cache.names("keys") == [] and cache.names("manifests") == [] and len(cache.names("objects")) == 3
+    assert check_cache(cache, keys["trust"]).problems == []  # what arrived is whole
+    with pytest.raises(IntegrityError, match="no entry signed by a trusted key"):
+        pull_engine(cache, final.id, keys["trust"], tmp_path / "engines")
+    again = push_engine(final, cache, keys["trusted"], root)
+    assert again.objects_skipped == 3 and again.objects_sent == len(objects_of(final)) - 3
+    assert pull_engine(cache, final.id, keys["trust"], tmp_path / "engines").engine.id == final.id
+
+
+# --- check, gc, keygen --------------------------------------------------------------------------------------
+
+
+def test_cache_check_names_a_damaged_object_and_gc_removes_only_what_no_entry_reaches(source, keys, tmp_path):
+    root, engines = source
+    url = f"file://{tmp_path}/cache"
+    cache = BinaryCache(url)
+    push_engine(engines["final"], cache, keys["trusted"], root)
+    push_engine(engines["stock"], cache, keys["trusted"], root)
+    assert check_cache(cache, keys["trust"]).problems == []
+    words = _tampered_object(cache, engines, keys)
+    problems = check_cache(cache, keys["trust"]).problems
+    assert len(problems) == 1 and words in problems[0]
+    # stock's entry goes (as if never pushed past its objects and manifest): gc takes what only it reached
+    (stock_key,) = index_keys(root, engines["stock"].id)
+    cache.remove(f"keys/{stock_key}.json")
+    only_stock = set(objects_of(engines["stock"])) - set(objects_of(engines["final"]))
+    assert gc_cache(cache).removed == []  # all of it younger than the default grace period
+    report = gc_cache(cache, grace_s=0)
+    expected = {f"manifests/{engines['stock'].id}.json", f"ids/{engines['stock'].id}/{stock_key}"}
+    expected |= {object_name(d) for d in only_stock}
+    assert set(report.removed) == expected
+    assert set(cache.names("objects")) == {d.split(":")[1] for d in objects_of(engines["final"])}
+    assert cache.names("manifests") == [f"{engines['final'].id}.json"]
+
+
+def test_keygen_writes_a_private_secret_and_prints_the_public_key(tmp_path, capsys):
+    out = tmp_path / "keys" / "ci-2.secret"
+    assert main(["cache", "keygen", "ci-2", "--out", str(out)]) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    public = capsys.readouterr().out.split("public key (add it to cache.trusted_public_keys): ")[1].strip()
+    key = load_signing_key(out)
+    assert key.public_line() == public and list(parse_public_keys([public], "t")) == ["ci-2"]
+    assert main(["cache", "keygen", "ci-2", "--out", str(out)]) == 2  # never overwrites a secret
+    assert "refusing to overwrite" in capsys.readouterr().err
