@@ -18,7 +18,12 @@ made per call (`xt`: one contiguous run per escape). The tuned configs differ by
 
 Where even the tuned kernel is slower than cuBLAS (M buckets 32 and 64 on most shapes: benchmarks/w12_gemm.md), a weight may
 keep its bf16 matrix too (`keep_dense`: memory for speed, the caller's choice); those buckets then run F.linear on
-it. Which buckets fall back is measured per shape and escape class (fallback_h200.json).
+it. Which buckets fall back is measured per shape and escape class (fallback_<gpu>.json).
+
+Tables per GPU model: `tuned_<gpu>.json` and `fallback_<gpu>.json` for the GPU this process runs on (`TABLE_GPU`:
+h100 or h200, from the CUDA device's name; `W12_TABLES=<gpu>` chooses another, to measure one GPU's tables on
+another). A GPU with no tables of its own runs the H200's, with a warning naming the GPU; `TABLES` records which
+files are in use, for what an engine reports.
 
 Per call, Python work is what varies: a `Plan` (one per weight and M bucket, made on the first call or by
 `prepare`) holds the compiled kernel, its grid and every launch argument that depends only on the weight,
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -117,11 +123,34 @@ def _load_table(name: str, value) -> dict[tuple[int, int, int, bool], object]:
     return {tuned_key(key): value(entry) for key, entry in entries.items() if not key.startswith("_")}
 
 
-# Configs picked on the H200, keyed by (N, K, M bucket: 8, 16, 32 or 64, heavy)
-TUNED: dict[tuple[int, int, int, bool], Config] = _load_table("tuned_h200.json", lambda cfg: Config(**cfg))
-# The fused kernel's speed over cuBLAS at each bucket's largest M, measured on the H200 (written by
+TABLE_GPUS = {"H100": "h100", "H200": "h200"}  # a substring of torch.cuda.get_device_name() -> its tables' suffix
+DEFAULT_TABLE_GPU = "h200"
+
+
+def table_gpu() -> str:
+    """Whose tables this process uses: W12_TABLES if set, else the current CUDA device's model, else the H200's."""
+    forced = os.environ.get("W12_TABLES")
+    if forced:
+        if forced not in TABLE_GPUS.values():
+            raise ValueError(f"W12_TABLES={forced!r}: tables exist for {', '.join(sorted(TABLE_GPUS.values()))}")
+        return forced
+    if not torch.cuda.is_available():
+        return DEFAULT_TABLE_GPU
+    name = torch.cuda.get_device_name()
+    for part, gpu in TABLE_GPUS.items():
+        if part in name:
+            return gpu
+    warnings.warn(f"W12: no tuned tables for {name}: running the H200's (tuned_h200.json)", stacklevel=2)
+    return DEFAULT_TABLE_GPU
+
+
+TABLE_GPU = table_gpu()
+TABLES = {"gpu": TABLE_GPU, "tuned": f"tuned_{TABLE_GPU}.json", "fallback": f"fallback_{TABLE_GPU}.json"}
+# Configs picked on TABLE_GPU, keyed by (N, K, M bucket: 8, 16, 32 or 64, heavy)
+TUNED: dict[tuple[int, int, int, bool], Config] = _load_table(TABLES["tuned"], lambda cfg: Config(**cfg))
+# The fused kernel's speed over cuBLAS at each bucket's largest M, measured on TABLE_GPU (written by
 # `specpilot_lab.w12_bench --save-fallback`, promoted by `make w12-promote`)
-SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_table("fallback_h200.json", lambda e: float(e["speedup"]))
+SPEEDUPS: dict[tuple[int, int, int, bool], float] = _load_table(TABLES["fallback"], lambda e: float(e["speedup"]))
 DEFAULT_FALLBACK = (32, 64)  # unmeasured: W12 was below cuBLAS at M = 32 on 22 of 24 shape x family cases
 # and at M = 64 on all 24 (benchmarks/w12_gemm.md)
 

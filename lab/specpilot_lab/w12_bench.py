@@ -41,6 +41,7 @@ from w12.format import W12Tensor, decode, encode
 from w12.gemm import (
     BUCKETS,
     FUSED_MAX_M,
+    TABLE_GPUS,
     TUNED,
     Config,
     bucket_of,
@@ -757,11 +758,21 @@ def eager_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def save_tuned(result: dict, path: Path = RESULTS / "tuned_h200.json") -> None:
-    """Write the configs --pick chose over the package's tuned_h200.json into a candidate table at `path`
-    (benchmarks/results/, outside the package: `make w12-promote TABLE=<path>` moves it in), replacing those keys
-    only: the entries --pick does not time (bucket 64, the heavy ones) stay. --pick times Triton tiles: an entry's
-    kernel choice (ws) stays too."""
+def run_gpu(result: dict) -> str:
+    """The tables' suffix of the GPU a run was measured on (its `device` line), e.g. h100."""
+    device = str(result.get("device", ""))
+    for part, gpu in TABLE_GPUS.items():
+        if part in device:
+            return gpu
+    raise ValueError(f"the run's device {device!r} is none of {', '.join(TABLE_GPUS)}: no table name for it")
+
+
+def save_tuned(result: dict, path: Path | None = None) -> None:
+    """Write the configs --pick chose over the package's tuned_<gpu>.json (the run's GPU; the H200's where that GPU
+    has none yet) into a candidate table at `path` (default benchmarks/results/tuned_<gpu>.json, outside the
+    package: `make w12-promote TABLE=<path>` moves it in), replacing those keys only: the entries --pick does not
+    time (bucket 64, the heavy ones) stay. --pick times Triton tiles: an entry's kernel choice (ws) stays too."""
+    path = path or RESULTS / f"tuned_{run_gpu(result)}.json"
     keep = [f.name for f in dataclasses.fields(Config) if f.name != "kernel"]
     old = _base_table(path)
     entries = {key: cfg for key, cfg in old.items() if not key.startswith("_")}
@@ -775,15 +786,21 @@ def save_tuned(result: dict, path: Path = RESULTS / "tuned_h200.json") -> None:
     comment = old.get(
         "_comment", "Picked on an H200 (see benchmarks/w12_gemm.md); key: N,K,M bucket, or N,K,bucket,heavy"
     )
+    if old.get("_from"):
+        comment = (
+            f"Tiles of {len(picked)} keys re-picked on {result.get('device', '?')} by `specpilot_lab.w12_bench --pick`; "
+            f"{old['_from']}. Key: N,K,M bucket, or N,K,bucket,heavy"
+        )
     _write_candidate(path, {"_comment": comment, **entries})
     print(f"wrote {path}: {len(picked)} entries picked, {len(entries) - len(picked)} kept")
 
 
-def save_fallback(result: dict, path: Path = RESULTS / "fallback_h200.json") -> dict:
+def save_fallback(result: dict, path: Path | None = None) -> dict:
     """Write the fused kernel's speed over cuBLAS at each M bucket's largest M, per shape and escape class, over
     the package's fallback_h200.json into a candidate table at `path` (gemm.fallback_buckets falls back where it is
     below 1.0): the light class from the normal family, the heavy class from the geomean of HEAVY_CLASS. Replaces
     the keys this run measured, keeps the rest. `make w12-promote TABLE=<path>` moves it into the package."""
+    path = path or RESULTS / f"fallback_{run_gpu(result)}.json"
     fams = result["families"]
     classes = {False: ["normal"], True: [f for f in HEAVY_CLASS if f in fams]}
     measured = {}
@@ -817,9 +834,15 @@ def save_fallback(result: dict, path: Path = RESULTS / "fallback_h200.json") -> 
 
 
 def _base_table(path: Path) -> dict:
-    """The candidate at `path` if one was written already, else the package's table of that name."""
+    """The candidate at `path` if one was written already, else the package's table of that name, else (a GPU with
+    no table yet) the package's H200 table of that kind, marked `_from`."""
     source = path if path.exists() else PACKAGE / path.name
-    return json.loads(source.read_text()) if source.exists() else {}
+    if source.exists():
+        return json.loads(source.read_text())
+    h200 = PACKAGE / f"{path.name.split('_')[0]}_h200.json"
+    if not h200.exists():
+        return {}
+    return {**json.loads(h200.read_text()), "_from": f"entries not measured on this GPU are {h200.name}'s"}
 
 
 def _write_candidate(path: Path, table: dict) -> None:

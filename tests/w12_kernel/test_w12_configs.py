@@ -1,4 +1,4 @@
-"""Which fused-kernel config a W12 weight gets (kernels/w12/gemm.py, tuned_h200.json), on CPU: the tuned entries
+"""Which fused-kernel config a W12 weight gets (kernels/w12/gemm.py, tuned_<gpu>.json), on CPU: the tuned entries
 parse, a weight's escape count chooses between the light and the heavy entry, and the bucket fallbacks hold."""
 
 import json
@@ -10,7 +10,7 @@ import w12
 from specpilot_lab.w12_families import SHAPES, draw, normal_with_escapes
 from w12 import gemm
 
-TUNED_FILE = Path(gemm.__file__).with_name("tuned_h200.json")
+TUNED_FILE = Path(gemm.__file__).with_name(gemm.TABLES["tuned"])
 
 
 def test_tuned_keys_parse_and_name_round_trip():

@@ -13,7 +13,7 @@ from specpilot_lab import w12_bench as bench
 from specpilot_lab.w12_families import SHAPES, normal_with_escapes
 from w12 import gemm
 
-FALLBACK_FILE = Path(gemm.__file__).with_name("fallback_h200.json")
+FALLBACK_FILE = Path(gemm.__file__).with_name(gemm.TABLES["fallback"])
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,7 @@ class Runtime:
             "spec_draft_token_num": engine.draft_tokens,
             "spec_accept_token_num": engine.accepted_tokens,
             "finished_requests": engine.finished_requests,
+            "w12_tables": _w12_tables(),
             "internal_states": [{"avg_spec_accept_length": avg}],
         }
 
@@ -201,6 +203,12 @@ def _load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _w12_tables() -> dict | None:
+    """Which GPU's W12 tables this process runs (w12.gemm.TABLES), when the GEMM module is loaded."""
+    gemm = sys.modules.get("w12.gemm")
+    return dict(gemm.TABLES) if gemm is not None else None
 
 
 def _check_w12(dense_fallback: bool) -> None:
