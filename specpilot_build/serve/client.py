@@ -97,7 +97,10 @@ async def _post_all(url, bodies, concurrency, on_answer, timeout) -> Pass:
             raise SpecPilotError(f"request to {url}/generate failed: {exc!r}") from None
         wall = time.perf_counter() - start
         cpu = time.process_time() - cpu0
-    return Pass([a for a in answers if a is not None], wall, sum(gaps), cpu, concurrency)
+    received = [a for a in answers if a is not None]
+    if len(received) != len(answers):  # every worker ends only when the queue is empty: a gap is a bug, not data
+        raise SpecPilotError(f"{url}/generate: {len(answers) - len(received)} of {len(answers)} requests got no answer")
+    return Pass(received, wall, sum(gaps), cpu, concurrency)
 
 
 class progress_bar:
