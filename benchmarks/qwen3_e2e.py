@@ -217,10 +217,10 @@ def parse_args() -> argparse.Namespace:
 def drawn_model(shape: Qwen3Shape, family: str, seed: int, device: torch.device) -> Qwen3:
     """The model with every matrix drawn from `family` on `device` (seed + a fixed offset per matrix)."""
     model = Qwen3(shape, torch.bfloat16, device)
-    model.embed.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed, device))
-    model.lm_head.weight.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed + 1, device))
+    model.embed.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed, device, role="embed"))
+    model.lm_head.weight.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed + 1, device, role="embed"))
     for i, (name, linear) in enumerate(model.projections()):
-        linear.weight.copy_(draw(family, *linear.weight.shape, seed + 2 + i, device))
+        linear.weight.copy_(draw(family, *linear.weight.shape, seed + 2 + i, device, role=name.rsplit(".", 1)[1]))
         if (i + 1) % 64 == 0:
             say(f"  drew {i + 1} matrices ({name}){_memory(device)}")
     _synchronize(device)
