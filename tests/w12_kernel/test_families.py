@@ -52,9 +52,7 @@ def test_zeros_only_where_designed_and_lossless_through_w12(family):
     assert torch.equal(bits(w12.decode(w12.encode(w))), bits(w))
 
 
-def test_a_shape_of_the_27b_model_is_drawn_as_its_role():
-    """Without `role`, a SHAPES shape is its role; an unknown role is named."""
-    assert torch.equal(bits(draw("normal", 5120, 8192, seed=1)), bits(draw("normal", 5120, 8192, seed=1, role="o")))
+def test_an_unknown_role_is_named():
     with pytest.raises(ValueError, match="unknown role 'attn'; known: qkv, o, gate_up, down, embed"):
         draw("normal", 4, 4, seed=0, role="attn")
 
@@ -116,9 +114,9 @@ def normalised(w):
 
 
 def test_laplace_colspread_has_a_tenth_of_a_percent_exact_zeros_of_both_signs():
-    w = draw("laplace-colspread", 2048, 4096, seed=6)
+    w = draw("laplace-colspread", 1024, 4096, seed=6)
     zeros = bits(w)[w == 0]
-    assert zeros.numel() / w.numel() == pytest.approx(families.ZERO_FRACTION, rel=0.05)  # 8,389 expected, sd 92
+    assert zeros.numel() / w.numel() == pytest.approx(families.ZERO_FRACTION, rel=0.05)  # 4,194 expected, sd 65
     positive, negative = (zeros == 0).sum().item(), (zeros == -32768).sum().item()
     assert positive + negative == zeros.numel() and 0.45 < positive / zeros.numel() < 0.55
 
@@ -126,7 +124,7 @@ def test_laplace_colspread_has_a_tenth_of_a_percent_exact_zeros_of_both_signs():
 def test_laplace_colspread_spreads_scale_over_rows_and_columns():
     """Log-normal row and column scales (sigma 0.5 each), the seed's OUTLIER_COLUMNS 10-30x larger still."""
     cols = 4096
-    w = draw("laplace-colspread", 2048, cols, seed=7).double()
+    w = draw("laplace-colspread", 1024, cols, seed=7).double()
     chosen = families.outlier_columns(cols, seed=7)
     others = torch.ones(cols, dtype=torch.bool)
     others[chosen] = False
@@ -140,9 +138,9 @@ def test_laplace_colspread_spreads_scale_over_rows_and_columns():
 
 def test_laplace_colspread_is_laplace_once_the_scales_are_divided_out():
     """Kurtosis 6 (Laplace) per row of the scale-free matrix; the same matrix without zeros of its own design."""
-    w = draw("laplace-colspread", 1024, 8192, seed=8)
+    w = draw("laplace-colspread", 512, 8192, seed=8)
     assert row_kurtosis(normalised(w)) == pytest.approx(6.0, abs=0.4)
-    assert row_kurtosis(normalised(draw("normal", 1024, 8192, seed=8))) == pytest.approx(3.0, abs=0.15)
+    assert row_kurtosis(normalised(draw("normal", 512, 8192, seed=8))) == pytest.approx(3.0, abs=0.15)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
