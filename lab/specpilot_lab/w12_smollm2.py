@@ -151,7 +151,7 @@ def checkpoint_file(mirror: Path | None = None) -> tuple[Path, str]:
 
 def make_extract(out: Path, mirror: Path | None = None) -> Path:
     """Write the extract to `out` (kept only when its sha256 is EXTRACT_SHA256; an existing proven one is reused)."""
-    if out.is_file() and hashlib.sha256(out.read_bytes()).hexdigest() == EXTRACT_SHA256:
+    if is_extract(out):
         return out
     data = extract_bytes(*checkpoint_file(mirror))
     digest = hashlib.sha256(data).hexdigest()
@@ -162,6 +162,11 @@ def make_extract(out: Path, mirror: Path | None = None) -> Path:
     partial.write_bytes(data)
     partial.replace(out)
     return out
+
+
+def is_extract(path: Path) -> bool:
+    """`path` is a file whose sha256 is EXTRACT_SHA256."""
+    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == EXTRACT_SHA256
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -272,3 +272,17 @@ def test_host_cost_is_measured_side_by_side():
     assert slow_us >= 2000 > fast_us and 2000 <= gap_us < slow_us + 1
     timed = calls[4:]  # after one warm-up call per item
     assert len(timed) == 2 * 2 * 10 and timed[:2] == ["fast", "slow"] and timed[20:22] == ["slow", "fast"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_families_draw_on_the_gpu_at_the_27b_shapes(family):
+    """Every family draws a 27B-shaped matrix on the GPU, deterministically, lossless through W12 there; the two
+    tiled from checkpoints give the CPU's matrix (their rows are picked on the CPU)."""
+    n, k = families.SHAPES["gate_up"]
+    w = draw(family, n, k, seed=1, device="cuda", role="gate_up")
+    assert w.device.type == "cuda" and w.shape == (n, k) and w.dtype == torch.bfloat16
+    assert torch.equal(bits(w), bits(draw(family, n, k, seed=1, device="cuda", role="gate_up")))
+    assert torch.equal(bits(w12.decode(w12.encode(w))), bits(w))
+    if family in ("stories260k", "smollm2-135m"):
+        assert torch.equal(bits(w.cpu()), bits(draw(family, n, k, seed=1, role="gate_up")))
