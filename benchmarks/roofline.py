@@ -54,7 +54,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for family in parse_families(args.family):
         for name, (n, k) in shapes.items():
-            bf16s = [draw(family, n, k, seed=10 * i, device=device) for i in range(BUFFERS)]
+            bf16s = [draw(family, n, k, seed=10 * i, device=device, role=name) for i in range(BUFFERS)]
             rows += shape_rows(family, name, bf16s, args.ms, device, peak)
             del bf16s
             if device == "cuda":
