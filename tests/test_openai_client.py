@@ -2,7 +2,8 @@
 n-gram speculation, on a loopback port): chat and completions, streamed and not, with logprobs, as a new user
 calls them. The oracles are llama2.c's greedy continuation (golden_greedy.json) for the text and transformers'
 own forward for the logprobs; an unknown model is openai.NotFoundError, a parameter the server cannot honour
-openai.BadRequestError naming it.
+openai.BadRequestError naming it. Two fast tests check the token texts, bytes and offsets the logprobs carry
+on a sentencepiece (byte fallback) and a byte-level BPE tokenizer, where a character spans several tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from reference_runtime_helpers import (
     write_engine,
 )
 
+from specpilot_runtime.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, entries
+
 openai = pytest.importorskip("openai")
-pytestmark = pytest.mark.slow  # every test talks to the server the module starts
+slow = pytest.mark.slow  # each test that talks to the server the module starts
 
 ENGINE_ID = "id-openai"
 NEW_TOKENS = 24
@@ -110,6 +113,7 @@ def golden_text(tokenizer, golden, n: int) -> str:
 TWELVE = [(e, s, v) for e in ("chat", "completions") for s in (False, True) for v in ("plain", "logprobs", "unknown")]
 
 
+@slow
 @pytest.mark.parametrize("endpoint,stream,variant", TWELVE, ids=["-".join(map(str, c)) for c in TWELVE])
 def test_the_twelve_calls_a_new_user_tries(client, tokenizer, golden, oracle, endpoint, stream, variant):
     if variant == "unknown":
@@ -139,6 +143,7 @@ def test_the_twelve_calls_a_new_user_tries(client, tokenizer, golden, oracle, en
         assert top[1][1] == pytest.approx(float(oracle[4 + i].topk(2).values[1]), abs=1e-4)
 
 
+@slow
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 @pytest.mark.parametrize("prompt", STORY_PROMPTS[1:5])
 def test_streamed_answers_equal_the_whole_answer(client, endpoint, prompt):
@@ -156,6 +161,7 @@ def test_streamed_answers_equal_the_whole_answer(client, endpoint, prompt):
     assert len(whole["logprobs"]) == whole["usage"].completion_tokens
 
 
+@slow
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_string_ends_the_answer_before_it(client, tokenizer, golden, endpoint, stream):
@@ -165,6 +171,7 @@ def test_a_stop_string_ends_the_answer_before_it(client, tokenizer, golden, endp
     assert answer["finish"] == "stop"
 
 
+@slow
 def test_completion_text_offsets_index_the_text(client):
     answer = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40, logprobs=0)
     text, lp = answer.choices[0].text, answer.choices[0].logprobs
@@ -173,6 +180,7 @@ def test_completion_text_offsets_index_the_text(client):
     assert all(top == {token: logprob} for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
 
 
+@slow
 def test_echo_scores_the_prompt(client, golden, oracle):
     answer = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
     choice = answer.choices[0]
@@ -189,6 +197,7 @@ def test_echo_scores_the_prompt(client, golden, oracle):
     assert whole.choices[0].text.startswith(PROMPT + ",")
 
 
+@slow
 def test_the_engine_id_is_an_alias_of_the_served_model(client):
     assert [m.id for m in client.models.list()] == ["stories260K"]
     answer = client.completions.create(model=ENGINE_ID, prompt=PROMPT, max_tokens=4)
@@ -211,6 +220,7 @@ REFUSED = [
 ]
 
 
+@slow
 @pytest.mark.parametrize("endpoint,options,param", REFUSED, ids=[f"{e}-{p}" for e, _, p in REFUSED])
 def test_a_parameter_the_server_cannot_honour_is_a_bad_request_naming_it(client, endpoint, options, param):
     options = dict(options)
@@ -219,3 +229,45 @@ def test_a_parameter_the_server_cannot_honour_is_a_bad_request_naming_it(client,
         ask(client, endpoint, stream, max_tokens=4, **options)
     assert raised.value.param == param
     assert param in raised.value.message
+
+
+SPLIT_TEXT = "Once upon a café 😀 time"  # é and 😀 are several tokens (byte fallback / byte-level pieces)
+
+
+def byte_level_tokenizer():
+    """A small byte-level BPE (GPT-2's scheme, as SmolLM2's), trained here on a few words."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["Once upon a time there was a cat"] * 20, vocab_size=300, show_progress=False)
+    bpe.add_special_tokens(["<|endoftext|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("sentencepiece", marks=slow), "byte-level"]
+)  # loading stories260K's: 4 s
+def test_token_texts_bytes_and_offsets_add_up_to_the_text(kind, request):
+    from transformers import AutoTokenizer
+
+    if kind == "sentencepiece":
+        tok = AutoTokenizer.from_pretrained(str(request.getfixturevalue("stories_dir")))
+    else:
+        tok = byte_level_tokenizer()
+    ids = tok(SPLIT_TEXT)["input_ids"] + [tok.eos_token_id]
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert text == SPLIT_TEXT
+    items = entries(TokenTexts(tok, []), [(-1.0, i, None) for i in ids], [None] * len(ids))
+    content = chat_logprobs(items)["content"]
+    plain = [c for c, i in zip(content, ids) if i not in tok.all_special_ids]
+    assert b"".join(bytes(c["bytes"]) for c in plain) == SPLIT_TEXT.encode("utf-8")  # as OpenAI's bytes join
+    assert content[-1]["token"] == tok.eos_token
+    by_text = {c["token"] for c in plain}
+    assert {" upon", " time"} <= by_text  # a word keeps its leading space, though decoded alone it may not
+    offsets = completion_logprobs(items, 0)[0]["text_offset"]
+    for c, offset in zip(content, offsets):
+        token = c["token"].rstrip("\ufffd")
+        if token and c["token"] != tok.eos_token and not tok.bos_token == c["token"]:
+            assert text[offset : offset + len(token)] == token, (c["token"], offset)
+    assert offsets[-1] == len(text)  # EOS adds nothing to the text

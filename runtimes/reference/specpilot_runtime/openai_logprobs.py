@@ -8,12 +8,34 @@ A token's text is what it adds to the decoded text after the tokens before it: d
 token loses its leading space ("▁upon" -> "upon"), so each token (and each alternative) is decoded after a
 few tokens of context and the context's own text cut off. A special token (BOS, EOS, <|im_end|>) is shown by
 its name and adds nothing to the text, so `text_offset` indexes the choice's text. A token that ends inside
-a UTF-8 character shows U+FFFD; the token that completes it carries the whole character.
+a UTF-8 character shows U+FFFD there and the token that completes it the whole character; `bytes` are each
+token's own bytes (a byte-fallback piece `<0xF0>`, a byte-level BPE piece decoded), so the bytes of
+consecutive tokens join into the text's UTF-8, as OpenAI's do.
 """
 
 from __future__ import annotations
 
+import re
+
 CONTEXT_TOKENS = 6  # enough to settle a token's leading space and a split UTF-8 character
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the others for
+    256 + their rank."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_decoder()
 
 
 class TokenTexts:
@@ -23,6 +45,20 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self.special = set(tokenizer.all_special_ids)
         self.context = list(context[-CONTEXT_TOKENS:])
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = backend is not None and "ByteLevel" in str(backend.decoder)
+
+    def token_bytes(self, token: int, text: str) -> list[int]:
+        """The token's own bytes: its raw byte for a byte-fallback piece, its BPE bytes for a byte-level piece,
+        else its text's UTF-8."""
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if token in self.special or not isinstance(piece, str):
+            return list(text.encode("utf-8"))
+        if match := BYTE_PIECE.fullmatch(piece):
+            return [int(match[1], 16)]
+        if self.byte_level and all(c in BYTE_LEVEL for c in piece):
+            return [BYTE_LEVEL[c] for c in piece]
+        return list(text.encode("utf-8"))
 
     def texts(self, candidates: list[int]) -> list[str]:
         """What each candidate token would add after the context."""
@@ -42,10 +78,6 @@ class TokenTexts:
         return [text[len(before) :] if text.startswith(before) else text[len(settled) :] for text in after]
 
 
-def adds_text(texts: TokenTexts, token: int) -> bool:
-    return token not in texts.special
-
-
 def entries(texts: TokenTexts, chosen: list, tops: list) -> list[dict]:
     """One dict per token: its text, logprob (None for a prompt's first token) and best alternatives in
     engine order, advancing `texts` past each token."""
@@ -58,8 +90,13 @@ def entries(texts: TokenTexts, chosen: list, tops: list) -> list[dict]:
             {
                 "token": token_text,
                 "logprob": logprob,
-                "adds": len(token_text) if adds_text(texts, token) else 0,
-                "top": [(text, alt_logprob) for text, (alt_logprob, _, _) in zip(alt_texts, top)],
+                "bytes": texts.token_bytes(token, token_text),
+                # a split character is counted with the token that completes it
+                "adds": 0 if token in texts.special else len(token_text.rstrip("\ufffd")),
+                "top": [
+                    (text, alt_logprob, texts.token_bytes(alt, text))
+                    for text, (alt_logprob, alt, _) in zip(alt_texts, top)
+                ],
             }
         )
         texts.advance(token)
@@ -72,10 +109,9 @@ def chat_logprobs(items: list[dict]) -> dict:
             {
                 "token": item["token"],
                 "logprob": item["logprob"],
-                "bytes": list(item["token"].encode("utf-8")),
+                "bytes": item["bytes"],
                 "top_logprobs": [
-                    {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-                    for text, logprob in item["top"]
+                    {"token": text, "logprob": logprob, "bytes": raw} for text, logprob, raw in item["top"]
                 ],
             }
             for item in items
@@ -97,7 +133,7 @@ def completion_logprobs(items: list[dict], offset: int) -> tuple[dict, int]:
             tops.append(None)
             continue
         best: dict[str, float] = {}
-        for text, logprob in item["top"]:
+        for text, logprob, _ in item["top"]:
             best.setdefault(text, logprob)  # two ids with one text: the likelier (they come best first)
         best.setdefault(item["token"], item["logprob"])
         tops.append(best)
