@@ -47,6 +47,12 @@ class TokenTexts:
         self.context = list(context[-CONTEXT_TOKENS:])
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_level = backend is not None and "ByteLevel" in str(backend.decoder)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            # what tokenizer.decode does then, without its per-id Python conversions; one at a time (decode_batch's
+            # thread pool only adds contention for two dozen short sequences)
+            self.decode_batch = lambda seqs: [backend.decode(ids, skip_special_tokens=True) for ids in seqs]
+        else:
+            self.decode_batch = lambda seqs: tokenizer.batch_decode(seqs, skip_special_tokens=True)
 
     def token_bytes(self, token: int, text: str) -> list[int]:
         """The token's own bytes: its raw byte for a byte-fallback piece, its BPE bytes for a byte-level piece,
@@ -72,8 +78,7 @@ class TokenTexts:
     def _after(self, candidates: list[int]) -> list[str]:
         if not candidates:
             return []
-        decode = self.tokenizer.batch_decode
-        before, *after = decode([self.context] + [self.context + [c] for c in candidates], skip_special_tokens=True)
+        before, *after = self.decode_batch([self.context] + [self.context + [c] for c in candidates])
         settled = before.rstrip("\ufffd")  # a character the candidate may complete
         return [text[len(before) :] if text.startswith(before) else text[len(settled) :] for text in after]
 
