@@ -46,7 +46,8 @@ class GenerationRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
-    # emit(kind, payload): "text" (streamed text so far), "done" (result dict), "error" (message).
+    # emit(kind, payload): "text" (streamed text so far), "logprobs" (streamed with return_logprob: the output
+    # token and top logprobs since the last such event), "done" (result dict), "error" (message).
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -69,6 +70,7 @@ class Sequence:
     finish_reason: dict | None = None
     text: str = ""
     streamed_upto: int = 0
+    streamed_logprobs: int = 0
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMED_PARTS, 0.0))
     input_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
@@ -294,6 +296,9 @@ class Engine:
         return None
 
     def _stream(self, seq: Sequence) -> None:
+        if seq.request.return_logprob:
+            sent, seq.streamed_logprobs = seq.streamed_logprobs, len(seq.output_logprobs)
+            seq.request.emit("logprobs", (seq.output_logprobs[sent:], seq.output_top_logprobs[sent:]))
         text = self._decode(seq.output_ids)
         hold = max((len(s) for s in seq.request.stop_strings), default=1) - 1
         upto = len(text) - hold

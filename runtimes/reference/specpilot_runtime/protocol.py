@@ -2,7 +2,9 @@
 
 Every malformed request becomes an `ApiError` (a 4xx with a message), never an exception in the engine.
 Decoding is greedy only: temperature 0 (or absent) is accepted, anything that would change the argmax
-(temperature > 0, penalties, min_new_tokens) is refused with 400.
+(temperature > 0, penalties, min_new_tokens) is refused with 400. The OpenAI endpoints refuse, naming it, a
+parameter this server cannot honour (tools, response_format, n > 1, ...) or does not know (as OpenAI does),
+and a `model` other than the served name or the engine id with 404 (`check_model`).
 
 `load_json` turns the raw body into plain JSON values and refuses, with 400, what the parsers below must
 never see: invalid UTF-8 or JSON, NaN/Infinity, integers longer than Python's 4,300-digit conversion limit,
@@ -22,7 +24,7 @@ from .engine import GenerationRequest
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (its completions allow 5; here 20 too)
 GREEDY_TEMPERATURE = 1e-5  # SGLang treats temperatures this small as greedy
 
 # Sampling parameters that are meaningless under greedy decoding whatever their value.
@@ -56,16 +58,79 @@ GENERATE_KEYS = {
     "rid",
     "token_ids_logprob",
 }
+# OpenAI request fields: the ones honoured, and the ones accepted without effect (bookkeeping for OpenAI's own
+# service, or sampling knobs that greedy decoding makes moot).
+OPENAI_KEYS = {
+    "model",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "logprobs",
+    "temperature",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    *IGNORED_SAMPLING,
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "parallel_tool_calls",
+}
+COMPLETION_KEYS = OPENAI_KEYS | {"prompt", "echo", "best_of", "suffix", "logit_bias"}
+CHAT_KEYS = OPENAI_KEYS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+}
+# Known OpenAI parameters that would change the answer: accepted only at these values (or null).
+UNHONOURED = {
+    "best_of": (1,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
 MAX_JSON_DEPTH = 32  # the deepest valid body nests 4 levels (messages[i].content[j].text)
 COUNT_FIRST_CHARS = 4096  # texts longer than this are counted before they are tokenized into a list
 MAX_INT_DIGITS = 4300  # Python's default int_max_str_digits: longer integers cannot even be printed
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400):
+    """A refused request: the HTTP status, a message, and (OpenAI's error fields) the parameter and a code."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -200,12 +265,19 @@ def parse_completion(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
     elif isinstance(prompt, list):
         input_ids = _token_ids(prompt, "prompt", limits)
     else:
-        raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)")
-    _require(not body.get("echo"), "'echo' is not supported; use /generate with logprob_start_len")
-    _require(
-        body.get("logprobs") in (None, False, 0), "'logprobs' is not supported here; use /generate with return_logprob"
-    )
-    return _openai_request(body, input_ids, limits, "max_tokens")
+        raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
+    _known_keys(body, COMPLETION_KEYS)
+    echo = body.get("echo") is not None and _bool(body["echo"], "echo")
+    top_n = body.get("logprobs")
+    if top_n is not None:
+        top_n = _int(top_n, "logprobs")
+        _require(top_n <= MAX_TOP_LOGPROBS, f"'logprobs' must be at most {MAX_TOP_LOGPROBS}", param="logprobs")
+        _require(
+            not (echo and body.get("stream") is True),
+            "'echo' with 'logprobs' is not streamed: send stream=false (the prompt's logprobs come at the end)",
+            param="echo",
+        )
+    return _openai_request(body, input_ids, limits, "max_tokens", top_n, echo)
 
 
 def parse_chat(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
@@ -230,7 +302,13 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
             content = "".join(p["text"] for p in content)
         _require(isinstance(content, str), f"messages[{i}].content must be a string")
         plain.append({"role": message["role"], "content": content})
-    _require(not body.get("logprobs"), "'logprobs' is not supported here; use /generate with return_logprob")
+    _known_keys(body, CHAT_KEYS)
+    top_n = None
+    if body.get("logprobs") is not None and _bool(body["logprobs"], "logprobs"):
+        top_n = 0 if body.get("top_logprobs") is None else _int(body["top_logprobs"], "top_logprobs")
+        _require(top_n <= MAX_TOP_LOGPROBS, f"'top_logprobs' must be at most {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    else:
+        _require(body.get("top_logprobs") is None, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if getattr(tokenizer, "chat_template", None):
         input_ids = list(
             tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -238,7 +316,23 @@ def parse_chat(body, tokenizer, limits: ModelLimits) -> GenerationRequest:
     else:
         input_ids = encode_text(tokenizer, "\n".join(m["content"] for m in plain), limits.context_length)
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _openai_request(body, input_ids, limits, max_key)
+    return _openai_request(body, input_ids, limits, max_key, top_n)
+
+
+def check_model(body, served: tuple[str, ...]) -> None:
+    """An OpenAI body's `model`, when given, must be one of the names this server answers to (else 404)."""
+    if not isinstance(body, dict) or body.get("model") is None:
+        return
+    model = body["model"]
+    _require(isinstance(model, str), "'model' must be a string", param="model")
+    if model not in served:
+        raise ApiError(
+            f"The model '{_ascii(model)}' does not exist on this server; it serves '{_ascii(served[0])}' "
+            "(GET /v1/models)",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
 
 
 def encode_text(tokenizer, text: str, context_length: int | None = None) -> list[int]:
@@ -256,8 +350,17 @@ def encode_text(tokenizer, text: str, context_length: int | None = None) -> list
 
 
 # ------------------------------------------------------------------ helpers
-def _openai_request(body: dict, input_ids: list[int], limits: ModelLimits, max_key: str) -> GenerationRequest:
-    _require(body.get("model") is None or isinstance(body["model"], str), "'model' must be a string")
+def _openai_request(
+    body: dict, input_ids: list[int], limits: ModelLimits, max_key: str, top_logprobs: int | None, echo: bool = False
+) -> GenerationRequest:
+    """The engine request of an OpenAI body; `top_logprobs` None: no logprobs; `echo`: the prompt's too."""
+    _require(body.get("model") is None or isinstance(body["model"], str), "'model' must be a string", param="model")
+    for key, accepted in UNHONOURED.items():
+        _require(
+            body.get(key) is None or any(body[key] == a for a in accepted),
+            f"'{key}' is not supported by this server (greedy text generation only)",
+            param=key,
+        )
     options = body.get("stream_options")
     _require(options is None or isinstance(options, dict), "'stream_options' must be a JSON object")
     if options is not None:
@@ -277,6 +380,9 @@ def _openai_request(body: dict, input_ids: list[int], limits: ModelLimits, max_k
         max_new_tokens=_int(max_tokens, max_key),
         stop_token_ids=_stop_ids(body, limits),
         stop_strings=_stop_strings(body.get("stop"), "stop"),
+        return_logprob=top_logprobs is not None,
+        logprob_start_len=0 if echo and top_logprobs is not None else -1,
+        top_logprobs_num=top_logprobs or 0,
         stream=_bool(body.get("stream", False), "stream"),
     )
     _check_sampling(
@@ -298,20 +404,29 @@ def _openai_request(body: dict, input_ids: list[int], limits: ModelLimits, max_k
     return request
 
 
+def _known_keys(body: dict, known: set[str]) -> None:
+    for key, value in body.items():
+        _require(key in known or value is None, f"unknown parameter '{_ascii(key)}'", param=_ascii(key))
+
+
 def _check_sampling(params: dict, where: str, extra_allowed: set[str] = frozenset()) -> None:
     for key, value in params.items():
         if key == "temperature":
             _require(
                 value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0),
                 f"{where}.temperature must be a number >= 0",
+                param=key,
             )
             _require(
-                value is None or value <= GREEDY_TEMPERATURE, "only greedy decoding is supported: set temperature to 0"
+                value is None or value <= GREEDY_TEMPERATURE,
+                "only greedy decoding is supported: set temperature to 0",
+                param=key,
             )
         elif key in NEUTRAL_SAMPLING:
             _require(
                 value is None or value == NEUTRAL_SAMPLING[key],
                 f"{where}.{key}={_ascii(repr(value))} is not supported (greedy decoding only)",
+                param=key,
             )
         elif key not in IGNORED_SAMPLING and key not in extra_allowed:
             raise ApiError(f"unknown sampling parameter {where}.{_ascii(key)}")
@@ -369,29 +484,32 @@ def _token_ids(ids, where: str, limits: ModelLimits, allow_empty: bool = False) 
 
 
 def _int(value, where: str, minimum: int = 0) -> int:
-    _require(isinstance(value, int) and not isinstance(value, bool), f"'{where}' must be an integer")
-    _require(value >= minimum, f"'{where}' must be >= {minimum}")
+    _require(isinstance(value, int) and not isinstance(value, bool), f"'{where}' must be an integer", param=where)
+    _require(value >= minimum, f"'{where}' must be >= {minimum}", param=where)
     return value
 
 
 def _bool(value, where: str) -> bool:
-    _require(isinstance(value, bool), f"'{where}' must be true or false")
+    _require(isinstance(value, bool), f"'{where}' must be true or false", param=where)
     return value
 
 
-def _require(condition, message: str) -> None:
+def _require(condition, message: str, param: str | None = None) -> None:
     if not condition:
-        raise ApiError(message)
+        raise ApiError(message, param=param)
 
 
 # ------------------------------------------------------------------ OpenAPI description
-def request_schemas(limits: ModelLimits) -> dict[str, type]:
-    """Pydantic models of the three request bodies, bounded by this model's limits, for the OpenAPI schema.
+def request_schemas(limits: ModelLimits, served: tuple[str, ...]) -> dict[str, type]:
+    """Pydantic models of the three request bodies, bounded by this model's limits and naming the models
+    served (`served`: the names an OpenAI body's `model` may give), for the OpenAPI schema.
 
     They describe what the parsers above accept (a body the model validates may still be refused for its
     length: prompt plus new tokens must fit the context); they are documentation and fuzzing input, the
     parsers stay the validation.
     """
+    from typing import Any
+
     from pydantic import BaseModel, ConfigDict, Field
 
     TokenId = Annotated[int, Field(ge=0, lt=limits.vocab_size)]
@@ -436,8 +554,10 @@ def request_schemas(limits: ModelLimits) -> dict[str, type]:
     class StreamOptions(BaseModel):
         include_usage: bool | None = None
 
-    class OpenAIRequest(BaseModel):  # OpenAI clients send more fields than these; unknown ones are ignored
-        model: str | None = None
+    TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+    class OpenAIRequest(Strict):  # an unknown field is refused, as OpenAI refuses one
+        model: Literal[served] | None = None  # type: ignore[valid-type]
         stop: Stop = None
         stop_token_ids: list[TokenId] | None = None
         ignore_eos: bool = False
@@ -449,14 +569,22 @@ def request_schemas(limits: ModelLimits) -> dict[str, type]:
         n: Literal[1] | None = None
         stream: bool = False
         stream_options: StreamOptions | None = None
+        parallel_tool_calls: Any = None  # accepted without effect, as these below
+        user: Any = None
+        metadata: Any = None
+        store: Any = None
+        service_tier: Any = None
+        prompt_cache_key: Any = None
+        safety_identifier: Any = None
 
     class CompletionRequest(OpenAIRequest):
         """OpenAI /v1/completions: one prompt, as text or token ids."""
 
         prompt: str | TokenIds
         max_tokens: NewTokens | None = DEFAULT_MAX_TOKENS
-        echo: Literal[False] | None = None
-        logprobs: Literal[0] | None = None
+        echo: bool | None = None
+        best_of: Literal[1] | None = None
+        logprobs: TopLogprobs | None = None
 
     class TextPart(BaseModel):
         type: Literal["text"]
@@ -472,7 +600,9 @@ def request_schemas(limits: ModelLimits) -> dict[str, type]:
         messages: Annotated[list[ChatMessage], Field(min_length=1)]
         max_tokens: NewTokens | None = None
         max_completion_tokens: NewTokens | None = None
-        logprobs: Literal[False] | None = None
+        logprobs: bool | None = None
+        top_logprobs: TopLogprobs | None = None
+        tool_choice: Literal["none"] | None = None
 
     return {
         "/generate": GenerateRequest,

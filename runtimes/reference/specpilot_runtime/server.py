@@ -37,7 +37,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .config import RuntimeConfigError
 from .engine import GenerationRequest
-from .protocol import ApiError, load_json, parse_chat, parse_completion, parse_generate, request_schemas
+from .openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, entries
+from .protocol import (
+    ApiError,
+    check_model,
+    load_json,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    request_schemas,
+)
 from .runtime import Runtime, load_runtime
 
 HEALTH_GENERATE_TIMEOUT_S = 30
@@ -49,7 +58,6 @@ HEAVY_BODY_BYTES = 64 * 1024  # bodies this large are parsed and tokenized one a
 HEAVY_PARSE_NICE = 10
 TRIM_DELAY_S = 1.0  # after a big body: malloc_trim, whatever else runs
 IDLE_TRIM_S = 1.0  # after the last request in flight: malloc_trim if still idle
-ERROR_TYPES = {400: "BadRequestError", 408: "RequestTimeoutError", 413: "RequestTooLargeError"}
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -64,6 +72,7 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="specpilot reference runtime", default_response_class=AsciiJSONResponse)
     tokenizer, limits = runtime.tokenizer, runtime.limits
+    served = (runtime.config.model_name, runtime.engine_id)  # what an OpenAI body's `model` may name
     heavy = ThreadPoolExecutor(1, thread_name_prefix="heavy-parse", initializer=_lower_priority)
     app.add_middleware(TrimWhenIdle)
 
@@ -94,13 +103,9 @@ def build_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith("/v1/"):  # OpenAI's shape: what its clients read into their exceptions
             body = {
-                "object": "error",
-                "message": exc.message,
-                "type": ERROR_TYPES.get(exc.status, "BadRequestError"),
-                "param": None,
-                "code": exc.status,
+                "error": {"message": exc.message, "type": "invalid_request_error", "param": exc.param, "code": exc.code}
             }
         else:
             body = {"error": {"message": exc.message, "code": exc.status}}
@@ -109,9 +114,10 @@ def build_app(
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         logging.getLogger("specpilot_runtime").exception("request failed")
-        return AsciiJSONResponse(
-            {"error": {"message": f"internal error: {exc!r}"[:2000], "code": 500}}, status_code=500
-        )
+        error = {"message": f"internal error: {exc!r}"[:2000], "code": 500}
+        if request.url.path.startswith("/v1/"):
+            error.update(type="server_error", param=None, code=None)
+        return AsciiJSONResponse({"error": error}, status_code=500)
 
     @app.get("/health")
     async def health():
@@ -156,7 +162,7 @@ def build_app(
             ],
         }
 
-    schemas = request_schemas(limits)
+    schemas = request_schemas(limits, served)
 
     def documented(path: str) -> dict:
         """The route's OpenAPI extras: its request model and the error answers it gives."""
@@ -166,6 +172,7 @@ def build_app(
             "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}},
             "responses": {
                 400: {"description": "malformed request", **error},
+                404: {"description": "the model named is not served here (OpenAI routes)", **error},
                 408: {"description": "the body did not arrive in time", **error},
                 413: {"description": "the body is over the size limit", **error},
             },
@@ -181,14 +188,23 @@ def build_app(
             _add_logprob_text(result["meta_info"], tokenizer)
         return result
 
+    def for_model(parse):
+        """An OpenAI parser that first answers 404 for a model this server does not serve."""
+
+        def checked(body, tokenizer, limits):
+            check_model(body, served)
+            return parse(body, tokenizer, limits)
+
+        return checked
+
     @app.post("/v1/completions", **documented("/v1/completions"))
     async def completions(request: Request):
-        body, req = await parsed(request, parse_completion)
+        body, req = await parsed(request, for_model(parse_completion))
         return await _openai(runtime, req, body, chat=False)
 
     @app.post("/v1/chat/completions", **documented("/v1/chat/completions"))
     async def chat_completions(request: Request):
-        body, req = await parsed(request, parse_chat)
+        body, req = await parsed(request, for_model(parse_chat))
         return await _openai(runtime, req, body, chat=True)
 
     def openapi() -> dict:
@@ -245,6 +261,8 @@ async def _events(runtime: Runtime, req: GenerationRequest):
 
 async def _stream_generate(runtime: Runtime, req: GenerationRequest, text_in_logprobs: bool):
     async for kind, payload in _events(runtime, req):
+        if kind == "logprobs":  # SGLang streams them in meta_info; here they come with the final result
+            continue
         if kind == "text":
             yield {"text": payload, "meta_info": {"finish_reason": None}}
         else:
@@ -254,18 +272,35 @@ async def _stream_generate(runtime: Runtime, req: GenerationRequest, text_in_log
 
 
 async def _openai(runtime: Runtime, req: GenerationRequest, body: dict, chat: bool):
-    model = body.get("model") or runtime.config.model_name
+    """An OpenAI completion or chat answer (or its SSE stream) for the parsed request."""
+    tokenizer = runtime.tokenizer
+    model = runtime.config.model_name  # also when the body named the engine id
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
+    echo = not chat and body.get("echo") is True
+    prompt = _prompt_text(tokenizer, body, req.input_ids) if echo else ""
+    # With echo the prompt's own tokens are scored too, from its first token on.
+    texts = TokenTexts(tokenizer, [] if req.logprob_start_len == 0 else req.input_ids)
+
+    def logprobs_of(chosen: list, tops: list, offset: int = 0) -> tuple[dict, int]:
+        items = entries(texts, chosen, tops)
+        return (chat_logprobs(items), 0) if chat else completion_logprobs(items, offset)
+
     if not req.stream:
         result = await _generate(runtime, req)
         meta = result["meta_info"]
+        logprobs = None
+        if req.return_logprob:
+            chosen, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+            if req.logprob_start_len == 0:
+                chosen, tops = meta["input_token_logprobs"] + chosen, meta["input_top_logprobs"] + tops
+            logprobs, _ = await run_in_threadpool(logprobs_of, chosen, tops)
         choice = {"index": 0, "finish_reason": _openai_finish(meta), "matched_stop": _matched(meta)}
         if chat:
-            choice["message"] = {"role": "assistant", "content": result["text"]}
+            choice.update(message={"role": "assistant", "content": result["text"]}, logprobs=logprobs)
         else:
-            choice.update(text=result["text"], logprobs=None)
+            choice.update(text=prompt + result["text"], logprobs=logprobs)
         return {
             "id": ident,
             "object": obj,
@@ -277,12 +312,12 @@ async def _openai(runtime: Runtime, req: GenerationRequest, body: dict, chat: bo
 
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-    def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> dict:
+    def chunk(delta: str | None, finish: str | None = None, first: bool = False, logprobs=None) -> dict:
         if chat:
             piece = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": piece, "finish_reason": finish}
+            choice = {"index": 0, "delta": piece, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
         return {
             "id": ident,
             "object": obj + ".chunk" if chat else obj,
@@ -292,14 +327,29 @@ async def _openai(runtime: Runtime, req: GenerationRequest, body: dict, chat: bo
         }
 
     async def stream():
-        sent = ""
+        sent, offset, streamed, pending = "", 0, 0, ([], [])
         if chat:
             yield chunk(None, first=True)
+        if prompt:
+            yield chunk(prompt)
         async for kind, payload in _events(runtime, req):
+            if kind == "logprobs":  # this step's tokens: sent with the text that follows (held back text waits)
+                pending[0].extend(payload[0])
+                pending[1].extend(payload[1])
+                continue
             text = payload if kind == "text" else payload["text"]
-            if len(text) > len(sent):
-                yield chunk(text[len(sent) :])
-                sent = text
+            if kind == "done" and req.return_logprob:  # the tokens no step streamed (the last step's)
+                meta = payload["meta_info"]
+                pending = (meta["output_token_logprobs"][streamed:], meta["output_top_logprobs"][streamed:])
+            delta = text[len(sent) :] if len(text) > len(sent) else ""
+            if delta or pending[0]:
+                logprobs = None
+                if req.return_logprob:
+                    logprobs, offset = logprobs_of(*pending, offset)  # (echo with logprobs is not streamed)
+                    streamed += len(pending[0])
+                    pending = ([], [])
+                yield chunk(delta, logprobs=logprobs)
+                sent = text if delta else sent
             if kind == "done":
                 meta = payload["meta_info"]
                 yield chunk(None, _openai_finish(meta))
@@ -314,6 +364,14 @@ async def _openai(runtime: Runtime, req: GenerationRequest, body: dict, chat: bo
                     }
 
     return _sse(stream())
+
+
+def _prompt_text(tokenizer, body: dict, input_ids: list[int]) -> str:
+    """The prompt as `echo` gives it back: the text sent, else the token ids decoded."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(input_ids, skip_special_tokens=True)
 
 
 def _sse(chunks) -> StreamingResponse:
