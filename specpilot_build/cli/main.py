@@ -134,12 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="secret key file that signs the entry (default $SPECPILOT_CACHE_KEY; `specpilot cache keygen`)",
     )
+    _progress_argument(p)
     p.set_defaults(handler=_push)
     p = verbs.add_parser(
         "pull", help="copy an engine from a binary cache into the store; signature, manifest and objects checked"
     )
     p.add_argument("engine", help="engine id, or a unique prefix of one the cache holds")
     _cache_arguments(p)
+    _progress_argument(p)
     p.set_defaults(handler=_pull)
     cache = verbs.add_parser("cache", help="binary caches of engines (ls, check, gc, keygen)")
     caches = cache.add_subparsers(dest="cache_verb", required=True, metavar="ACTION")
@@ -368,6 +370,15 @@ def _cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the cache group, e.g. cache=team")
 
 
+def _progress_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr (bytes, rate, time left); default: only when stderr is a terminal",
+    )
+
+
 def _cache_of(args):
     """(the cache named by --cache or the config's first substituter, the cache settings)."""
     from specpilot_build.cache.remote import BinaryCache
@@ -386,6 +397,7 @@ def _cache_of(args):
 
 
 def _push(args) -> int:
+    from specpilot_build.cache.progress import meter_for
     from specpilot_build.cache.push import push_engine
     from specpilot_build.cache.signing import load_signing_key
     from specpilot_build.store.engines import resolve_engine, store_root
@@ -397,17 +409,20 @@ def _push(args) -> int:
             "push signs its entries: pass --key FILE (make push KEY=FILE) or set SPECPILOT_CACHE_KEY; "
             "`specpilot cache keygen NAME` makes a key pair"
         )
-    summary = push_engine(resolve_engine(args.engine), cache, load_signing_key(secret), store_root())
+    meter = meter_for(args.progress)
+    summary = push_engine(resolve_engine(args.engine), cache, load_signing_key(secret), store_root(), meter=meter)
     print(summary.line(cache))
     return 0
 
 
 def _pull(args) -> int:
+    from specpilot_build.cache.progress import meter_for
     from specpilot_build.cache.pull import pull_engine
     from specpilot_build.store.engines import store_root
 
     cache, settings = _cache_of(args)
-    print(pull_engine(cache, args.engine, settings.trusted, store_root()).summary(cache))
+    pulled = pull_engine(cache, args.engine, settings.trusted, store_root(), meter=meter_for(args.progress))
+    print(pulled.summary(cache))
     return 0
 
 
@@ -431,7 +446,8 @@ def _cache_check(args) -> int:
     for line in report.problems:
         print(line)
     print(
-        f"{cache}: {report.entries} entries, {report.manifests} manifests, {report.objects} objects; "
+        f"{cache}: {report.entries} entries, {report.manifests} manifests, {report.objects} objects "
+        f"({report.packs} packs); "
         f"{len(report.problems)} problem(s)"
     )
     return 1 if report.problems else 0
