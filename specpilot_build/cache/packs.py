@@ -135,14 +135,16 @@ def spans(wanted: dict[str, Located], gap: int | None = None, limit: int | None 
     for pack, items in sorted(by_pack.items()):
         items.sort(key=lambda item: item[1].offset)
         group: list[tuple[str, Located]] = []
+        start = end = 0
         for name, place in items:
-            if group:
-                start, end = group[0][1].offset, max(p.offset + p.length for _, p in group)
-                if place.offset - end > gap or end - start >= limit:
-                    out.append(Span(pack, start, end, tuple(group)))
-                    group = []
+            if group and (place.offset - end > gap or end - start >= limit):
+                out.append(Span(pack, start, end, tuple(group)))
+                group = []
+            if not group:
+                start = end = place.offset
             group.append((name, place))
-        out.append(Span(pack, group[0][1].offset, max(p.offset + p.length for _, p in group), tuple(group)))
+            end = max(end, place.offset + place.length)
+        out.append(Span(pack, start, end, tuple(group)))
     return out
 
 

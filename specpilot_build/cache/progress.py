@@ -8,17 +8,7 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from typing import Any
 
 
 class Meter:
@@ -44,6 +34,16 @@ class BarMeter(Meter):
     """A rich bar per transfer on stderr: what, bytes done of the total, rate, time left."""
 
     def __init__(self, force: bool = False) -> None:
+        from rich.console import Console  # rich takes ~0.4 s to import: only when a bar is shown
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
         self._progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -53,7 +53,7 @@ class BarMeter(Meter):
             console=Console(stderr=True, force_terminal=force or None),
             transient=False,
         )
-        self._task: TaskID | None = None
+        self._task: Any = None  # rich's TaskID
 
     def start(self, what: str, total_bytes: int) -> None:
         if self._task is None:

@@ -251,9 +251,12 @@ def _materialise(
     eid = blake3.blake3(canonical_json(manifest)).hexdigest()
     known: dict[str, tuple[FileEntry, tuple[int, int]]] = {}
     wanted: dict[str, list[FileEntry]] = {}  # digest -> the entries holding it, in manifest order
+    made: set[Path] = set()
     for entry in manifest["files"]:
         path = tree / entry["path"]
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent not in made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made.add(path.parent)
         obj = object_path(root, entry["blake3"], entry["exec"])
         if entry["blake3"] not in wanted and object_state(obj, entry["size"], entry["blake3"], entry["exec"]) == "ok":
             os.link(obj, path)
