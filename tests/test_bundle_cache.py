@@ -22,6 +22,7 @@ from specpilot_build.cache.remote import BinaryCache
 from specpilot_build.cli.main import main
 from specpilot_build.store.engines import Engine, check_engine
 
+pytestmark = pytest.mark.slow  # each test packs or unpacks an xz archive of the engines
 PART_MB = "0.25"
 moto, source, keys = test_cache.moto, test_cache.source, test_cache.keys  # the same fixtures, this module's scope
 

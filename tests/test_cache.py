@@ -714,3 +714,62 @@ def test_keygen_writes_a_private_secret_and_prints_the_public_key(tmp_path, caps
     assert key.public_line() == public and list(parse_public_keys([public], "t")) == ["ci-2"]
     assert main(["cache", "keygen", "ci-2", "--out", str(out)]) == 2  # never overwrites a secret
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+# --- progress -----------------------------------------------------------------------------------------------
+
+
+def _cli(args: list[str], env: dict[str, str], tty: bool) -> tuple[int, str, str]:
+    """A `specpilot` process whose stderr is a terminal (a pty) or a pipe: (exit status, stdout, stderr)."""
+    import pty
+
+    if not tty:
+        done = subprocess.run(
+            [sys.executable, "-m", "specpilot_build.cli", *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True
+        )
+        return done.returncode, done.stdout, done.stderr
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specpilot_build.cli", *args],
+        env={**env, "COLUMNS": "160"},
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        text=True,
+    )
+    os.close(slave)
+    chunks = []
+    with contextlib.suppress(OSError):  # EIO once the child has closed the terminal
+        while chunk := os.read(master, 65536):
+            chunks.append(chunk)
+    os.close(master)
+    out = proc.stdout.read()
+    return proc.wait(60), out, b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+def test_push_and_pull_show_bytes_rate_and_time_left_on_a_terminal_and_nothing_on_a_pipe(source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    url = f"file://{tmp_path}/cache"
+    total = sum(objects_of(final).values())
+    env = {**os.environ, "SPECPILOT_ENGINES": str(root), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("SPECPILOT_DEBUG", None)
+    code, out, err = _cli(["push", final.id, "--cache", url, "--key", str(keys["secret"])], env, tty=True)
+    assert code == 0 and "pushed" in out
+    # rich's last frame: what, the bar, bytes done of the total (decimal units), the rate, the time left
+    from rich.filesize import decimal
+
+    done = decimal(total).split()  # e.g. ['61.2', 'kB']
+    assert f"push {final.id[:12]}" in err and f"{done[0]}/{done[0]} {done[1]}" in err and "/s" in err
+    for tty in (False, True):
+        env["SPECPILOT_ENGINES"] = str(tmp_path / f"store-{tty}")
+        code, out, err = _cli(["pull", final.id, "--cache", url, "--trust", keys["public"]], env, tty=tty)
+        assert code == 0 and "pulled from" in out
+        if tty:
+            assert f"pull {final.id[:12]}" in err and f"{done[0]}/{done[0]} {done[1]}" in err and "/s" in err
+        else:
+            assert err == ""  # not a terminal: quiet
+    env["SPECPILOT_ENGINES"] = str(tmp_path / "store-asked")
+    code, out, err = _cli(["pull", final.id, "--cache", url, "--trust", keys["public"], "--progress"], env, tty=False)
+    assert code == 0 and f"pull {final.id[:12]}" in err and f"{done[0]}/{done[0]} {done[1]}" in err
