@@ -34,31 +34,32 @@ class BarMeter(Meter):
     """A rich bar per transfer on stderr: what, bytes done of the total, rate, time left."""
 
     def __init__(self, force: bool = False) -> None:
-        from rich.console import Console  # rich takes ~0.4 s to import: only when a bar is shown
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True, force_terminal=force or None),
-            transient=False,
-        )
-        self._task: Any = None  # rich's TaskID
+        self.force = force
+        self._progress: Any = None  # a rich Progress while a transfer runs
+        self._task: Any = None
 
     def start(self, what: str, total_bytes: int) -> None:
-        if self._task is None:
+        if self._progress is None:
+            from rich.console import Console  # rich takes ~0.4 s to import: only when a bar is shown
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True, force_terminal=self.force or None),
+            )
             self._progress.start()
-        else:
+        elif self._task is not None:
             self._progress.stop_task(self._task)
         self._task = self._progress.add_task(what, total=total_bytes)
 
@@ -67,9 +68,9 @@ class BarMeter(Meter):
             self._progress.advance(self._task, nbytes)
 
     def finish(self) -> None:
-        if self._task is not None:
+        if self._progress is not None:
             self._progress.stop()
-            self._task = None
+            self._progress = self._task = None
 
 
 def meter_for(asked: bool | None = None) -> Meter:

@@ -40,6 +40,7 @@ from specpilot_build.store.manifest import MANIFEST_NAME, FileEntry, canonical_j
 from specpilot_build.store.names import plain_relpath
 
 BATCH = 64  # loose objects or pack ranges asked for at once (concurrently on s3 and hf)
+CHUNK_BYTES = 64 << 20  # ... and no more pack bytes than this at once
 
 
 @dataclass
@@ -279,8 +280,12 @@ def _materialise(
         meter.advance(digest, first["size"])
 
     reads = spans({d.split(":", 1)[1]: place for d, place in in_packs.items()})
-    for start in range(0, len(reads), batch):
-        chunk = reads[start : start + batch]
+    chunks: list[list[Span]] = [[]]
+    for span in reads:  # at most `batch` ranges and about CHUNK_BYTES in memory at once
+        if chunks[-1] and (len(chunks[-1]) >= batch or sum(s.end - s.start for s in chunks[-1]) >= CHUNK_BYTES):
+            chunks.append([])
+        chunks[-1].append(span)
+    for chunk in chunks:
         got = _read_spans(cache, chunk, eid, wanted)
         for span, blob in zip(chunk, got, strict=True):
             for name, place in span.objects:
