@@ -22,7 +22,7 @@ flag = $(if $(filter-out 0,$($(1))),$(2))
 
 .PHONY: help setup demo test test-fast lint fuzz engine engine-build engine-check engine-show engine-ls engine-fsck \
 	engine-rm engine-gc sweep tune lock env-lock env-host-profile env-install models serve stop bench compare score \
-	verify attest-check diff bundle push pull cache-ls cache-check cache-gc cache-keygen w12-promote gaps
+	verify attest-check diff bundle push pull cache-ls cache-check cache-gc cache-keygen cache-import w12-promote gaps
 
 help: ## this list
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## (.*)/\1\t\2/' | \
@@ -124,8 +124,8 @@ attest-check: $(STAMP) ## re-hash every subject of the in-toto STATEMENT
 diff: $(STAMP) ## why engines A and B differ [DIFF_FLAGS=--json|--files]
 	$(SP) diff $(A) $(B) $(DIFF_FLAGS)
 
-bundle: $(STAMP) ## ENGINE (one or more ids) as one archive for an air-gapped host [HOST|ENV_DIR PART_MB OUT]
-	$(SP) bundle $(ENGINE) $(if $(HOST),--host $(HOST)) $(if $(ENV_DIR),--env $(ENV_DIR)) --part-mb $(or $(PART_MB),60) $(if $(OUT),--out $(OUT))
+bundle: $(STAMP) ## ENGINE (one or more ids) as one archive for an air-gapped host [HOST|ENV_DIR PART_MB OUT CACHE TRUST]
+	$(SP) bundle $(ENGINE) $(if $(HOST),--host $(HOST)) $(if $(ENV_DIR),--env $(ENV_DIR)) --part-mb $(or $(PART_MB),60) $(if $(OUT),--out $(OUT)) $(if $(CACHE),--cache $(CACHE)) $(if $(TRUST),--trust $(TRUST))
 
 push: $(STAMP) ## copy ENGINE to the binary cache CACHE (default: the first substituter), signed with KEY
 	$(SP) push $(ENGINE) $(if $(CACHE),--cache $(CACHE)) $(if $(KEY),--key $(KEY)) $(OVERRIDES)
@@ -144,6 +144,9 @@ cache-gc: $(STAMP) ## remove what no entry of CACHE reaches [DRY_RUN=1 GRACE=sec
 
 cache-keygen: $(STAMP) ## a new signing key pair NAME: writes the secret [OUT], prints the public key
 	$(SP) cache keygen $(NAME) $(if $(OUT),--out $(OUT))
+
+cache-import: $(STAMP) ## push the engines of the bundle BUNDLE (a folder) into CACHE, signed with KEY
+	$(SP) cache import $(BUNDLE) $(if $(CACHE),--cache $(CACHE)) $(if $(KEY),--key $(KEY)) $(OVERRIDES)
 
 w12-promote: $(STAMP) ## lab: check a measured W12 TABLE and copy it into kernels/w12/ (moves W12 engine ids)
 	$(VENV)/bin/python -m specpilot_lab.w12_promote $(TABLE)

@@ -5,6 +5,8 @@ server (moto's server mode, through s3fs) and a file:// cache into an empty stor
 
 Rows (whole processes, wall clock, median and min–max over --repeat runs, the rows alternating within a run):
   cold build     `specpilot engine build` of the final arm into an empty store (wheel and compose caches warm)
+  fresh build    the same with a fresh data directory holding only the wheel (a new CI machine with a wheel
+                 mirror: the import graph, SGLang's flag table and the compose cache are made again)
   pull s3        `specpilot pull <id> --cache s3://...` into an empty store
   pull file      `specpilot pull <id> --cache file://...` into an empty store
   substitute s3  `specpilot engine build` with the S3 cache as substituter, into an empty store
@@ -108,14 +110,26 @@ def report(args: argparse.Namespace, work: Path, env: dict[str, str]) -> None:
     final = Engine(ids["final"], source / ids["final"])
     files, size = len(final.manifest["files"]), disk_usage([final.path])
 
-    rows: dict[str, list[float]] = {"cold build": [], "pull s3": [], "pull file": [], "substitute s3": []}
+    rows: dict[str, list[float]] = {
+        "cold build": [],
+        "fresh build": [],
+        "pull s3": [],
+        "pull file": [],
+        "substitute s3": [],
+    }
     for i in range(args.repeat):
         order = list(rows) if i % 2 == 0 else list(reversed(rows))
         for row in order:
             store = work / f"store-{row.replace(' ', '-')}-{i}"
             e = {**env, "SPECPILOT_ENGINES": str(store)}
-            if row == "cold build":
+            if row in ("cold build", "fresh build"):
                 cmd = [*SP, "engine", "build", "--setting", args.setting, "--arm", "final"]
+                if row == "fresh build":
+                    fresh = work / f"data-{i}"
+                    (fresh / "wheels").mkdir(parents=True)
+                    for wheel in (Path(env["SPECPILOT_DATA"]) / "wheels").glob("*.whl"):
+                        shutil.copyfile(wheel, fresh / "wheels" / wheel.name)
+                    e["SPECPILOT_DATA"] = str(fresh)
             elif row == "substitute s3":
                 cmd = [*SP, "engine", "build", "--setting", args.setting, "--arm", "final",
                        f"cache.substituters=[{s3}]", f"cache.trusted_public_keys=[{public}]"]  # fmt: skip
@@ -126,6 +140,8 @@ def report(args: argparse.Namespace, work: Path, env: dict[str, str]) -> None:
                 raise SystemExit(f"{row}: unexpected output {out!r}")
             rows[row].append(elapsed)
             shutil.rmtree(store)
+            if row == "fresh build":
+                shutil.rmtree(e["SPECPILOT_DATA"])
 
     cold = statistics.median(rows["cold build"])
     print(f"{args.setting} final: {files} files, {size / 1e6:.1f} MB; {platform.machine()}, {os.cpu_count()} CPUs, "
@@ -134,13 +150,17 @@ def report(args: argparse.Namespace, work: Path, env: dict[str, str]) -> None:
     for row, times in rows.items():
         med = statistics.median(times)
         print(f"| {row} | {med:.2f} | {min(times):.2f}–{max(times):.2f} | {cold / med:.2f}× |")
+    fresh = statistics.median(rows["fresh build"])
+    print(f"(vs the fresh build: pull s3 {fresh / statistics.median(rows['pull s3']):.2f}×)")
     print(
-        "\n| cache | push | objects sent | bytes sent | objects skipped | bytes skipped | s |\n|---|---|---|---|---|---|---|"
+        "\n| cache | push | objects sent | packs | bytes sent | objects skipped | bytes skipped | s |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     for (url, arm), (s, secs) in pushes.items():
         name = "s3 (moto)" if url == s3 else "file"
         print(
-            f"| {name} | {arm} | {s.objects_sent} | {s.bytes_sent} | {s.objects_skipped} | {s.bytes_skipped} | {secs:.2f} |"
+            f"| {name} | {arm} | {s.objects_sent} | {s.packs_sent} | {s.bytes_sent} | {s.objects_skipped} | "
+            f"{s.bytes_skipped} | {secs:.2f} |"
         )
     for url in (s3, local):
         first, second = pushes[url, "stock"][0].bytes_sent, pushes[url, "final"][0].bytes_sent

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,8 +21,11 @@ from pathlib import Path
 import pytest
 
 from specpilot_build.assemble.builder import build_engine, build_head, build_key
+from specpilot_build.cache import packs
 from specpilot_build.cache.maintain import check_cache, gc_cache, list_entries
 from specpilot_build.cache.objects import object_name, pack
+from specpilot_build.cache.packs import index_rel, pack_rel, read_indexes
+from specpilot_build.cache.progress import Meter
 from specpilot_build.cache.pull import pull_engine, pull_key
 from specpilot_build.cache.push import push_engine
 from specpilot_build.cache.remote import BinaryCache, CacheError
@@ -88,10 +92,12 @@ class Moto:
 
 class Relay:
     """A loopback TCP relay in front of a server: killing it cuts every connection mid-transfer while the server
-    behind it (and what it stores) lives on."""
+    behind it (and what it stores) lives on. With `cut_pack=n` it kills itself halfway through the body of the
+    n-th PUT of a pack, and records (body bytes forwarded, body length) in `cut`."""
 
-    def __init__(self, target: int):
+    def __init__(self, target: int, cut_pack: int | None = None):
         self.target, self.port = target, free_port()
+        self.cut_pack, self.pack_puts, self.cut = cut_pack, 0, None
         self.sockets: list[socket.socket] = []
         self.listener = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, daemon=True).start()
@@ -104,13 +110,30 @@ class Relay:
             except OSError:
                 return
             self.sockets += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket, upstream: bool) -> None:
+        budget: list[int] | None = None  # [body bytes still to forward, body length] of the PUT being cut
         with contextlib.suppress(OSError):
             while data := a.recv(65536):
+                if upstream and self.cut_pack and budget is None:
+                    put = re.search(rb"PUT \S*/packs/[0-9a-f]{64}\.pack[ ?]", data)
+                    if put:
+                        self.pack_puts += 1
+                        if self.pack_puts == self.cut_pack:
+                            head_end = data.index(b"\r\n\r\n", put.start()) + 4
+                            length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", data[put.start() :])[1])
+                            b.sendall(data[:head_end])
+                            data, budget = data[head_end:], [length // 2, length]
+                if budget is not None:
+                    b.sendall(data[: budget[0]])
+                    budget[0] -= min(budget[0], len(data))
+                    if budget[0] == 0:
+                        self.cut = (budget[1] // 2, budget[1])
+                        self.kill()
+                        return
+                    continue
                 b.sendall(data)
         with contextlib.suppress(OSError):
             b.shutdown(socket.SHUT_WR)
@@ -195,6 +218,25 @@ def objects_of(engine: Engine) -> dict[str, int]:
     return {f["blake3"]: f["size"] for f in engine.manifest["files"]}
 
 
+class After(Meter):
+    """Calls `act` once, after the `n`-th object of a transfer was sent or checked."""
+
+    def __init__(self, n: int, act):
+        self.n, self.act, self.seen = n, act, []
+
+    def advance(self, digest: str, nbytes: int) -> None:
+        self.seen.append(digest)
+        if len(self.seen) == self.n:
+            self.act()
+
+
+def the_pack_of(cache: BinaryCache, digest: str) -> packs.Located:
+    return read_indexes(cache)[0][digest.split(":", 1)[1]]
+
+
+LOOSE = {"small": 0}  # every object loose: the layout of caches before packs
+
+
 def substituting(url: str, public: str) -> list[str]:
     return [f"cache.substituters=[{url}]", f"cache.trusted_public_keys=[{public}]"]
 
@@ -236,9 +278,12 @@ def test_an_object_already_in_the_cache_is_not_sent_again(cache_url, source, key
     assert second.objects_skipped == len(shared)
     assert second.bytes_skipped == sum(objects_of(stock)[d] for d in shared)
     assert second.objects_sent == len(set(objects_of(stock)) - shared)
+    assert second.packs_sent == 1 and cache.names("objects") == []  # every object of this engine is small
     third = push_engine(final, cache, keys["trusted"], root)
-    assert third.objects_sent == 0 and third.bytes_sent == 0
-    assert len(cache.names("objects")) == len(set(objects_of(stock)) | set(objects_of(final)))
+    assert third.objects_sent == 0 and third.bytes_sent == 0 and third.packs_sent == 0
+    report = check_cache(cache, keys["trust"])
+    assert report.problems == [] and report.packs == 2
+    assert report.objects == len(set(objects_of(stock)) | set(objects_of(final)))
     listed = {(e.engine, e.arm, e.problem) for e in list_entries(cache, keys["trust"])}
     assert listed == {(final.id, "final", None), (stock.id, "stock", None)}
 
@@ -396,13 +441,49 @@ def _manifest_not_the_id(cache, engines, keys):
     return f"hashes to {stock.id[:12]}, not the engine id {final.id[:12]}"
 
 
-REFUSALS = {
-    "unsigned": _unsigned,
-    "bad-signature": _bad_signature,
-    "wrong-key": _wrong_key,
-    "tampered-object": _tampered_object,
-    "truncated-object": _truncated_object,
-    "manifest-not-the-id": _manifest_not_the_id,
+def _rewrite_pack(cache: BinaryCache, engines, change) -> str:
+    """The pack holding final's own largest object, rewritten under its name by `change(bytes, place)`; the
+    words a refusal must hold (the pack, the object, the file)."""
+    entry = _final_only(engines)
+    place = the_pack_of(cache, entry["blake3"])
+    rel = pack_rel(place.pack)
+    cache.write(rel, change(cache.read(rel), place))
+    return f"{rel} (object {entry['blake3'][7:19]} at bytes {place.offset}+{place.length}: {entry['path']} of engine"
+
+
+def _tampered_pack(cache, engines, keys):
+    def flip(data: bytes, place) -> bytes:  # the last byte of the object's frame: inside the zstd block
+        at = place.offset + place.length - 1
+        return data[:at] + bytes([data[at] ^ 0x5A]) + data[at + 1 :]
+
+    return _rewrite_pack(cache, engines, flip)
+
+
+def _truncated_pack(cache, engines, keys):
+    words = _rewrite_pack(cache, engines, lambda data, place: data[: place.offset + place.length // 2])
+    return words + " " + engines["final"].id[:12] + "): the pack ends before the object does (truncated)"
+
+
+def _pack_swapped(cache, engines, keys):
+    """Every object's frame in its place, but another pack's bytes under the name: the index still maps, the
+    content does not hash."""
+    entry = _final_only(engines)
+    place = the_pack_of(cache, entry["blake3"])
+    other = pack(b"not this engine's file " * 40)
+    cache.write(pack_rel(place.pack), other * (place.offset // len(other) + place.length // len(other) + 2))
+    return f"{pack_rel(place.pack)} (object "
+
+
+REFUSALS = {  # case: (how the cache holds objects, the damage)
+    "unsigned": ({}, _unsigned),
+    "bad-signature": ({}, _bad_signature),
+    "wrong-key": ({}, _wrong_key),
+    "tampered-object": (LOOSE, _tampered_object),
+    "truncated-object": (LOOSE, _truncated_object),
+    "tampered-pack": ({}, _tampered_pack),
+    "truncated-pack": ({}, _truncated_pack),
+    "pack-swapped": ({}, _pack_swapped),
+    "manifest-not-the-id": ({}, _manifest_not_the_id),
 }
 
 
@@ -412,11 +493,12 @@ def test_a_pull_refuses_what_it_cannot_trust_and_leaves_the_store_as_it_was(
 ):
     root, engines = source
     cache = BinaryCache(cache_url)
-    push_engine(engines["final"], cache, keys["trusted"], root)
-    words = REFUSALS[case](cache, engines, keys)
+    layout, damage = REFUSALS[case]
     store = tmp_path / "engines"
     push_engine(engines["ar"], cache, keys["trusted"], root)  # the store is not empty before the pull
     pull_engine(cache, engines["ar"].id, keys["trust"], store)
+    push_engine(engines["final"], cache, keys["trusted"], root, **layout)
+    words = damage(cache, engines, keys)
     before = snapshot(store)
     with pytest.raises(IntegrityError) as refused:
         pull_engine(cache, engines["final"].id, keys["trust"], store)
@@ -465,22 +547,20 @@ def test_an_entry_mapping_a_build_key_to_another_settings_engine_is_refused(cach
 # --- interruptions ------------------------------------------------------------------------------------------
 
 
-def test_killing_the_s3_server_mid_pull_leaves_the_store_as_it_was_and_a_rerun_completes(moto, source, keys, tmp_path):
+@pytest.mark.parametrize("layout", ["loose", "packs"])
+def test_killing_the_s3_server_mid_pull_leaves_the_store_as_it_was_and_a_rerun_completes(
+    layout, moto, source, keys, tmp_path, monkeypatch
+):
     root, engines = source
     final = engines["final"]
     url = f"s3://{new_bucket()}/specpilot"
-    push_engine(final, BinaryCache(url), keys["trusted"], root)
+    push_engine(final, BinaryCache(url), keys["trusted"], root, **(LOOSE if layout == "loose" else {}))
+    monkeypatch.setattr(packs, "SPAN_BYTES", 1)  # one range read per object, so the kill falls between reads
     store = tmp_path / "engines"
-    seen = []
-
-    def kill_after_two(digest: str, size: int) -> None:
-        seen.append(digest)
-        if len(seen) == 2:
-            moto.kill()
-
-    with pytest.raises(CacheError, match=f"cache {url}: reading objects/"):
-        pull_engine(BinaryCache(url), final.id, keys["trust"], store, progress=kill_after_two, batch=1)
-    assert len(seen) == 2 and snapshot(store) == set()
+    meter = After(2, moto.kill)
+    with pytest.raises(CacheError, match=f"cache {url}: reading {'objects' if layout == 'loose' else 'packs'}/"):
+        pull_engine(BinaryCache(url), final.id, keys["trust"], store, meter=meter, batch=1)
+    assert len(meter.seen) == 2 and snapshot(store) == set()
     moto.start()  # a new server has none of the old one's state: push again, then pull
     url = f"s3://{new_bucket()}/specpilot"
     push_engine(final, BinaryCache(url), keys["trusted"], root)
@@ -488,25 +568,22 @@ def test_killing_the_s3_server_mid_pull_leaves_the_store_as_it_was_and_a_rerun_c
     assert pulled.created and inspect_engine(pulled.engine).bad == []
 
 
+@contextlib.contextmanager
+def through(relay: Relay):
+    os.environ["AWS_ENDPOINT_URL"], direct = f"http://127.0.0.1:{relay.port}", os.environ["AWS_ENDPOINT_URL"]
+    try:
+        yield
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = direct
+
+
 def test_a_push_cut_off_mid_transfer_exposes_no_engine_and_a_rerun_completes(moto, source, keys, tmp_path):
     root, engines = source
     final = engines["final"]
-    bucket = new_bucket()
     relay = Relay(moto.port)
-    url = f"s3://{bucket}/specpilot"
-    sent = []
-
-    def cut_after_three(digest: str, size: int) -> None:
-        sent.append(digest)
-        if len(sent) == 3:
-            relay.kill()
-
-    os.environ["AWS_ENDPOINT_URL"], direct = f"http://127.0.0.1:{relay.port}", os.environ["AWS_ENDPOINT_URL"]
-    try:
-        with pytest.raises(CacheError, match=f"cache {url}: "):
-            push_engine(final, BinaryCache(url), keys["trusted"], root, progress=cut_after_three, batch=1)
-    finally:
-        os.environ["AWS_ENDPOINT_URL"] = direct
+    url = f"s3://{new_bucket()}/specpilot"
+    with through(relay), pytest.raises(CacheError, match=f"cache {url}: "):
+        push_engine(final, BinaryCache(url), keys["trusted"], root, meter=After(3, relay.kill), batch=1, **LOOSE)
     cache = BinaryCache(url)  # straight to the server, which kept what it was sent
     assert cache.names("keys") == [] and cache.names("manifests") == [] and len(cache.names("objects")) == 3
     assert check_cache(cache, keys["trust"]).problems == []  # what arrived is whole
@@ -517,15 +594,53 @@ def test_a_push_cut_off_mid_transfer_exposes_no_engine_and_a_rerun_completes(mot
     assert pull_engine(cache, final.id, keys["trust"], tmp_path / "engines").engine.id == final.id
 
 
-# --- check, gc, keygen --------------------------------------------------------------------------------------
+def test_a_push_cut_off_in_the_middle_of_a_pack_leaves_no_index_naming_it(moto, source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    relay = Relay(moto.port, cut_pack=3)  # the third pack's PUT loses its connections halfway through its body
+    url = f"s3://{new_bucket()}/specpilot"
+    with through(relay), pytest.raises(CacheError, match=f"cache {url}: writing packs/"):
+        push_engine(final, BinaryCache(url), keys["trusted"], root, pack_bytes=1)  # a pack per object
+    assert relay.cut is not None and 0 < relay.cut[0] < relay.cut[1]  # (body bytes forwarded, body length)
+    cache = BinaryCache(url)
+    assert cache.names("keys") == [] and cache.names("manifests") == []
+    indexed = [n for n in cache.names("packs") if n.endswith(".idx")]
+    assert len(indexed) == 2 and sorted(cache.names("packs")) == sorted(
+        [*indexed, *(n.replace(".idx", ".pack") for n in indexed)]
+    )
+    assert check_cache(cache, keys["trust"]).problems == []  # every pack an index names is whole
+    with pytest.raises(IntegrityError, match="no entry signed by a trusted key"):
+        pull_engine(cache, final.id, keys["trust"], tmp_path / "engines")
+    again = push_engine(final, cache, keys["trusted"], root)
+    assert again.objects_skipped == 2 and again.objects_sent == len(objects_of(final)) - 2 and again.packs_sent == 1
+    pulled = pull_engine(cache, final.id, keys["trust"], tmp_path / "engines")
+    assert pulled.engine.id == final.id and inspect_engine(pulled.engine).bad == []
+
+
+# --- old caches, check, gc, keygen --------------------------------------------------------------------------
+
+
+def test_a_cache_of_loose_objects_still_pulls_and_a_packed_push_dedupes_against_it(cache_url, source, keys, tmp_path):
+    root, engines = source
+    cache = BinaryCache(cache_url)
+    final, stock = engines["final"], engines["stock"]
+    push_engine(final, cache, keys["trusted"], root, **LOOSE)  # as a cache written before packs holds it
+    assert cache.names("packs") == [] and len(cache.names("objects")) == len(objects_of(final))
+    second = push_engine(stock, cache, keys["trusted"], root)
+    shared = set(objects_of(stock)) & set(objects_of(final))
+    assert second.objects_skipped == len(shared) and second.packs_sent == 1
+    assert check_cache(cache, keys["trust"]).problems == []
+    for engine in (final, stock):  # each into an empty store: loose objects, packed ones, and both
+        pulled = pull_engine(cache, engine.id, keys["trust"], tmp_path / engine.id[:8])
+        assert pulled.objects_fetched == len(objects_of(engine)) and inspect_engine(pulled.engine).bad == []
 
 
 def test_cache_check_names_a_damaged_object_and_gc_removes_only_what_no_entry_reaches(source, keys, tmp_path):
     root, engines = source
     url = f"file://{tmp_path}/cache"
     cache = BinaryCache(url)
-    push_engine(engines["final"], cache, keys["trusted"], root)
-    push_engine(engines["stock"], cache, keys["trusted"], root)
+    push_engine(engines["final"], cache, keys["trusted"], root, **LOOSE)
+    push_engine(engines["stock"], cache, keys["trusted"], root, **LOOSE)
     assert check_cache(cache, keys["trust"]).problems == []
     words = _tampered_object(cache, engines, keys)
     problems = check_cache(cache, keys["trust"]).problems
@@ -543,6 +658,53 @@ def test_cache_check_names_a_damaged_object_and_gc_removes_only_what_no_entry_re
     assert cache.names("manifests") == [f"{engines['final'].id}.json"]
 
 
+def test_cache_check_names_a_damaged_pack_object(source, keys, tmp_path):
+    root, engines = source
+    cache = BinaryCache(f"file://{tmp_path}/cache")
+    push_engine(engines["final"], cache, keys["trusted"], root)
+    words = _tampered_pack(cache, engines, keys).split(":")[0]  # check names the pack and the object
+    problems = check_cache(cache, keys["trust"]).problems
+    assert len(problems) == 2, problems
+    assert "hashing to" in problems[0] and "not its name" in problems[0]
+    assert words.split(" at bytes")[0] in problems[1] and "refused" in problems[1]
+
+
+def test_gc_drops_a_pack_only_when_no_entry_reaches_any_object_in_it(source, keys, tmp_path):
+    root, engines = source
+    cache = BinaryCache(f"file://{tmp_path}/cache")
+    final, stock = engines["final"], engines["stock"]
+    push_engine(stock, cache, keys["trusted"], root)
+    stock_pack = the_pack_of(cache, next(iter(objects_of(stock)))).pack
+    push_engine(final, cache, keys["trusted"], root)
+    final_pack = the_pack_of(cache, _final_only(engines)["blake3"]).pack
+    orphan = pack_rel("ab" * 32)  # a push cut off between a pack and its index
+    cache.write(orphan, b"partly")
+    (final_key,) = index_keys(root, final.id)
+    (stock_key,) = index_keys(root, stock.id)
+    # final's entry goes: its pack holds only objects stock lacks, so it goes whole, index first
+    cache.remove(f"keys/{final_key}.json")
+    report = gc_cache(cache, grace_s=0)
+    removed = report.removed
+    assert set(removed) == {
+        f"manifests/{final.id}.json",
+        index_rel(final_pack),
+        pack_rel(final_pack),
+        orphan,
+        f"ids/{final.id}/{final_key}",
+    }
+    assert removed.index(index_rel(final_pack)) < removed.index(pack_rel(final_pack))
+    # final again, stock's entry gone: stock's pack still holds objects final lists, so it stays whole
+    push_engine(final, cache, keys["trusted"], root)
+    cache.remove(f"keys/{stock_key}.json")
+    assert set(objects_of(stock)) - set(objects_of(final)), "stock's pack holds objects no entry reaches now"
+    report = gc_cache(cache, grace_s=0)
+    assert set(report.removed) == {f"manifests/{stock.id}.json", f"ids/{stock.id}/{stock_key}"}
+    assert sorted(cache.names("packs")) == sorted(f"{d}.{k}" for d in (stock_pack, final_pack) for k in ("idx", "pack"))
+    assert check_cache(cache, keys["trust"]).problems == []
+    pulled = pull_engine(cache, final.id, keys["trust"], tmp_path / "engines")
+    assert inspect_engine(pulled.engine).bad == []
+
+
 def test_keygen_writes_a_private_secret_and_prints_the_public_key(tmp_path, capsys):
     out = tmp_path / "keys" / "ci-2.secret"
     assert main(["cache", "keygen", "ci-2", "--out", str(out)]) == 0
@@ -552,3 +714,62 @@ def test_keygen_writes_a_private_secret_and_prints_the_public_key(tmp_path, caps
     assert key.public_line() == public and list(parse_public_keys([public], "t")) == ["ci-2"]
     assert main(["cache", "keygen", "ci-2", "--out", str(out)]) == 2  # never overwrites a secret
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+# --- progress -----------------------------------------------------------------------------------------------
+
+
+def _cli(args: list[str], env: dict[str, str], tty: bool) -> tuple[int, str, str]:
+    """A `specpilot` process whose stderr is a terminal (a pty) or a pipe: (exit status, stdout, stderr)."""
+    import pty
+
+    if not tty:
+        done = subprocess.run(
+            [sys.executable, "-m", "specpilot_build.cli", *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True
+        )
+        return done.returncode, done.stdout, done.stderr
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specpilot_build.cli", *args],
+        env={**env, "COLUMNS": "160"},
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        text=True,
+    )
+    os.close(slave)
+    chunks = []
+    with contextlib.suppress(OSError):  # EIO once the child has closed the terminal
+        while chunk := os.read(master, 65536):
+            chunks.append(chunk)
+    os.close(master)
+    out = proc.stdout.read()
+    return proc.wait(60), out, b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+def test_push_and_pull_show_bytes_rate_and_time_left_on_a_terminal_and_nothing_on_a_pipe(source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    url = f"file://{tmp_path}/cache"
+    total = sum(objects_of(final).values())
+    env = {**os.environ, "SPECPILOT_ENGINES": str(root), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("SPECPILOT_DEBUG", None)
+    code, out, err = _cli(["push", final.id, "--cache", url, "--key", str(keys["secret"])], env, tty=True)
+    assert code == 0 and "pushed" in out
+    # rich's last frame: what, the bar, bytes done of the total (decimal units), the rate, the time left
+    from rich.filesize import decimal
+
+    done = decimal(total).split()  # e.g. ['61.2', 'kB']
+    assert f"push {final.id[:12]}" in err and f"{done[0]}/{done[0]} {done[1]}" in err and "/s" in err
+    for tty in (False, True):
+        env["SPECPILOT_ENGINES"] = str(tmp_path / f"store-{tty}")
+        code, out, err = _cli(["pull", final.id, "--cache", url, "--trust", keys["public"]], env, tty=tty)
+        assert code == 0 and "pulled from" in out
+        if tty:
+            assert f"pull {final.id[:12]}" in err and f"{done[0]}/{done[0]} {done[1]}" in err and "/s" in err
+        else:
+            assert err == ""  # not a terminal: quiet
+    env["SPECPILOT_ENGINES"] = str(tmp_path / "store-asked")
+    code, out, err = _cli(["pull", final.id, "--cache", url, "--trust", keys["public"], "--progress"], env, tty=False)
+    assert code == 0 and f"pull {final.id[:12]}" in err and f"{done[0]}/{done[0]} {done[1]}" in err

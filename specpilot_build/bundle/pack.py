@@ -22,6 +22,7 @@ from typing import Any
 import blake3
 
 from specpilot_build.bundle.contents import INSTALLER, Member, bundle_members
+from specpilot_build.cache.progress import Meter
 from specpilot_build.errors import IntegrityError, SpecPilotError
 from specpilot_build.locations import data_dir
 from specpilot_build.store.engines import Engine
@@ -47,6 +48,7 @@ def make_bundle(
     env_files: dict[str, str] | None = None,
     host: str | None = None,
     out: Path | None = None,
+    meter: Meter | None = None,
 ) -> Bundle:
     """Pack `engines` (with `env_dir` as their environment for `host`, holding exactly `env_files` when given:
     path → blake3) into <data>/bundles/<archive id>/ or `out`."""
@@ -60,7 +62,7 @@ def make_bundle(
     scratch = Path(tempfile.mkdtemp(prefix=".bundle-", dir=base.parent if out else _made(base)))
     try:
         archive = scratch / "archive.tar.xz"
-        write_archive(members, archive)
+        write_archive(members, archive, meter or Meter())
         meta = {
             "engines": [
                 {"id": e.id, "setting": e.manifest.get("setting"), "arm": e.manifest.get("arm")} for e in engines
@@ -76,18 +78,30 @@ def make_bundle(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def write_archive(members: list[Member], path: Path) -> None:
+def write_archive(members: list[Member], path: Path, meter: Meter | None = None) -> None:
     """Write `members` as a deterministic tar.xz at `path`, checking each file's bytes against its digest
-    as they are packed (a file that differs is refused naming it; the partial archive is the caller's to drop)."""
+    as they are packed (a file that differs is refused naming it; the partial archive is the caller's to drop).
+    `meter` hears of each member's bytes as it is packed."""
+    meter = meter or Meter()
     with (
+        meter,
         lzma.open(path, "wb", format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET) as xz,
         tarfile.open(fileobj=xz, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar,
     ):
+        meter.start(f"bundle {len(members)} files", sum(_size(m.source) for m in members))
         for member in members:
-            _add_member(tar, member)
+            meter.advance(member.name, _add_member(tar, member))
 
 
-def _add_member(tar: tarfile.TarFile, member: Member) -> None:
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0  # _add_member names it
+
+
+def _add_member(tar: tarfile.TarFile, member: Member) -> int:
+    """Add one member; returns its size."""
     try:
         fd = os.open(member.source, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
@@ -113,6 +127,7 @@ def _add_member(tar: tarfile.TarFile, member: Member) -> None:
             f"{member.source}: sha256 differs from the pin of {member.name} "
             f"({member.sha256[:16]}…); refusing to bundle it"
         )
+    return info.size
 
 
 class _HashingReader:

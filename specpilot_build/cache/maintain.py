@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from specpilot_build.cache.objects import object_name, unpack
+from specpilot_build.cache.packs import PACKS, index_rel, pack_rel, parse_index, read_indexes
 from specpilot_build.cache.pull import fetch_manifest
 from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, OBJECTS, BinaryCache
 from specpilot_build.cache.signing import check_entry
@@ -61,13 +63,15 @@ def list_entries(cache: BinaryCache, trusted: dict[str, Ed25519PublicKey]) -> li
 class CacheReport:
     entries: int = 0
     manifests: int = 0
-    objects: int = 0
+    objects: int = 0  # distinct, loose or in a pack
+    packs: int = 0
     problems: list[str] = field(default_factory=list)
 
 
 def check_cache(cache: BinaryCache, trusted: dict[str, Ed25519PublicKey]) -> CacheReport:
     """Re-check everything: each entry's signature and the manifest it names; each manifest against its id and
-    each object it lists (decompressed, size and blake3); objects no manifest lists are counted, not hashed."""
+    each object it lists (decompressed, size and blake3); every pack whole, each object in it; loose objects no
+    manifest lists are counted, not hashed."""
     report = CacheReport()
     for item in list_entries(cache, trusted):
         report.entries += 1
@@ -78,7 +82,9 @@ def check_cache(cache: BinaryCache, trusted: dict[str, Ed25519PublicKey]) -> Cac
                 f"{cache.where(f'{KEYS}/{item.build_key}.json')}: names engine {item.engine[:12]}, "
                 f"whose manifest is not in the cache"
             )
-    checked: set[str] = set()
+    located, skipped = read_indexes(cache)
+    report.problems += skipped
+    checked = _check_packs(cache, report)
     for name in cache.names(MANIFESTS):
         eid = name.removesuffix(".json")
         if not is_engine_id(eid) or not name.endswith(".json"):
@@ -91,6 +97,15 @@ def check_cache(cache: BinaryCache, trusted: dict[str, Ed25519PublicKey]) -> Cac
             report.problems.append(str(exc))
             continue
         for entry in manifest["files"]:
+            name = entry["blake3"].split(":", 1)[1]
+            place = located.get(name)
+            if place is not None:  # its pack was read whole above; the manifest must agree on the size
+                if place.size != entry["size"]:
+                    report.problems.append(
+                        f"{cache.where(pack_rel(place.pack))} (object {name[:12]}: {entry['path']} of engine "
+                        f"{eid[:12]}): {place.size} bytes in the pack's index, {entry['size']} in the manifest"
+                    )
+                continue
             if entry["blake3"] in checked:
                 continue
             checked.add(entry["blake3"])
@@ -104,8 +119,39 @@ def check_cache(cache: BinaryCache, trusted: dict[str, Ed25519PublicKey]) -> Cac
                 unpack(blob, entry["size"], entry["blake3"], where)
             except SpecPilotError as exc:
                 report.problems.append(str(exc))
-    report.objects = len(cache.names(OBJECTS))
+    report.objects = len(set(cache.names(OBJECTS)) | set(located))
     return report
+
+
+def _check_packs(cache: BinaryCache, report: CacheReport) -> set[str]:
+    """Read every indexed pack whole: it must hash to its name and hold, where its index says, each object
+    whole (its size, its blake3). Returns the digests checked (a damaged one is a problem, not checked)."""
+    checked: set[str] = set()
+    names = set(cache.names(PACKS))
+    for digest in sorted(n.removesuffix(".idx") for n in names if n.endswith(".idx")):
+        raw, data = cache.read(index_rel(digest)), cache.read(pack_rel(digest))
+        if raw is None or data is None:
+            continue  # an absent pack is one of read_indexes' problems
+        try:
+            placed = parse_index(raw, digest, cache.where(index_rel(digest)))
+        except SpecPilotError:
+            continue  # named by read_indexes
+        report.packs += 1
+        found = blake3.blake3(data).hexdigest()
+        if found != digest:
+            report.problems.append(
+                f"{cache.where(pack_rel(digest))}: {len(data)} bytes hashing to {found[:12]}, not its name; "
+                "checking its objects one by one"
+            )
+        for name, place in placed.items():
+            where = f"{cache.where(pack_rel(digest))} (object {name[:12]} at bytes {place.offset}+{place.length})"
+            try:
+                unpack(data[place.offset : place.offset + place.length], place.size, "blake3:" + name, where)
+            except SpecPilotError as exc:
+                report.problems.append(str(exc))
+                continue
+            checked.add("blake3:" + name)
+    return checked
 
 
 @dataclass
@@ -115,8 +161,9 @@ class GcReport:
 
 
 def gc_cache(cache: BinaryCache, grace_s: float = 3600.0, dry_run: bool = False) -> GcReport:
-    """Remove manifests no entry names, objects no remaining manifest lists and id markers of absent entries.
-    Only what is older than `grace_s` goes: a push in progress has sent objects before its entry."""
+    """Remove manifests no entry names, objects no remaining manifest lists, packs none of whose objects a
+    remaining manifest lists (whole: no repacking), packs without an index, and id markers of absent entries.
+    Only what is older than `grace_s` goes: a push in progress has sent objects and packs before its entry."""
     report = GcReport()
     now = time.time()
     entries: dict[str, str] = {}
@@ -151,6 +198,22 @@ def gc_cache(cache: BinaryCache, grace_s: float = 3600.0, dry_run: bool = False)
     for name in cache.names(OBJECTS):
         if name not in live_objects:
             drop(f"{OBJECTS}/{name}")
+    # A pack goes whole, index first, once no object in it is live; a pack with a live object stays whole
+    # (no repacking: its dead bytes are reclaimed when its last live object dies).
+    packs = cache.names(PACKS)
+    indexed = {n.removesuffix(".idx") for n in packs if n.endswith(".idx")}
+    for name in packs:
+        digest, _, kind = name.partition(".")
+        if kind == "idx":
+            raw = cache.read(index_rel(digest))
+            try:
+                placed = parse_index(raw or b"", digest, cache.where(index_rel(digest)))
+            except SpecPilotError:
+                continue  # damaged: `cache check` names it; gc removes only what it understands
+            if not live_objects & set(placed) and drop(index_rel(digest)):
+                drop(pack_rel(digest))
+        elif kind == "pack" and digest not in indexed:
+            drop(pack_rel(digest))  # a push cut off between its pack and the index
     for eid in cache.names(IDS):
         for key in cache.names(f"{IDS}/{eid}"):
             if entries.get(key) != eid:

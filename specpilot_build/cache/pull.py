@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,9 @@ import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from specpilot_build.cache.objects import object_name, unpack
-from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, BinaryCache
+from specpilot_build.cache.packs import Span, pack_rel, read_indexes, spans
+from specpilot_build.cache.progress import Meter
+from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, BinaryCache, CacheError
 from specpilot_build.cache.signing import check_entry
 from specpilot_build.errors import IntegrityError, SpecPilotError
 from specpilot_build.store.engines import (
@@ -38,8 +39,8 @@ from specpilot_build.store.engines import (
 from specpilot_build.store.manifest import MANIFEST_NAME, FileEntry, canonical_json
 from specpilot_build.store.names import plain_relpath
 
-Progress = Callable[[str, int], None]  # (object digest, bytes received), after each object is checked
-BATCH = 64  # objects asked for at once (concurrently on s3 and hf)
+BATCH = 64  # loose objects or pack ranges asked for at once (concurrently on s3 and hf)
+CHUNK_BYTES = 64 << 20  # ... and no more pack bytes than this at once
 
 
 @dataclass
@@ -65,7 +66,7 @@ def pull_engine(
     ref: str,
     trusted: dict[str, Ed25519PublicKey],
     root: Path,
-    progress: Progress | None = None,
+    meter: Meter | None = None,
     batch: int = BATCH,
 ) -> PullResult:
     """Pull engine `ref` (its id or a unique prefix of an id the cache holds); at least one entry naming it must
@@ -86,7 +87,7 @@ def pull_engine(
     if not entries:
         why = problems[0] if problems else f"no entry in {cache.where(KEYS)}/ names it"
         raise IntegrityError(f"engine {eid[:12]}: no entry signed by a trusted key in {cache}: {why}")
-    result = fetch(cache, entries[0], root, progress=progress, batch=batch)
+    result = fetch(cache, entries[0], root, meter=meter, batch=batch)
     for entry in entries:
         index_put(root, entry["build_key"], eid)
         result.keys.append(entry["build_key"])
@@ -99,7 +100,7 @@ def pull_key(
     head: dict[str, Any],
     trusted: dict[str, Ed25519PublicKey],
     root: Path,
-    progress: Progress | None = None,
+    meter: Meter | None = None,
     batch: int = BATCH,
 ) -> PullResult | None:
     """The engine the cache's entry for `build_key` names, pulled and checked to record exactly `head` (what
@@ -114,7 +115,7 @@ def pull_key(
             f"{head['arm']}, but the entry names engine {entry['engine'][:12]} of {entry['setting']} "
             f"{entry['arm']}; refused"
         )
-    result = fetch(cache, entry, root, head=head, progress=progress, batch=batch)
+    result = fetch(cache, entry, root, head=head, meter=meter, batch=batch)
     index_put(root, build_key, result.engine.id)
     result.keys.append(build_key)
     return result
@@ -200,7 +201,7 @@ def fetch(
     entry: dict[str, str],
     root: Path,
     head: dict[str, Any] | None = None,
-    progress: Progress | None = None,
+    meter: Meter | None = None,
     batch: int = BATCH,
 ) -> PullResult:
     eid = entry["engine"]
@@ -224,7 +225,8 @@ def fetch(
     with store_lock(root):
         tree = new_build_dir(root)
         try:
-            known = _materialise(cache, manifest, tree, root, result, progress, batch)
+            with meter or Meter() as reporting:
+                known = _materialise(cache, manifest, tree, root, result, reporting, batch)
             engine, created = commit(tree, {k: v for k, v in manifest.items() if k != "files"}, root, known=known)
         except BaseException:
             remove_tree(tree)
@@ -241,18 +243,21 @@ def _materialise(
     tree: Path,
     root: Path,
     result: PullResult,
-    progress: Progress | None,
+    meter: Meter,
     batch: int,
 ) -> dict[str, tuple[FileEntry, tuple[int, int]]]:
     """Write every file of the manifest into `tree`: content the store already holds is linked from its
-    object (checked), the rest fetched `batch` objects at a time and checked on arrival. Returns commit's
-    `known` entries."""
+    object (checked), the rest fetched and checked on arrival: from packs in few large ranges (`batch` at once),
+    loose objects `batch` at a time. Returns commit's `known` entries."""
     eid = blake3.blake3(canonical_json(manifest)).hexdigest()
     known: dict[str, tuple[FileEntry, tuple[int, int]]] = {}
     wanted: dict[str, list[FileEntry]] = {}  # digest -> the entries holding it, in manifest order
+    made: set[Path] = set()
     for entry in manifest["files"]:
         path = tree / entry["path"]
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent not in made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made.add(path.parent)
         obj = object_path(root, entry["blake3"], entry["exec"])
         if entry["blake3"] not in wanted and object_state(obj, entry["size"], entry["blake3"], entry["exec"]) == "ok":
             os.link(obj, path)
@@ -261,25 +266,81 @@ def _materialise(
             known[entry["path"]] = (entry, (st.st_dev, st.st_ino))
         else:
             wanted.setdefault(entry["blake3"], []).append(entry)
-    digests = list(wanted)
+    located, _ = read_indexes(cache) if wanted else ({}, [])
+    in_packs = {d: located[d.split(":", 1)[1]] for d in wanted if d.split(":", 1)[1] in located}
+    meter.start(f"pull {eid[:12]}", sum(entries[0]["size"] for entries in wanted.values()))
+
+    def arrived(digest: str, blob: bytes, where: str) -> None:
+        first = wanted[digest][0]
+        data = unpack(blob, first["size"], digest, where)
+        result.objects_fetched += 1
+        result.bytes_fetched += len(blob)
+        for entry in wanted[digest]:
+            known[entry["path"]] = (entry, _write(tree / entry["path"], data, entry["exec"]))
+        meter.advance(digest, first["size"])
+
+    reads = spans({d.split(":", 1)[1]: place for d, place in in_packs.items()})
+    chunks: list[list[Span]] = [[]]
+    for span in reads:  # at most `batch` ranges and about CHUNK_BYTES in memory at once
+        if chunks[-1] and (len(chunks[-1]) >= batch or sum(s.end - s.start for s in chunks[-1]) >= CHUNK_BYTES):
+            chunks.append([])
+        chunks[-1].append(span)
+    for chunk in chunks:
+        got = _read_spans(cache, chunk, eid, wanted)
+        for span, blob in zip(chunk, got, strict=True):
+            for name, place in span.objects:
+                digest = "blake3:" + name
+                where = (
+                    f"{cache.where(pack_rel(span.pack))} (object {name[:12]} at bytes {place.offset}+{place.length}: "
+                    f"{wanted[digest][0]['path']} of engine {eid[:12]})"
+                )
+                part = blob[place.offset - span.start : place.offset - span.start + place.length]
+                if len(part) != place.length:
+                    raise IntegrityError(f"{where}: the pack ends before the object does (truncated); refused")
+                arrived(digest, part, where)
+    digests = [d for d in wanted if d not in in_packs]
     for start in range(0, len(digests), batch):
-        chunk = digests[start : start + batch]
-        blobs = cache.read_many([object_name(d) for d in chunk])
-        for digest in chunk:
-            first = wanted[digest][0]
+        some = digests[start : start + batch]
+        blobs = cache.read_many([object_name(d) for d in some])
+        for digest in some:
             rel = object_name(digest)
-            where = f"{cache.where(rel)} ({first['path']} of engine {eid[:12]})"
-            blob = blobs[rel]
-            if blob is None:
+            where = f"{cache.where(rel)} ({wanted[digest][0]['path']} of engine {eid[:12]})"
+            loose = blobs[rel]
+            if loose is None:
                 raise IntegrityError(f"{where}: missing from the cache; refused")
-            data = unpack(blob, first["size"], digest, where)
-            result.objects_fetched += 1
-            result.bytes_fetched += len(blob)
-            for entry in wanted[digest]:
-                known[entry["path"]] = (entry, _write(tree / entry["path"], data, entry["exec"]))
-            if progress is not None:
-                progress(digest, len(blob))
+            arrived(digest, loose, where)
     return known
+
+
+def _read_spans(cache: BinaryCache, chunk: list[Span], eid: str, wanted: dict[str, list[FileEntry]]) -> list[bytes]:
+    """The bytes of each span (fewer where a pack was cut short); a pack that is absent, or shorter than a span's
+    start (S3 refuses such a range), is an IntegrityError naming it and the first object it should hold."""
+
+    def refuse(span: Span, size: int | None) -> IntegrityError:
+        name = span.objects[0][0]
+        state = "missing" if size is None else f"{size} bytes, shorter than its index says (truncated)"
+        return IntegrityError(
+            f"{cache.where(pack_rel(span.pack))} (object {name[:12]}: {wanted['blake3:' + name][0]['path']} of "
+            f"engine {eid[:12]}): the pack is {state}; refused"
+        )
+
+    try:
+        got = cache.read_ranges([(pack_rel(s.pack), s.start, s.end) for s in chunk])
+    except CacheError as failed:
+        for span in chunk:
+            try:
+                size = cache.size(pack_rel(span.pack))
+            except CacheError:
+                raise failed from None  # the cache is unreachable: say what failed first
+            if size is None or size <= span.start:
+                raise refuse(span, size) from None
+        raise
+    out = []
+    for span, blob in zip(chunk, got, strict=True):
+        if blob is None:
+            raise refuse(span, None)
+        out.append(blob)
+    return out
 
 
 def _write(path: Path, data: bytes, executable: bool) -> tuple[int, int]:

@@ -1,12 +1,13 @@
 """Push an engine from the store to a cache: objects, then the manifest, then one signed entry per build key.
 
-A push that dies half-way leaves objects (whole, named by their content) and perhaps a manifest, but no entry, so
-no pull or substitution ever sees a partial engine; the next push sends only what is missing."""
+Small objects travel in packs (cache/packs.py: each pack before its index), large ones loose. A push that dies
+half-way leaves whole objects and packs (named by their content), perhaps a pack without its index (invisible)
+and a manifest, but no entry, so no pull or substitution ever sees a partial engine; the next push sends only
+what is missing."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,28 +15,31 @@ from typing import Any
 import blake3
 
 from specpilot_build.cache.objects import object_name, pack
+from specpilot_build.cache.packs import PACK_BYTES, SMALL, PackWriter, index_rel, pack_rel, read_indexes
+from specpilot_build.cache.progress import Meter
 from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, OBJECTS, BinaryCache
 from specpilot_build.cache.signing import SigningKey, signed_entry
 from specpilot_build.errors import IntegrityError, SpecPilotError
 from specpilot_build.store.engines import Engine, index_keys
 from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json, digest_bytes, read_regular
 
-Progress = Callable[[str, int], None]  # (object digest, compressed bytes sent), after each object sent
-BATCH = 64  # objects put at once (concurrently on s3 and hf)
+BATCH = 64  # loose objects put at once (concurrently on s3 and hf)
 
 
 @dataclass
 class PushSummary:
     engine: str
-    objects_sent: int = 0
-    bytes_sent: int = 0  # compressed bytes put into the cache
+    objects_sent: int = 0  # loose or in a pack
+    packs_sent: int = 0
+    bytes_sent: int = 0  # compressed bytes put into the cache (packs with their indexes)
     objects_skipped: int = 0  # already in the cache
     bytes_skipped: int = 0  # their content's size
     keys: list[str] = field(default_factory=list)
 
     def line(self, cache: BinaryCache) -> str:
         return (
-            f"pushed {self.engine} to {cache}: {self.objects_sent} objects sent ({self.bytes_sent} bytes), "
+            f"pushed {self.engine} to {cache}: {self.objects_sent} objects sent ({self.packs_sent} packs, "
+            f"{self.bytes_sent} bytes), "
             f"{self.objects_skipped} already there ({self.bytes_skipped} bytes skipped); "
             f"{len(self.keys)} signed entr{'y' if len(self.keys) == 1 else 'ies'}"
         )
@@ -46,11 +50,14 @@ def push_engine(
     cache: BinaryCache,
     key: SigningKey,
     root: Path,
-    progress: Progress | None = None,
+    meter: Meter | None = None,
     batch: int = BATCH,
+    small: int = SMALL,
+    pack_bytes: int = PACK_BYTES,
 ) -> PushSummary:
     """Push `engine`, signing an entry for every build key the store's index maps to it. Each file is re-hashed
-    before it is sent: a damaged store is never copied into a cache."""
+    before it is sent: a damaged store is never copied into a cache. Objects whose zstd frame is shorter than
+    `small` go into packs of about `pack_bytes` (small=0: every object loose, as caches were before packs)."""
     raw = read_regular(engine.path / MANIFEST_NAME)[0]
     if blake3.blake3(raw).hexdigest() != engine.id:
         raise IntegrityError(
@@ -69,7 +76,8 @@ def push_engine(
     unique: dict[str, dict[str, Any]] = {}
     for entry in manifest["files"]:
         unique.setdefault(entry["blake3"], entry)
-    present = set(cache.names(OBJECTS))  # one listing; an object another push adds meanwhile is sent twice
+    # one look; an object another push adds meanwhile is sent twice
+    present = set(cache.names(OBJECTS)) | set(read_indexes(cache)[0])
     todo: dict[str, dict[str, Any]] = {}
     for digest, entry in unique.items():
         if digest.split(":", 1)[1] in present:
@@ -77,24 +85,48 @@ def push_engine(
             summary.bytes_skipped += entry["size"]
         else:
             todo[digest] = entry
-    digests = list(todo)
-    for start in range(0, len(digests), batch):
-        packed: dict[str, bytes] = {}
-        for digest in digests[start : start + batch]:
-            entry = todo[digest]
+    meter = meter or Meter()
+    meter.start(f"push {engine.id[:12]}", sum(e["size"] for e in todo.values()))
+    packs = PackWriter(pack_bytes)
+    loose: dict[str, tuple[bytes, int]] = {}  # rel -> (frame, content size), put `batch` at a time
+
+    def put_loose() -> None:
+        cache.write_many({rel: frame for rel, (frame, _) in loose.items()})
+        for rel, (frame, size) in loose.items():
+            summary.objects_sent += 1
+            summary.bytes_sent += len(frame)
+            meter.advance("blake3:" + rel.rsplit("/", 1)[1], size)
+        loose.clear()
+
+    def put_pack(done: tuple[str, bytes, bytes] | None) -> None:
+        if done is None:
+            return
+        digest, data, index = done
+        cache.write(pack_rel(digest), data)  # the pack whole before the index that names it
+        cache.write(index_rel(digest), index)
+        summary.packs_sent += 1
+        summary.bytes_sent += len(data) + len(index)
+        for name, (_, _, size) in json.loads(index)["objects"].items():
+            summary.objects_sent += 1
+            meter.advance("blake3:" + name, size)
+
+    with meter:
+        for digest, entry in todo.items():
             data = read_regular(engine.path / entry["path"])[0]
             if digest_bytes(data) != digest or len(data) != entry["size"]:
                 raise IntegrityError(
                     f"engine {engine.id[:12]}: {entry['path']} differs from its manifest; refused before sending "
                     f"it (`specpilot engine check {engine.id[:12]}`)"
                 )
-            packed[object_name(digest)] = pack(data)
-        cache.write_many(packed)
-        for rel, blob in packed.items():
-            summary.objects_sent += 1
-            summary.bytes_sent += len(blob)
-            if progress is not None:
-                progress("blake3:" + rel.rsplit("/", 1)[1], len(blob))
+            frame = pack(data)
+            if len(frame) < small:
+                put_pack(packs.add(digest.split(":", 1)[1], frame, len(data)))
+            else:
+                loose[object_name(digest)] = (frame, len(data))
+                if len(loose) >= batch:
+                    put_loose()
+        put_loose()
+        put_pack(packs.close())
     manifest_rel = f"{MANIFESTS}/{engine.id}.json"
     if cache.read(manifest_rel) != raw:
         cache.write(manifest_rel, raw)

@@ -1,8 +1,9 @@
 """One binary cache at an fsspec URL, and what each backend guarantees about a write.
 
-Layout under the URL: objects/<blake3 hex> (zstd-compressed content), manifests/<engine id>.json (the canonical
-manifest bytes), keys/<build key>.json (a signed entry), ids/<engine id>/<build key> (an empty marker: the keys
-that name an engine, so a pull by id finds its entries with one listing).
+Layout under the URL: objects/<blake3 hex> (zstd-compressed content of one large file), packs/<blake3>.pack and
+.idx (many small objects in one file, and where each lies: cache/packs.py), manifests/<engine id>.json (the
+canonical manifest bytes), keys/<build key>.json (a signed entry), ids/<engine id>/<build key> (an empty marker:
+the keys that name an engine, so a pull by id finds its entries with one listing).
 
 Writes never expose a partial file. file://: the bytes go to a temporary name in the same directory and are
 renamed over the final one (rename(2) is atomic on one file system). s3://: a PUT (single or multipart) becomes
@@ -93,6 +94,44 @@ class BinaryCache:
             else:
                 out[rel] = bytes(value)
         return out
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | None]:
+        """The bytes [start, end) of each (rel, start, end), concurrently on s3 and hf; fewer bytes where the file
+        is shorter, None where it is absent."""
+        if not ranges:
+            return []
+        if self.local:
+            out: list[bytes | None] = []
+            for rel, start, end in ranges:
+                with self._talking(f"reading {rel}"):
+                    try:
+                        with open(self._path(rel), "rb") as fh:
+                            fh.seek(start)
+                            out.append(fh.read(end - start))
+                    except FileNotFoundError:
+                        out.append(None)
+            return out
+        paths = [self._path(rel) for rel, _, _ in ranges]
+        with self._talking(f"reading {ranges[0][0]} and {len(ranges) - 1} more"):
+            got = self.fs.cat_ranges(paths, [s for _, s, _ in ranges], [e for _, _, e in ranges], on_error="return")
+        results: list[bytes | None] = []
+        for (rel, _, _), value in zip(ranges, got, strict=True):
+            if isinstance(value, FileNotFoundError):
+                results.append(None)
+            elif isinstance(value, BaseException):
+                with self._talking(f"reading {rel}"):
+                    raise value
+            else:
+                results.append(bytes(value))
+        return results
+
+    def size(self, rel: str) -> int | None:
+        """The length of the file at `rel`, or None when there is nothing there."""
+        with self._talking(f"looking up {rel}"):
+            try:
+                return int(self.fs.info(self._path(rel))["size"])
+            except FileNotFoundError:
+                return None
 
     def write_many(self, items: dict[str, bytes]) -> None:
         """`write` of several paths at once (concurrently on s3 and hf; each is still whole or absent)."""

@@ -128,18 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("engine", help="engine id or unique prefix")
     _cache_arguments(p)
-    p.add_argument(
-        "--key",
-        type=Path,
-        default=None,
-        help="secret key file that signs the entry (default $SPECPILOT_CACHE_KEY; `specpilot cache keygen`)",
-    )
+    _key_argument(p)
+    _progress_argument(p)
     p.set_defaults(handler=_push)
     p = verbs.add_parser(
         "pull", help="copy an engine from a binary cache into the store; signature, manifest and objects checked"
     )
     p.add_argument("engine", help="engine id, or a unique prefix of one the cache holds")
     _cache_arguments(p)
+    _progress_argument(p)
     p.set_defaults(handler=_pull)
     cache = verbs.add_parser("cache", help="binary caches of engines (ls, check, gc, keygen)")
     caches = cache.add_subparsers(dest="cache_verb", required=True, metavar="ACTION")
@@ -161,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep what is younger than this many seconds (a push in progress; default 3600)",
     )
     p.set_defaults(handler=_cache_gc)
+    p = caches.add_parser(
+        "import", help="push the engines of a bundle (checked as the installer checks it) into a cache, signed"
+    )
+    p.add_argument("bundle", type=Path, help="the bundle's folder (index.json and its parts)")
+    _cache_arguments(p)
+    _key_argument(p)
+    _progress_argument(p)
+    p.set_defaults(handler=_cache_import)
     p = caches.add_parser("keygen", help="a new ed25519 key pair: writes the secret, prints the public key")
     p.add_argument("name", help="the key's name (signer id), e.g. ci-1")
     p.add_argument("--out", type=Path, default=None, help="secret key file (default <data>/cache-keys/NAME.secret)")
@@ -330,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--part-mb", type=float, default=60.0, help="largest part in MiB (default 60; the host takes 64)")
     p.add_argument("--out", type=Path, default=None, help="folder to write (default <data>/bundles/<archive id>)")
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="take the engines from this binary cache (pulled and verified into a scratch store), not the store",
+    )
+    p.add_argument("--trust", action="append", default=[], help="with --cache: also trust this public key (name:hex)")
+    _progress_argument(p)
     p.set_defaults(handler=_bundle)
 
     p = verbs.add_parser("demo", help="build, serve, bench, compare, score and verify one setting's three arms")
@@ -368,6 +380,36 @@ def _cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the cache group, e.g. cache=team")
 
 
+def _key_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="secret key file that signs the entries (default $SPECPILOT_CACHE_KEY; `specpilot cache keygen`)",
+    )
+
+
+def _signing_key(args):
+    from specpilot_build.cache.signing import load_signing_key
+
+    secret = args.key or (Path(os.environ["SPECPILOT_CACHE_KEY"]) if os.environ.get("SPECPILOT_CACHE_KEY") else None)
+    if secret is None:
+        raise SpecPilotError(
+            f"{args.verb if args.verb != 'cache' else 'cache import'} signs its entries: pass --key FILE "
+            "(make ... KEY=FILE) or set SPECPILOT_CACHE_KEY; `specpilot cache keygen NAME` makes a key pair"
+        )
+    return load_signing_key(secret)
+
+
+def _progress_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr (bytes, rate, time left); default: only when stderr is a terminal",
+    )
+
+
 def _cache_of(args):
     """(the cache named by --cache or the config's first substituter, the cache settings)."""
     from specpilot_build.cache.remote import BinaryCache
@@ -386,28 +428,25 @@ def _cache_of(args):
 
 
 def _push(args) -> int:
+    from specpilot_build.cache.progress import meter_for
     from specpilot_build.cache.push import push_engine
-    from specpilot_build.cache.signing import load_signing_key
     from specpilot_build.store.engines import resolve_engine, store_root
 
     cache, _ = _cache_of(args)
-    secret = args.key or (Path(os.environ["SPECPILOT_CACHE_KEY"]) if os.environ.get("SPECPILOT_CACHE_KEY") else None)
-    if secret is None:
-        raise SpecPilotError(
-            "push signs its entries: pass --key FILE (make push KEY=FILE) or set SPECPILOT_CACHE_KEY; "
-            "`specpilot cache keygen NAME` makes a key pair"
-        )
-    summary = push_engine(resolve_engine(args.engine), cache, load_signing_key(secret), store_root())
+    key = _signing_key(args)
+    summary = push_engine(resolve_engine(args.engine), cache, key, store_root(), meter=meter_for(args.progress))
     print(summary.line(cache))
     return 0
 
 
 def _pull(args) -> int:
+    from specpilot_build.cache.progress import meter_for
     from specpilot_build.cache.pull import pull_engine
     from specpilot_build.store.engines import store_root
 
     cache, settings = _cache_of(args)
-    print(pull_engine(cache, args.engine, settings.trusted, store_root()).summary(cache))
+    pulled = pull_engine(cache, args.engine, settings.trusted, store_root(), meter=meter_for(args.progress))
+    print(pulled.summary(cache))
     return 0
 
 
@@ -431,7 +470,8 @@ def _cache_check(args) -> int:
     for line in report.problems:
         print(line)
     print(
-        f"{cache}: {report.entries} entries, {report.manifests} manifests, {report.objects} objects; "
+        f"{cache}: {report.entries} entries, {report.manifests} manifests, {report.objects} objects "
+        f"({report.packs} packs); "
         f"{len(report.problems)} problem(s)"
     )
     return 1 if report.problems else 0
@@ -446,6 +486,25 @@ def _cache_gc(args) -> int:
     for rel in report.removed:
         print(f"{verb} {cache.where(rel)}")
     print(f"{cache}: {verb} {len(report.removed)}; kept {report.kept_young} younger than {args.grace:g} s")
+    return 0
+
+
+def _cache_import(args) -> int:
+    import shutil
+
+    from specpilot_build.bundle.caches import import_bundle, scratch_dir
+    from specpilot_build.cache.progress import meter_for
+    from specpilot_build.locations import data_dir
+
+    cache, _ = _cache_of(args)
+    key = _signing_key(args)
+    scratch = scratch_dir(data_dir(), "cache-import")
+    try:
+        summaries = import_bundle(args.bundle, cache, key, scratch, meter=meter_for(args.progress))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for summary in summaries:
+        print(summary.line(cache))
     return 0
 
 
@@ -816,17 +875,59 @@ def _stop(args) -> int:
 
 
 def _bundle(args) -> int:
-    import tempfile
-    import time
+    import shutil
 
-    from specpilot_build.bundle.pack import make_bundle
     from specpilot_build.store.engines import resolve_engine
 
     if not args.part_mb > 0:
         raise SpecPilotError(f"--part-mb {args.part_mb}: must be more than 0")
     if args.host is not None and args.env is not None:
         raise SpecPilotError("bundle: give --host (its environment is built from the lock) or --env DIR, not both")
-    engines = [resolve_engine(ref) for ref in args.engines]
+    if args.trust and not args.cache:
+        raise SpecPilotError("bundle: --trust applies to engines taken from a cache; pass --cache URL too")
+    scratch = None
+    try:
+        if args.cache:
+            engines, scratch = _bundle_engines_from_cache(args)
+        else:
+            engines = [resolve_engine(ref) for ref in args.engines]
+        return _bundle_engines(args, engines)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _bundle_engines_from_cache(args):
+    """(the engines args names, pulled from --cache into a scratch store and verified; that scratch folder)."""
+    import shutil
+
+    from specpilot_build.bundle.caches import pull_for_bundle, scratch_dir
+    from specpilot_build.cache.progress import meter_for
+    from specpilot_build.cache.remote import BinaryCache
+    from specpilot_build.cache.settings import cache_settings
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.locations import data_dir
+
+    settings = cache_settings(compose_setting(DEFAULT_SETTING, "final").config, args.trust)
+    cache = BinaryCache(args.cache)
+    scratch = scratch_dir(data_dir(), "bundle-pull")
+    try:
+        engines = pull_for_bundle(cache, args.engines, settings.trusted, scratch, meter_for(args.progress))
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    print(f"pulled {len(engines)} engine(s) from {cache} into {scratch} (verified)", file=sys.stderr)
+    return engines, scratch
+
+
+def _bundle_engines(args, engines) -> int:
+    import tempfile
+    import time
+
+    from specpilot_build.bundle.pack import make_bundle
+    from specpilot_build.cache.progress import meter_for
+
+    start = time.monotonic()
     recorded = {(e.manifest["inputs"].get("environment") or {}).get("host") for e in engines}
     host = args.host
     if host is None and args.env is None and recorded - {None}:
@@ -836,13 +937,18 @@ def _bundle(args) -> int:
                 f"({', '.join(sorted(map(str, recorded)))}); bundle them separately"
             )
         host = recorded.pop()  # the host the engines were built for (their manifests' inputs.environment)
-    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bundle-env-") as scratch:
         env_dir, env_files = args.env, None
         if host is not None:
             env_dir, env_files = _host_environment(engines, host, Path(scratch))
         result = make_bundle(
-            engines, part_bytes=int(args.part_mb * 2**20), env_dir=env_dir, env_files=env_files, host=host, out=args.out
+            engines,
+            part_bytes=int(args.part_mb * 2**20),
+            env_dir=env_dir,
+            env_files=env_files,
+            host=host,
+            out=args.out,
+            meter=meter_for(args.progress),
         )
     archive = result.index["archive"]
     print(f"{archive['id']}  {result.path}")
