@@ -165,6 +165,36 @@ def test_a_study_name_reused_with_another_space_is_refused_naming_the_difference
     assert "space drafter.ngram_max_n [2, 3], this tune has [2, 4]" in message
 
 
+@pytest.mark.parametrize(
+    "space, text, argv, words",
+    [
+        ("typo", "params:\n  drafter:\n    num_draft_tokns: [2, 4]\n", [], ["typo.yaml", "num_draft_tokns"]),
+        ("zero", "params:\n  drafter:\n    num_draft_tokens: {low: 0, high: 4}\n", [], ["zero.yaml", ">= 1"]),
+        ("empty", "description: nothing\n", [], ["empty.yaml", "the space is empty"]),
+        ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--trials", "0"], ["TRIALS=0"]),
+        ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--study", "taken"], ["study 'taken'", "[3]"]),
+        (
+            "ok",
+            "params:\n  drafter:\n    num_draft_tokens: [2]\n",
+            ["--promote", "--eval-limit", "0"],
+            ["EVAL_LIMIT=0"],
+        ),
+    ],
+)
+def test_bad_input_is_one_line_naming_it_and_leaves_conf_untouched(conf, capsys, space, text, argv, words):
+    from specpilot_build.tune.study import open_study
+
+    _space(conf, space, text)
+    # a study of that name made for another space (what `tune --study taken` would bind to)
+    binding = {"setting": SETTING, "space": {"drafter.num_draft_tokens": [3]}, "split": "tune"}
+    open_study("taken", {**binding, "slice": {"limit": 2, "max_new_tokens": 128, "datasets": None}}, None)
+    before = _conf_bytes(conf)
+    assert main(["tune", "--space", space, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and all(w in err for w in words), err
+    assert _conf_bytes(conf) == before
+
+
 def _three_ports() -> int:
     """A base port with the two after it free too (tune serves ar, stock, final on PORT..PORT+2)."""
     for _ in range(50):
