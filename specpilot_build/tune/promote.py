@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,7 @@ def promote(
         f"PROMOTE: confirming {winner.name} (engine {engines['new'].id[:12]}) against the current final "
         f"(engine {engines['current'].id[:12]}) on the {SPLIT} split, interleaved, with ar"
     )
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the servers as Ctrl-C does
     try:
         for arm, slot in SLOTS.items():
             pids[slot] = serve(engines[arm].id, ports[slot], quiet=True)["pid"]
@@ -107,6 +109,7 @@ def promote(
         )
         verification = verify(str(runs["final"]), oracle=engines["ar"], port=ports["ar"], progress=False, console=quiet)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for slot in pids:
             stop(ports[slot])
     report["runs"] = {arm: str(runs[SLOTS[arm]]) for arm in SLOTS}
@@ -203,6 +206,10 @@ def switched_preset(text: str, setting: str, where: Path) -> str:
         raise SpecPilotError(f"{where}: no defaults list to name the promoted final in")
     lines.insert(at + 1, f"  - {entry}\n")
     return "".join(lines)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _write_whole(path: Path, text: str) -> None:
