@@ -410,4 +410,5 @@ def test_promote_that_does_not_clear_1_changes_nothing_in_conf(conf, capsys):
     assert not confirmed["promoted"] and gain["ci95"][0] <= 1
     assert confirmed["reason"].startswith("new/current") and "lower bound is not above 1" in confirmed["reason"]
     assert "not promoted" in capsys.readouterr().out
+    assert "lower bound is not above 1" in open(summary["report"]["markdown"]).read()
     assert _conf_bytes(conf) == before

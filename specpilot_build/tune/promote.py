@@ -65,7 +65,9 @@ def promote(
     console = console or Console()
     winner = winner_path(setting)
     if not winner.is_file():
-        raise SpecPilotError(f"PROMOTE: no winner {winner} to confirm (run the tune first, without --no-winner)")
+        raise SpecPilotError(
+            f"PROMOTE: no winner {winner} to confirm (a tune writes it when a trial completes lossless)"
+        )
     engines = {
         "ar": build_engine(setting, "ar").engine,
         "current": build_engine(setting, "final").engine,

@@ -68,6 +68,15 @@ def markdown(summary: dict[str, Any], chart_name: str) -> str:
             f"Best: trial {best['number']}, objective {best['objective']:.3f}, engine `{best['engine_id']}`"
             + (f", written to `{summary['winner']}`." if summary.get("winner") else ".")
         )
+    confirmed = summary.get("promote")
+    if confirmed:
+        gains = "; ".join(
+            f"{pair} {g['speedup']:.3f}× [{g['ci95'][0]:.3f}–{g['ci95'][1]:.3f}] (n {g['n']})"
+            for pair, g in (confirmed.get("speedups") or {}).items()
+        )
+        verdict = f"verify {confirmed['verdict']}" if confirmed.get("verdict") else ""
+        outcome = "promoted" if confirmed["promoted"] else f"not promoted: {confirmed.get('reason')}"
+        lines += ["", f"PROMOTE (dev split, against the current final): {gains}; {verdict}; {outcome}."]
     return "\n".join(lines) + "\n"
 
 

@@ -158,6 +158,7 @@ def tune(
 
         confirmed = confirm(setting, mechanisms, name, port, eval_limit, max_new_tokens, datasets, console)
         summary["promote"] = {k: confirmed.get(k) for k in ("promoted", "reason", "speedups", "verdict", "json")}
+        summary["report"] = write_report(summary, out.parent)
         write_json(out, summary)
     elif promote:
         console.print("PROMOTE: no trial completed lossless; nothing to confirm, conf/ unchanged")
