@@ -365,6 +365,12 @@ def test_promote_switches_the_preset_to_a_confirmed_winner_that_composes_builds_
     built = build_engine(SETTING, "final")
     assert built.engine.id == confirmed["engine_ids"]["new"] == summary["best"]["engine_id"] != old_final.id
     assert not built.created
+    # `make diff` of the old and new final: only the final's mechanisms moved (the slow overlay gone; drafter values equal), no pin
+    from specpilot_build.store.diff import diff_engines
+
+    moved = diff_engines(old_final, built.engine)
+    assert moved["config"] and all(c["key"].startswith("config.mechanisms[") for c in moved["config"]), moved["config"]
+    assert not moved["pins"] and "slow-steps" in json.dumps(moved["overlays"])
     # the confirmation benched the dev split and forced every token of the new final's run through ar
     _, run = load_results(confirmed["runs"]["new"])
     assert {d["split"] for d in run["datasets"].values()} == {"dev"} and run["engine_id"] == built.engine.id

@@ -107,7 +107,10 @@ def chart(summary: dict[str, Any], path: Path) -> Path:
     for i, key in enumerate(keys, start=1):
         ax = axes[0][i]
         values = sorted({json.dumps(t["params"].get(key)) for t in trials})
-        numeric = all(isinstance(t["params"].get(key), (int, float)) for t in trials)
+        numeric = all(
+            isinstance(t["params"].get(key), (int, float)) and not isinstance(t["params"].get(key), bool)
+            for t in trials
+        )
 
         def x(t, key=key, values=values, numeric=numeric):
             v = t["params"].get(key)
