@@ -27,6 +27,9 @@ def hand_written(setting: str, space_name: str) -> dict[str, Any]:
             merged.setdefault(section, {}).update(mech.get(section) or {})
     point = {}
     for key in load_space(space_name).params:
+        if "." not in key:  # a mechanism's own key (overlay): the hand-written final's, if one sets it
+            point[key] = next((m.get(key) for m in config["final"]["mechanisms"].values() if m.get(key)), None)
+            continue
         section, name = key.split(".", 1)
         base = config["drafter"].get(name) if section == "drafter" else False
         point[key] = merged.get(section, {}).get(name, base)

@@ -26,6 +26,18 @@ def conf(tmp_path, monkeypatch):
     return root
 
 
+@pytest.fixture
+def test_overlays(monkeypatch):
+    """The builder reads overlays from tests/overlays/ (lossy-accept, slow-steps: test-only, see its README)."""
+    from specpilot_build import locations
+    from specpilot_build.assemble import overlays
+
+    root = REPO_ROOT / "tests" / "overlays"
+    monkeypatch.setattr(overlays, "OVERLAYS_DIR", root)
+    monkeypatch.setattr(locations, "OVERLAYS_DIR", root)
+    return root
+
+
 def _space(conf, name: str, text: str) -> str:
     (conf / "tune" / f"{name}.yaml").write_text(text)
     return name
@@ -88,6 +100,52 @@ def test_empty_spaces_and_bad_shapes_are_refused(conf):
         load_space("nosuch")
 
 
+def test_the_report_tracks_the_best_so_far_lists_failures_and_draws_a_chart(tmp_path):
+    from PIL import Image
+
+    from specpilot_build.tune.report import best_so_far, write_report
+
+    def trial(number, state, objective, k, reason=None):
+        fs = {"speedup": objective + 0.1, "ci95": [objective, objective + 0.2], "n": 4} if objective else None
+        params = {"drafter.num_draft_tokens": k, "overlay": None}
+        return {
+            "number": number,
+            "state": state,
+            "params": params,
+            "objective": objective,
+            "engine_id": "e" * 64,
+            "cache_hit": False,
+            "final_stock": fs,
+            "final_ar": 1.2 if objective else None,
+            "reason": reason,
+        }
+
+    trials = [
+        trial(0, "FAIL", None, 2, "not lossless: verify says diverged"),
+        trial(1, "COMPLETE", 1.1, 4),
+        trial(2, "COMPLETE", 0.9, 6),
+        trial(3, "COMPLETE", 1.3, 8),
+    ]
+    assert best_so_far(trials) == [None, 1.1, 1.1, 1.3]
+    summary = {
+        "study": "s",
+        "storage": "x.sqlite3",
+        "trials": trials,
+        "complete": 3,
+        "failed": 1,
+        "cache_hits": 0,
+        "best": trials[3],
+        "winner": "conf/mechanism/tuned/x.yaml",
+    }
+    paths = write_report(summary, tmp_path)
+    text = open(paths["markdown"]).read()
+    assert "| 0 | 2 | null |  |  |  |  | fail: not lossless: verify says diverged |" in text
+    assert "| 2 | 6 | null | 0.900 | 1.100 | 1.000× [0.900–1.100] | 1.200× | complete |" in text
+    assert "Best: trial 3, objective 1.300" in text and "![objective per trial" in text
+    with Image.open(paths["chart"]) as image:
+        assert image.format == "PNG" and image.size[0] > image.size[1]  # one panel per parameter, side by side
+
+
 def test_trials_zero_is_refused_in_one_line(capsys):
     assert main(["tune", "--trials", "0"]) == 2
     err = capsys.readouterr().err.strip()
@@ -105,6 +163,36 @@ def test_a_study_name_reused_with_another_space_is_refused_naming_the_difference
     message = str(caught.value)
     assert "study 'reused'" in message and "\n" not in message
     assert "space drafter.ngram_max_n [2, 3], this tune has [2, 4]" in message
+
+
+@pytest.mark.parametrize(
+    "space, text, argv, words",
+    [
+        ("typo", "params:\n  drafter:\n    num_draft_tokns: [2, 4]\n", [], ["typo.yaml", "num_draft_tokns"]),
+        ("zero", "params:\n  drafter:\n    num_draft_tokens: {low: 0, high: 4}\n", [], ["zero.yaml", ">= 1"]),
+        ("empty", "description: nothing\n", [], ["empty.yaml", "the space is empty"]),
+        ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--trials", "0"], ["TRIALS=0"]),
+        ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--study", "taken"], ["study 'taken'", "[3]"]),
+        (
+            "ok",
+            "params:\n  drafter:\n    num_draft_tokens: [2]\n",
+            ["--promote", "--eval-limit", "0"],
+            ["EVAL_LIMIT=0"],
+        ),
+    ],
+)
+def test_bad_input_is_one_line_naming_it_and_leaves_conf_untouched(conf, capsys, space, text, argv, words):
+    from specpilot_build.tune.study import open_study
+
+    _space(conf, space, text)
+    # a study of that name made for another space (what `tune --study taken` would bind to)
+    binding = {"setting": SETTING, "space": {"drafter.num_draft_tokens": [3]}, "split": "tune"}
+    open_study("taken", {**binding, "slice": {"limit": 2, "max_new_tokens": 128, "datasets": None}}, None)
+    before = _conf_bytes(conf)
+    assert main(["tune", "--space", space, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and all(w in err for w in words), err
+    assert _conf_bytes(conf) == before
 
 
 def _three_ports() -> int:
@@ -128,19 +216,8 @@ def _three_ports() -> int:
 def _tune(space: str, trials: int, sampler: str, study: str, **kw):
     from specpilot_build.tune.run import tune
 
-    return tune(
-        SETTING,
-        space,
-        trials,
-        sampler,
-        0,
-        study,
-        limit=1,
-        max_new_tokens=24,
-        datasets=DATASETS,
-        port=_three_ports(),
-        **kw,
-    )
+    options = {"limit": 1, "max_new_tokens": 24, "datasets": DATASETS, "port": _three_ports(), **kw}
+    return tune(SETTING, space, trials, sampler, 0, study, **options)
 
 
 @pytest.mark.slow
@@ -241,3 +318,103 @@ def test_ctrl_c_stops_every_server_and_the_same_command_resumes_with_the_next_tr
     assert subprocess.run(argv, capture_output=True, text=True, timeout=300).returncode == 0
     study = optuna.load_study(study_name="cut", storage=f"sqlite:///{storage_path()}")
     assert [(t.number, t.state.name) for t in study.trials] == [(0, "FAIL"), (1, "COMPLETE")]
+
+
+def _conf_bytes(conf) -> dict[str, bytes]:
+    return {str(p.relative_to(conf)): p.read_bytes() for p in sorted(conf.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_promote_switches_the_preset_to_a_confirmed_winner_that_composes_builds_and_verifies(conf, test_overlays):
+    from specpilot_build.assemble.builder import build_engine
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.measure.results import load_results
+    from specpilot_build.tune.promote import promoted_path, setting_path
+
+    # today's final made slower on purpose (every step sleeps: tests/overlays/slow-steps), still lossless; the
+    # space's one point is the hand-written final without it
+    (conf / "mechanism" / "slow-steps.yaml").write_text("overlay: slow-steps\n")
+    preset = setting_path(SETTING)
+    entries = (
+        "  - /mechanism@final.mechanisms.shared-ngram-cache: shared-ngram-cache\n"
+        "  - /mechanism@final.mechanisms.tuned-ngram: tuned-ngram-k10-n8\n"
+    )
+    slow = preset.read_text().replace(entries, entries + "  - /mechanism@final.mechanisms.slow: slow-steps\n")
+    preset.write_text(slow)
+    old_final = build_engine(SETTING, "final").engine
+    space = _space(
+        conf,
+        "fast",
+        "params:\n  drafter:\n    num_draft_tokens: [10]\n    ngram_max_n: [8]\n"
+        "  runtime_options:\n    shared_ngram_cache: [true]\n",
+    )
+    summary = _tune(space, 1, "grid", "promote-fast", promote=True, eval_limit=2)
+    confirmed = json.loads(open(summary["promote"]["json"]).read())
+    gain = confirmed["speedups"]["new/current"]
+    assert confirmed["promoted"], confirmed.get("reason")
+    assert gain["ci95"][0] > 1 and gain["n"] == 2 * len(DATASETS) and confirmed["verdict"] == "lossless"
+    # the preset names the promoted mechanism in place of the old final's three entries; nothing else moved
+    assert preset.read_text() == slow.replace(
+        entries + "  - /mechanism@final.mechanisms.slow: slow-steps\n",
+        f"  - /mechanism@final.mechanisms.tuned: promoted/{SETTING}\n",
+    )
+    assert "new/current final" in promoted_path(SETTING).read_text()
+    final = compose_setting(SETTING, "final").config["final"]["mechanisms"]
+    assert list(final) == ["tuned"] and final["tuned"]["drafter"] == {"num_draft_tokens": 10, "ngram_max_n": 8}
+    assert final["tuned"]["overlay"] is None and final["tuned"]["runtime_options"] == {"shared_ngram_cache": True}
+    built = build_engine(SETTING, "final")
+    assert built.engine.id == confirmed["engine_ids"]["new"] == summary["best"]["engine_id"] != old_final.id
+    assert not built.created
+    # `make diff` of the old and new final: only the final's mechanisms moved (the slow overlay gone; drafter values equal), no pin
+    from specpilot_build.store.diff import diff_engines
+
+    moved = diff_engines(old_final, built.engine)
+    assert moved["config"] and all(c["key"].startswith("config.mechanisms[") for c in moved["config"]), moved["config"]
+    assert not moved["pins"] and "slow-steps" in json.dumps(moved["overlays"])
+    # the confirmation benched the dev split and forced every token of the new final's run through ar
+    _, run = load_results(confirmed["runs"]["new"])
+    assert {d["split"] for d in run["datasets"].values()} == {"dev"} and run["engine_id"] == built.engine.id
+    predicate = json.loads(open(confirmed["verify_statement"]).read())["predicate"]
+    assert predicate["verdict"] == "lossless" and predicate["engine_id"] == built.engine.id
+
+
+@pytest.mark.slow
+def test_a_lossy_candidate_is_recorded_failed_not_lossless_and_cannot_win(conf, test_overlays):
+    # the overlay makes the verify step accept every drafted token: fast, and not what ar emits
+    space = _space(
+        conf,
+        "lossy",
+        "params:\n  overlay: [lossy-accept, null]\n  drafter:\n    num_draft_tokens: [6]\n"
+        "  runtime_options:\n    shared_ngram_cache: [true]\n",
+    )
+    summary = _tune(space, 2, "grid", "lossy")
+    by_overlay = {t["params"]["overlay"]: t for t in summary["trials"]}
+    lossy, lossless = by_overlay["lossy-accept"], by_overlay[None]
+    assert lossy["state"] == "FAIL" and lossy["reason"].startswith("not lossless: verify says")
+    assert lossy["final_stock"] is not None  # it was measured, then refused
+    assert lossless["state"] == "COMPLETE" and summary["best"]["number"] == lossless["number"]
+    assert "lossy-accept" not in open(summary["winner"]).read()
+    # the report beside the study's summary lists both, the refused one with its reason
+    report = open(summary["report"]["markdown"]).read()
+    assert f'| {lossy["number"]} | 6 | "lossy-accept" | true |' in report and "| fail: not lossless" in report
+    assert open(summary["report"]["chart"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_promote_that_does_not_clear_1_changes_nothing_in_conf(conf, capsys):
+    # the space's one point is weaker than today's hand-written final (no shared n-gram index)
+    space = _space(
+        conf,
+        "weak",
+        "params:\n  drafter:\n    num_draft_tokens: [2]\n  runtime_options:\n    shared_ngram_cache: [false]\n",
+    )
+    _tune(space, 1, "grid", "promote-weak")  # the study and its winner file, as `make tune` leaves them
+    before = _conf_bytes(conf)
+    summary = _tune(space, 1, "grid", "promote-weak", promote=True, eval_limit=2)  # the same command, PROMOTE=1
+    confirmed = json.loads(open(summary["promote"]["json"]).read())
+    gain = confirmed["speedups"]["new/current"]
+    assert not confirmed["promoted"] and gain["ci95"][0] <= 1
+    assert confirmed["reason"].startswith("new/current") and "lower bound is not above 1" in confirmed["reason"]
+    assert "not promoted" in capsys.readouterr().out
+    assert "lower bound is not above 1" in open(summary["report"]["markdown"]).read()
+    assert _conf_bytes(conf) == before

@@ -190,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", default=None, help="comma-separated subset of the benchmarks")
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="ar, stock, final on PORT..PORT+2")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a trial may take")
+    p.add_argument(
+        "--promote",
+        action="store_true",
+        help="confirm the winner on the dev split against the current final; make it the final only if faster "
+        "(95%% CI above 1) and lossless",
+    )
+    p.add_argument("--eval-limit", type=int, default=2, help="dev items per dataset the confirmation benches")
     p.set_defaults(handler=_tune)
 
     p = verbs.add_parser("lock", help="pin a setting's model and drafter repos to commits, files to sha256")
@@ -702,6 +709,8 @@ def _tune(args) -> int:
         args.datasets.split(",") if args.datasets else None,
         args.port,
         args.timeout,
+        promote=args.promote,
+        eval_limit=args.eval_limit,
     )
     return 0
 

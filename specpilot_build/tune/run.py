@@ -17,6 +17,7 @@ from rich.table import Table
 from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
+from specpilot_build.measure.results import write_json
 from specpilot_build.tune import study as studies
 from specpilot_build.tune.space import check_space, load_space
 from specpilot_build.tune.trial import SPLIT, Slice, run_trial
@@ -43,8 +44,11 @@ def tune(
     write_winner: bool = True,
     console: Console | None = None,
     enqueue: list[dict[str, Any]] | None = None,
+    promote: bool = False,
+    eval_limit: int | None = 2,
 ) -> dict[str, Any]:
-    """`enqueue`: candidates ("section.key" -> value) a new study runs first, e.g. today's final."""
+    """`enqueue`: candidates ("section.key" -> value) a new study runs first, e.g. today's final. `promote`: confirm
+    the winner on `eval_limit` dev items per dataset against the current final (tune/promote.py)."""
     from specpilot_build.assemble.builder import build_engine
     from specpilot_build.serve.process import serve, stop
 
@@ -55,6 +59,10 @@ def tune(
         raise SpecPilotError(f"SAMPLER={sampler}: choose one of {', '.join(studies.SAMPLERS)}")
     if limit is not None and limit < 1:
         raise SpecPilotError(f"LIMIT={limit}: the tuning slice needs at least 1 prompt per dataset")
+    if promote and not write_winner:
+        raise SpecPilotError("PROMOTE=1 confirms the winner file the tune writes; it cannot run without it")
+    if promote and eval_limit is not None and eval_limit < 1:
+        raise SpecPilotError(f"EVAL_LIMIT={eval_limit}: the confirmation needs at least 1 dev prompt per dataset")
     space = load_space(space_name)
     mechanisms = check_space(space, setting)
     slice_ = Slice(limit=limit, max_new_tokens=max_new_tokens, datasets=datasets)
@@ -138,11 +146,22 @@ def tune(
         from specpilot_build.tune.winner import write_winner as write
 
         summary["winner"] = str(write(setting, study, summary["best"]["number"], mechanisms))
+    from specpilot_build.tune.report import write_report
+
     out = data_dir() / "tune" / f"{name}.summary.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1) + "\n")
+    summary["report"] = write_report(summary, out.parent)
     summary["json"] = str(out)
+    write_json(out, summary)
     _print_summary(summary, console)
+    if promote and summary.get("winner"):
+        from specpilot_build.tune.promote import promote as confirm
+
+        confirmed = confirm(setting, mechanisms, name, port, eval_limit, max_new_tokens, datasets, console)
+        summary["promote"] = {k: confirmed.get(k) for k in ("promoted", "reason", "speedups", "verdict", "json")}
+        summary["report"] = write_report(summary, out.parent)
+        write_json(out, summary)
+    elif promote:
+        console.print("PROMOTE: no trial completed lossless; nothing to confirm, conf/ unchanged")
     return summary
 
 
@@ -219,7 +238,7 @@ def _row_line(number: int, values: dict, attrs: dict) -> str:
 
 
 def _params(values: dict) -> str:
-    return " ".join(f"{k.split('.', 1)[1]}={json.dumps(v)}" for k, v in values.items())
+    return " ".join(f"{k.split('.', 1)[-1]}={json.dumps(v)}" for k, v in values.items())
 
 
 def _print_summary(summary: dict, console: Console) -> None:
@@ -228,6 +247,7 @@ def _print_summary(summary: dict, console: Console) -> None:
         f"study {summary['study']}: {summary['complete']} complete, {summary['failed']} failed, "
         f"{summary['cache_hits']} cache hit(s); {summary['seconds']:.0f} s; summary {summary['json']}"
     )
+    console.print(f"report {summary['report']['markdown']} (chart {summary['report']['chart']})")
     if best is None:
         console.print("no trial completed lossless; nothing written")
         return

@@ -25,14 +25,14 @@ RANGE_KEYS = {"low", "high", "step"}
 @dataclass
 class TuneSpace:
     description: str = ""
-    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # section -> key -> choices | range
+    params: dict[str, Any] = field(default_factory=dict)  # section -> key -> choices | range; or key -> choices
 
 
 @dataclass(frozen=True)
 class Space:
     name: str
     file: Path
-    params: dict[str, list[Any] | dict[str, Any]]  # "section.key" -> choices, or {low, high, step}
+    params: dict[str, list[Any] | dict[str, Any]]  # "section.key" -> choices or {low, high, step}; "key" -> choices
 
     @property
     def shown(self) -> str:
@@ -88,6 +88,9 @@ def load_space(name: str) -> Space:
     raw = _compose_file(name, where)
     params: dict[str, list[Any] | dict[str, Any]] = {}
     for section, keys in (raw.get("params") or {}).items():
+        if isinstance(keys, list):  # a key of the mechanism itself (e.g. overlay), with its choices
+            params[section] = _checked_spec(keys, f"{where}: params.{section}")
+            continue
         if not isinstance(keys, dict) or not keys:
             raise ConfigError(f"{where}: params.{section} must map mechanism keys to choices or a range")
         for key, spec in keys.items():
@@ -143,12 +146,21 @@ def _checked_spec(spec: Any, where: str) -> list[Any] | dict[str, Any]:
 
 def candidate_overrides(setting_mechanisms: list[str], values: dict[str, Any]) -> list[str]:
     """Hydra overrides that make `values` ("section.key" -> value) the final arm's only mechanism."""
-    nested: dict[str, dict[str, Any]] = {}
-    for path, value in values.items():
-        section, key = path.split(".", 1)
-        nested.setdefault(section, {})[key] = value
+    nested = nest(values)
     drop = [f"~mechanism@final.mechanisms.{name}" for name in setting_mechanisms]
     return [*drop, f"+final.mechanisms={{{MECHANISM}:{_hydra_value(nested)}}}"]
+
+
+def nest(values: dict[str, Any]) -> dict[str, Any]:
+    """{"section.key": value, "key": value} as the mechanism's nesting {section: {key: value}, key: value}."""
+    nested: dict[str, Any] = {}
+    for path, value in values.items():
+        if "." in path:
+            section, key = path.split(".", 1)
+            nested.setdefault(section, {})[key] = value
+        else:
+            nested[path] = value
+    return nested
 
 
 def _hydra_value(value: Any) -> str:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import conf_dir
-from specpilot_build.tune.space import MECHANISM
+from specpilot_build.tune.space import MECHANISM, nest
 
 FOLDER = "tuned"
 
@@ -24,6 +23,9 @@ def winner_path(setting: str) -> Path:
 
 def winner_overrides(setting: str, mechanisms: list[str]) -> list[str]:
     """Overrides that compose the setting with the winner file as its final arm's only mechanism."""
+    if MECHANISM in mechanisms:  # a promoted preset names its final `tuned` already: choose the winner there
+        drop = [f"~mechanism@final.mechanisms.{name}" for name in mechanisms if name != MECHANISM]
+        return [*drop, f"mechanism@final.mechanisms.{MECHANISM}={FOLDER}/{setting}"]
     drop = [f"~mechanism@final.mechanisms.{name}" for name in mechanisms]
     return [*drop, f"+mechanism@final.mechanisms.{MECHANISM}={FOLDER}/{setting}"]
 
@@ -31,10 +33,7 @@ def winner_overrides(setting: str, mechanisms: list[str]) -> list[str]:
 def mechanism_text(setting: str, study, number: int) -> str:
     trial = study.trials[number]
     attrs = trial.user_attrs
-    nested: dict[str, dict[str, Any]] = {}
-    for path, value in trial.params.items():
-        section, key = path.split(".", 1)
-        nested.setdefault(section, {})[key] = value
+    nested = nest(dict(trial.params))
     fs = attrs["final_stock"]
     header = [
         f"# Mechanism (tuned by `make tune SETTING={setting}`): the best lossless trial of study '{study.study_name}'.",
