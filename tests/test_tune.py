@@ -418,3 +418,20 @@ def test_promote_that_does_not_clear_1_changes_nothing_in_conf(conf, capsys):
     assert "not promoted" in capsys.readouterr().out
     assert "lower bound is not above 1" in open(summary["report"]["markdown"]).read()
     assert _conf_bytes(conf) == before
+
+
+@pytest.mark.parametrize("name", ["lossy-accept", "slow-steps"])
+def test_each_test_overlay_still_applies_to_the_reference_runtime(test_overlays, tmp_path, name):
+    """The test overlays patch exact lines of the runtime's engine.py (no fuzz): an edit there that moves those
+    lines must fail here, in the fast tier, rather than as a failed build inside a slow tune test."""
+    import shutil
+
+    from specpilot_build.assemble.overlays import apply_overlays, overlay_inputs
+
+    cfg = {"runtime": {"name": "reference"}}
+    shutil.copytree(
+        REPO_ROOT / "runtimes" / "reference" / "specpilot_runtime", tmp_path / "runtime" / "specpilot_runtime"
+    )
+    before = (tmp_path / "runtime" / "specpilot_runtime" / "engine.py").read_text()
+    apply_overlays(tmp_path, overlay_inputs([name], cfg), cfg)
+    assert (tmp_path / "runtime" / "specpilot_runtime" / "engine.py").read_text() != before
