@@ -208,8 +208,69 @@ def test_a_locked_drafter_is_rehashed_and_an_absent_one_names_the_make_draft_com
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match="model.safetensors: differs from lockfiles/drafters.toml"):
+    with pytest.raises(
+        IntegrityError, match="model.safetensors: differs from the pinned drafter stories260k-truncated"
+    ):
         locked_drafter("stories260k-truncated", SETTING, "truncated")
     shutil.rmtree(made.directory)
     with pytest.raises(PinError, match="not in the store"):
         locked_drafter("stories260k-truncated", SETTING, "truncated")
+
+
+# --- the three-arm setting: the final arm switches to the trained drafter -----------------------------------------
+
+STANDALONE_SETTING = "cpu_c1_stories260k_standalone"
+
+
+def test_engines_of_a_recipe_drafter_need_it_made_first_and_pin_it(scratch_lock, tmp_path, monkeypatch):
+    from specpilot_build.assemble.builder import build_engine
+    from specpilot_build.draft.make import make_drafter, recipe_of_setting
+    from specpilot_build.errors import PinError
+
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    with pytest.raises(PinError, match=rf"run `make draft SETTING={STANDALONE_SETTING} RECIPE=standalone`"):
+        build_engine(STANDALONE_SETTING, "final")
+    assert recipe_of_setting(STANDALONE_SETTING) == "standalone"
+    made = make_drafter(STANDALONE_SETTING, None, SMALL)
+    engines = {arm: build_engine(STANDALONE_SETTING, arm).engine for arm in ("ar", "stock", "final")}
+    final = engines["final"].manifest["inputs"]["checkpoints"]["drafter"]
+    assert final["revision"] == made.id.removeprefix("blake3:")
+    assert engines["stock"].manifest["inputs"]["checkpoints"]["drafter"] is None  # n-gram: no checkpoint
+    assert engines["final"].config["drafter"]["algorithm"] == "draft_model"
+    assert engines["stock"].config["drafter"]["algorithm"] == "ngram"
+    assert "recipe" not in engines["stock"].config["drafter"]  # None is left out: no other engine id moves
+
+
+@pytest.mark.slow
+def test_the_trained_drafter_setting_serves_and_verifies_lossless(scratch_lock, tmp_path, monkeypatch):
+    from reference_runtime_helpers import free_port
+
+    from specpilot_build.assemble.builder import build_engine
+    from specpilot_build.draft.make import make_drafter
+    from specpilot_build.measure import verify as vf
+    from specpilot_build.measure.bench import bench
+    from specpilot_build.serve.process import serve, stop
+
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
+    make_drafter(STANDALONE_SETTING, None, SMALL)
+    engines = {arm: build_engine(STANDALONE_SETTING, arm).engine for arm in ("ar", "final")}
+    port, oracle_port = free_port(), free_port()
+    serve(engines["final"], port, quiet=True)
+    try:
+        run = bench(
+            engines["final"].id,
+            "final",
+            limit=1,
+            max_new_tokens=48,
+            port=port,
+            datasets=["gsm8k", "mt-bench"],
+            progress=False,
+            oracle_engine_id=engines["ar"].id,
+        )
+    finally:
+        stop(port)
+    requests = json.loads(run.read_text())["requests"]
+    assert all(r["accept_length"] > 1.0 for r in requests)  # the drafter's proposals are taken
+    report = vf.verify(str(run), oracle=engines["ar"].id, port=oracle_port, progress=False)
+    assert report["verdict"] == "lossless" and report["real_mismatches"] == 0
+    assert report["verified"] == report["tokens"] == sum(r["completion_tokens"] for r in requests)

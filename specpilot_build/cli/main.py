@@ -747,13 +747,17 @@ def _lock(args) -> int:
 
 def _models(args) -> int:
     from specpilot_build.config.compose import compose_setting
+    from specpilot_build.config.effective import effective_config
     from specpilot_build.models.checkpoints import materialize_setting
     from specpilot_build.pins.lockfile import load_lock
 
-    config = compose_setting(args.setting).config
+    config = effective_config(compose_setting(args.setting).config)  # the final arm's drafter, mechanisms applied
     pins = load_lock().checkpoints
     for role, path in materialize_setting(config, pins, mirror=args.mirror).items():
-        repo = config[role]["repo"]
+        repo = config[role].get("repo")
+        if repo is None:  # a drafter `make draft` made: named by its lock key, found by its id
+            print(f"{role:8} {config['model']['name']}-{config[role]['recipe']}  {path}")
+            continue
         print(f"{role:8} {repo}@{pins[repo].revision[:12]}  {path}")
     return 0
 

@@ -12,50 +12,37 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specpilot_build.errors import IntegrityError, PinError, SpecPilotError
-from specpilot_build.locations import data_dir, lockfiles_dir
-from specpilot_build.pins.lockfile import PinnedFile, _pinned_files, _read_toml
+from specpilot_build.errors import SpecPilotError
+from specpilot_build.models.drafters import (  # noqa: F401  (re-exported: the store's names, in one place)
+    DRAFT_VOCAB,
+    LOCKFILE,
+    RECORD,
+    DrafterPin,
+    drafter_dir,
+    load_drafter_pins,
+    lock_key,
+    lock_path,
+    locked_drafter,
+)
+from specpilot_build.pins.lockfile import PinnedFile
 
-DRAFT_VOCAB = "draft_vocab.safetensors"
-RECORD = "drafter.json"  # what it was made from and the loss of each step (deterministic, like the weights)
-LOCKFILE = "drafters.toml"
 HEADER = (
     "# Drafter pins (`make draft SETTING=... RECIPE=...`): lock key <model>-<recipe> -> the drafter's id (blake3 of\n"
     "# recipe, target identity, training data digest, trainer source), the recipe and target it was made from, and\n"
     "# every file of <data>/drafters/<id hex>/ with size and sha256. docs/drafters.md.\n"
 )
-ID = re.compile(r"^blake3:[0-9a-f]{64}$")
-
-
-@dataclass(frozen=True)
-class DrafterPin:
-    name: str  # the lock key: <model name>-<recipe name>
-    id: str
-    recipe: str
-    target: str  # the target's repo
-    files: tuple[PinnedFile, ...]
 
 
 def drafter_id(material: dict[str, Any]) -> str:
     import blake3
 
     return "blake3:" + blake3.blake3(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def lock_key(model_name: str, recipe_name: str) -> str:
-    return f"{model_name}-{recipe_name}"
-
-
-def drafter_dir(drafter: str) -> Path:
-    return data_dir() / "drafters" / drafter.removeprefix("blake3:")
 
 
 def source_digest(*modules: Path) -> str:
@@ -147,30 +134,6 @@ def _json(path: Path) -> dict:
 # --- the lock ---------------------------------------------------------------------------------------------------
 
 
-def lock_path() -> Path:
-    return lockfiles_dir() / LOCKFILE
-
-
-def load_drafter_pins(path: Path | None = None) -> dict[str, DrafterPin]:
-    path = path or lock_path()
-    pins = {}
-    for name, table in _read_toml(path).items():
-        where = f'{path.name} ["{name}"]'
-        if not isinstance(table, dict) or not ID.match(str(table.get("id", ""))):
-            raise PinError(f"{where}: id must be blake3:<64 hex>")
-        for key in ("recipe", "target"):
-            if not isinstance(table.get(key), str):
-                raise PinError(f"{where}: `{key}` must be a string")
-        pins[name] = DrafterPin(
-            name=name,
-            id=table["id"],
-            recipe=table["recipe"],
-            target=table["target"],
-            files=_pinned_files(table.get("files", []), f"{where}.files"),
-        )
-    return pins
-
-
 def pin_files(directory: Path) -> tuple[PinnedFile, ...]:
     from specpilot_build.models.proof import sha256_of
 
@@ -196,27 +159,3 @@ def write_pin(pin: DrafterPin, path: Path | None = None) -> None:
     with os.fdopen(fd, "w") as fh:
         fh.write("".join(lines))
     os.replace(tmp, path)
-
-
-def locked_drafter(name: str, setting: str, recipe: str) -> Path:
-    """The store directory of the locked drafter `name`, every file re-hashed against the lock. Absent: one line
-    saying how to make it."""
-    from specpilot_build.models.proof import verified
-
-    pins = load_drafter_pins()
-    hint = f"run `make draft SETTING={setting} RECIPE={recipe}`"
-    if name not in pins:
-        raise PinError(f"drafter {name}: not in lockfiles/{LOCKFILE}; {hint}")
-    pin = pins[name]
-    directory = drafter_dir(pin.id)
-    if not directory.is_dir():
-        raise PinError(f"drafter {name} ({pin.id[:19]}…): not in the store ({directory}); {hint}")
-    names = sorted(p.name for p in directory.iterdir())
-    if names != sorted(f.path for f in pin.files):
-        raise IntegrityError(f"{directory}: files {names} differ from lockfiles/{LOCKFILE} [{name}]; {hint}")
-    for f in pin.files:
-        if not verified(directory / f.path, f):
-            raise IntegrityError(
-                f"{directory / f.path}: differs from lockfiles/{LOCKFILE} [{name}] (sha256 {f.sha256[:16]}…)"
-            )
-    return directory
