@@ -60,7 +60,10 @@ def commit(drafter: str, target_dir: Path, write: Callable[[Path, Path], None]) 
     final = drafter_dir(drafter)
     final.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(final.parent / f".{final.name}.lock")):
-        if final.is_dir():
+        if final.is_dir():  # made before: re-hashed against every lock entry of this id, then checked
+            for pin in load_drafter_pins().values():
+                if pin.id == drafter:
+                    locked_drafter(pin.name, "<setting>", pin.recipe)
             check_against_target(final, target_dir)
             return final
         work = final.parent / f".{final.name}.work"
