@@ -212,6 +212,8 @@ def test_a_locked_drafter_is_rehashed_and_an_absent_one_names_the_make_draft_com
         IntegrityError, match="model.safetensors: differs from the pinned drafter stories260k-truncated"
     ):
         locked_drafter("stories260k-truncated", SETTING, "truncated")
+    with pytest.raises(IntegrityError, match="model.safetensors: differs from the pinned drafter"):
+        make_drafter(SETTING, "truncated")  # found in the store: re-hashed, not trusted
     shutil.rmtree(made.directory)
     with pytest.raises(PinError, match="not in the store"):
         locked_drafter("stories260k-truncated", SETTING, "truncated")
