@@ -18,6 +18,7 @@ BASE = {"(root)", "errors", "locations", "defaults"}
 # cli / assemble -> cache -> store, config; nothing goes back.
 ALLOWED = {
     "measure": {"serve", "store", "models", "pins"},
+    "draft": {"config", "measure", "models", "pins", "store"},
     "tune": {"config", "assemble", "serve", "measure", "store", "models", "pins"},
     "serve": {"store", "models", "pins"},
     "assemble": {"store", "config", "models", "pins", "hosts", "cache"},

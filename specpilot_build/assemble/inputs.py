@@ -133,6 +133,11 @@ def resolve_checkpoints(setting: str, cfg: dict, lock: Lock) -> dict[str, Checkp
     """The model's pin and, when the arm runs a drafter checkpoint, the drafter's. Unpinned → one-line error."""
     wanted = {"model": cfg["model"]["repo"], "drafter": cfg["drafter"].get("repo")}
     pins: dict[str, CheckpointPin | None] = {}
+    if cfg["drafter"].get("recipe"):  # a drafter SpecPilot made: its pin in lockfiles/drafters.toml
+        from specpilot_build.models.drafters import drafter_checkpoint_pin
+
+        pins["drafter"] = drafter_checkpoint_pin(cfg, setting, lock.directory)
+        wanted.pop("drafter")
     for role, repo in wanted.items():
         if repo is None:
             pins[role] = None

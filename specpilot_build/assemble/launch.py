@@ -36,7 +36,7 @@ def _reference(cfg: dict) -> dict:
         "--port",
         "{port}",
     ]
-    if cfg["drafter"].get("repo"):
+    if cfg["drafter"].get("repo") or cfg["drafter"].get("recipe"):
         argv += ["--draft-model", "{draft_model}"]
     env = {"PYTHONPATH": "{engine}/runtime:{engine}/kernels", "PYTHONDONTWRITEBYTECODE": "1"}
     return {"runtime": "reference", "argv": argv, "env": env}
@@ -53,9 +53,9 @@ def sglang_flags(cfg: dict) -> dict:
         args["quantization"] = model["quantization"]
     if drafter["algorithm"] != "none":
         args["speculative-algorithm"] = drafter["algorithm"]
-        if drafter.get("repo"):
+        if drafter.get("repo") or drafter.get("recipe"):
             args["speculative-draft-model-path"] = "{draft_model}"
-            if is_synthetic(drafter["repo"]):
+            if drafter.get("repo") and is_synthetic(drafter["repo"]):
                 args["speculative-draft-load-format"] = "dummy"
         for key, flag in DRAFTER_FLAGS.items():
             if drafter.get(key) is not None:

@@ -244,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_models)
 
+    p = verbs.add_parser("draft", help="make a drafter from a setting's target by a recipe; store it, pin it")
+    p.add_argument("--setting", required=True, help="whose model is the target")
+    p.add_argument("--recipe", help="conf/recipe/<name>.yaml (default: the recipe of the setting's final drafter)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides, key=value (e.g. train.steps=400)")
+    p.set_defaults(handler=_draft)
+
     p = verbs.add_parser("serve", help="re-hash, gate, and serve exactly one engine tree; waits for health")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--engine", help="engine id or unique prefix")
@@ -809,14 +815,30 @@ def _lock(args) -> int:
 
 def _models(args) -> int:
     from specpilot_build.config.compose import compose_setting
+    from specpilot_build.config.effective import effective_config
     from specpilot_build.models.checkpoints import materialize_setting
     from specpilot_build.pins.lockfile import load_lock
 
-    config = compose_setting(args.setting).config
+    config = effective_config(compose_setting(args.setting).config)  # the final arm's drafter, mechanisms applied
     pins = load_lock().checkpoints
     for role, path in materialize_setting(config, pins, mirror=args.mirror).items():
-        repo = config[role]["repo"]
+        repo = config[role].get("repo")
+        if repo is None:  # a drafter `make draft` made: named by its lock key, found by its id
+            print(f"{role:8} {config['model']['name']}-{config[role]['recipe']}  {path}")
+            continue
         print(f"{role:8} {repo}@{pins[repo].revision[:12]}  {path}")
+    return 0
+
+
+def _draft(args) -> int:
+    from specpilot_build.draft.make import make_drafter
+
+    made = make_drafter(args.setting, args.recipe, args.overrides)
+    loss = f"  final loss {made.final_loss:.4f}" if made.final_loss is not None else ""
+    how = f"made in {made.seconds:.1f} s" if made.built else "already in the store"
+    print(f"drafter {made.name}  {made.id}  {how}{loss}")
+    print(f"  {made.directory}")
+    print(f"  pinned in lockfiles/drafters.toml [{made.name}]")
     return 0
 
 

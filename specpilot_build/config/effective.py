@@ -29,6 +29,8 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
         kernels += [k for k in mech.get("kernels", []) if k not in kernels]
         runtime_options.update(mech.get("runtime_options", {}))
         launch_args.update(mech.get("launch_args", {}))
+    if cfg["drafter"].get("recipe", "absent") is None:  # no recipe drafter: left out, so no engine id moves
+        del cfg["drafter"]["recipe"]
     if cfg["runtime"].get("flag_check", "absent") is None:  # undeclared: not part of any engine id
         del cfg["runtime"]["flag_check"]
     runtime = cfg["runtime"]["name"]

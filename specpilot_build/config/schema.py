@@ -71,6 +71,9 @@ class Drafter:
     block_size: Optional[int] = field(default=None, metadata=AT_LEAST_1)  # DFlash block size / DSpark gamma
     num_steps: Optional[int] = field(default=None, metadata=AT_LEAST_1)
     eagle_topk: Optional[int] = field(default=None, metadata=AT_LEAST_1)
+    # a drafter SpecPilot makes (conf/recipe/<name>.yaml, `make draft`), found by the id that lockfiles/drafters.toml
+    # pins under <model name>-<recipe>; instead of `repo`. None (every other drafter) is left out of the effective config
+    recipe: Optional[str] = None
 
 
 @dataclass

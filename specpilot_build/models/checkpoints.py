@@ -65,6 +65,12 @@ def checkpoint_requests(config: dict) -> list[CheckpointRequest]:
 def materialize_setting(config: dict, pins: dict[str, CheckpointPin], *, mirror: Path | None = None) -> dict[str, Path]:
     """`materialize` every checkpoint of a composed setting: role ("model", "drafter") → local directory."""
     paths, setting = {}, config.get("setting") or "<setting>"
+    recipe = (config.get("drafter") or {}).get("recipe")
+    if recipe:  # a drafter `make draft` made: found in the store by its locked id, re-hashed
+        from specpilot_build.models.drafters import drafter_checkpoint_pin, stored_drafter
+
+        pin = drafter_checkpoint_pin(config, setting)
+        paths["drafter"] = stored_drafter(pin.as_record(), config)
     for req in checkpoint_requests(config):
         if req.repo not in pins:
             raise SpecPilotError(
@@ -87,6 +93,11 @@ def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str,
     for role, record in checkpoints.items():
         if record is None:
             continue
+        if role == "drafter" and config[role].get("recipe"):  # made by `make draft`: in the drafter store
+            from specpilot_build.models.drafters import stored_drafter
+
+            dirs[role] = stored_drafter(record, config)
+            continue
         pin = CheckpointPin.from_record(record)
         section = config[role]
         dirs[role] = materialize(
@@ -100,6 +111,10 @@ def model_dirs(checkpoints: dict, config: dict, fetch: bool = True) -> dict[str,
 
 
 def _expected_dir(record: dict, section: dict) -> Path:
+    if section.get("recipe"):  # a drafter `make draft` made
+        from specpilot_build.models.drafters import drafter_dir
+
+        return drafter_dir(record["revision"])
     source_format = section.get("source_format") or "hf"
     if is_synthetic(record["repo"]):
         return synthetic_dir(record["repo"], record["revision"])

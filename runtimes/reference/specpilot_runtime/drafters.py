@@ -7,7 +7,9 @@ appended to it; verification decides what is kept, so a drafter only affects spe
   sequence and propose the tokens that followed that earlier occurrence.
 - `SharedNgramCache` (final mechanism `shared_ngram_cache`): the same lookup over one index shared by all
   requests, holding earlier prompts and outputs too, like SGLang's NGRAM cache.
-- `DraftModelDrafter` (`draft_model`): a small model sharing the tokenizer proposes k tokens greedily.
+- `DraftModelDrafter` (`draft_model`): a small model sharing the tokenizer proposes k tokens greedily; with a
+  reduced draft vocabulary (`draft_to_target`, a drafter's draft_vocab.safetensors) its head scores only those
+  tokens and the argmax is mapped back to the target's id.
 """
 
 from __future__ import annotations
@@ -99,10 +101,17 @@ class DraftModelDrafter(NoDrafter):
 
     `seq.draft_fed` holds the tokens whose keys/values sit in the draft cache; after verification only
     the prefix shared with the real sequence stays valid, and the rest is fed again on the next proposal.
+    `draft_to_target` (sorted target ids): the model's head is cut once, here, to those columns (LeanLlama keeps
+    it as [hidden, vocab]); a proposal is draft_to_target[argmax]. Proposals only steer speed: verify keeps the
+    target's tokens exact, so the cut head needs no padding.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, draft_to_target: torch.Tensor | None = None):
         self.model = model
+        self.to_target: list[int] | None = None
+        if draft_to_target is not None:
+            model.lm_head = model.lm_head[:, draft_to_target.to(model.lm_head.device)].contiguous()
+            self.to_target = [int(i) for i in draft_to_target]
 
     def start(self, seq) -> None:
         seq.draft_fed = []
@@ -124,6 +133,8 @@ class DraftModelDrafter(NoDrafter):
             )
             fed = fed + pending
             token = int(logits[0, -1].argmax())
+            if self.to_target is not None:
+                token = self.to_target[token]
             proposals.append(token)
             pending = [token]
         seq.draft_fed = fed
@@ -141,7 +152,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def make_drafter(drafter_config, runtime_options: dict, draft_model=None):
+def make_drafter(drafter_config, runtime_options: dict, draft_model=None, draft_to_target=None):
     algorithm = drafter_config.algorithm
     if algorithm == "none":
         return NoDrafter()
@@ -154,5 +165,5 @@ def make_drafter(drafter_config, runtime_options: dict, draft_model=None):
             )
         return PromptLookup(drafter_config.ngram_min_n, drafter_config.ngram_max_n)
     if algorithm == "draft_model":
-        return DraftModelDrafter(draft_model)
+        return DraftModelDrafter(draft_model, draft_to_target)
     raise ValueError(f"unknown drafter algorithm {algorithm!r}")

@@ -24,6 +24,7 @@ from .engine import Engine
 from .model import LeanLlama, load_hf_model
 from .protocol import ModelLimits
 
+DRAFT_VOCAB = "draft_vocab.safetensors"  # a drafter's reduced head: the target ids it scores (draft_to_target)
 # For a model this small, one thread beats several (measured in benchmarks/reference_runtime.md).
 SMALL_MODEL_HIDDEN_SIZE = 1024
 
@@ -145,7 +146,7 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
         w12=config.quantization == "w12",
         dense_fallback=dense_fallback,
     )
-    draft = None
+    draft = draft_to_target = None
     if config.drafter.algorithm == "draft_model":
         if not draft_model:
             raise RuntimeConfigError("drafter.algorithm is draft_model: pass --draft-model <hf_model_dir>")
@@ -155,8 +156,10 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
                 f"--draft-model {draft_model}: vocabulary {draft_hf.config.vocab_size} "
                 f"differs from the target's {hf_model.config.vocab_size}"
             )
+        _check_same_tokenizer(draft_model, tokenizer)
         draft = LeanLlama(draft_hf, num_slots=slots, max_tokens_per_step=k + 1, device=device)
-    drafter = make_drafter(config.drafter, config.runtime_options, draft)
+        draft_to_target = _draft_vocab(draft_model, hf_model.config.vocab_size)
+    drafter = make_drafter(config.drafter, config.runtime_options, draft, draft_to_target)
     limits = ModelLimits(
         vocab_size=target.shape.vocab_size,
         context_length=target.shape.context_length,
@@ -203,6 +206,36 @@ def _load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _check_same_tokenizer(draft_model: str, tokenizer) -> None:
+    """A drafter's proposals are target token ids: its tokenizer must map every token as the target's does."""
+    draft_tokenizer = _load_tokenizer(draft_model)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise RuntimeConfigError(f"--draft-model {draft_model}: its tokenizer's vocabulary differs from the target's")
+
+
+def _draft_vocab(draft_model: str, vocab_size: int) -> torch.Tensor | None:
+    """draft_to_target of a drafter with a reduced head (draft_vocab.safetensors): sorted, unique int64 target ids."""
+    path = Path(draft_model) / DRAFT_VOCAB
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    try:
+        ids = load_file(str(path))["draft_to_target"]
+    except Exception as exc:  # noqa: BLE001  (safetensors raises several types for a damaged file)
+        raise RuntimeConfigError(f"{path}: no readable draft_to_target tensor ({type(exc).__name__})") from None
+    if not (
+        ids.dtype == torch.int64
+        and ids.dim() == 1
+        and len(ids) > 0
+        and bool((ids[1:] > ids[:-1]).all())
+        and 0 <= int(ids[0])
+        and int(ids[-1]) < vocab_size
+    ):
+        raise RuntimeConfigError(f"{path}: draft_to_target must be sorted, unique int64 target ids below {vocab_size}")
+    return ids
 
 
 def _w12_tables() -> dict | None:

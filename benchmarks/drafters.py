@@ -1,0 +1,97 @@
+"""Benchmark: trained drafters against plain greedy and the stock n-gram drafter, in process, on the dev split.
+
+    python benchmarks/drafters.py --setting cpu_c1_stories260k_standalone \
+        --drafters stories260k-standalone,stories260k-truncated [--limit 2] [--max-new-tokens 96] [--k 4] [--threads 1]
+
+The target is the setting's model (fetched and proven); each drafter is the one lockfiles/drafters.toml pins,
+re-hashed in the store. Arms, one reference-runtime engine each, take turns prompt by prompt (machine noise hits
+them alike): `ar` (no drafter), `stock` (per-request prompt lookup with conf/drafter/ngram.yaml's defaults: n 1..3,
+k 4), and each drafter with k proposals per step. Prompts: the first `--limit` dev items of every dataset, rendered
+as bench renders them. Reported per arm: tokens/s (wall), tokens per CPU-second of this process, the mean
+acceptance length (tokens per target forward) and whether every output equals ar's token for token."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import time
+from datetime import UTC, datetime
+
+import torch
+
+from specpilot_build.draft.target import setting_target
+from specpilot_build.measure.datasets import BENCHMARKS, load_split
+from specpilot_build.measure.prompts import PromptRenderer
+from specpilot_build.models.drafters import locked_drafter
+from specpilot_runtime.drafters import DraftModelDrafter, NoDrafter, PromptLookup
+from specpilot_runtime.engine import Engine
+from specpilot_runtime.model import LeanLlama, load_hf_model
+from specpilot_runtime.runtime import _draft_vocab, _eos_ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setting", required=True)
+    parser.add_argument("--drafters", required=True, help="lock keys in lockfiles/drafters.toml, comma-separated")
+    parser.add_argument("--limit", type=int, default=2, help="dev items per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target = setting_target(args.setting)
+    renderer = PromptRenderer(target.directory, target.chat_template)
+    rendered = [renderer.render(item.prompt) for name in BENCHMARKS for item in load_split(name, args.limit)]
+    context = renderer.context_length or 2048  # prompts that leave no room for the answer are left out
+    prompts = [ids for ids in rendered if len(ids) + args.max_new_tokens + args.k + 1 <= context]
+    eos = _eos_ids(str(target.directory), renderer.tokenizer)
+    hf = load_hf_model(target.directory, target.dtype, "cpu")
+    arms = {"ar": (NoDrafter(), 0), "stock": (PromptLookup(1, 3), 4)}
+    for name in args.drafters.split(","):
+        recipe = name.removeprefix(target.name + "-")
+        directory = locked_drafter(name, args.setting, recipe)
+        draft = LeanLlama(load_hf_model(directory, target.dtype, "cpu"), 1, args.k + 1, "cpu")
+        arms[name] = (DraftModelDrafter(draft, _draft_vocab(str(directory), hf.config.vocab_size)), args.k)
+    engines = {}
+    for arm, (drafter, k) in arms.items():
+        engines[arm] = Engine(LeanLlama(hf, 1, k + 1, "cpu"), renderer.tokenizer, drafter, k, 1)
+        engines[arm].start()
+    stats = {arm: {"tokens": 0, "wall": 0.0, "cpu": 0.0, "forwards": 0, "same": 0} for arm in arms}
+    reference = {}
+    for i, prompt in enumerate(prompts):
+        for arm, engine in engines.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = engine.generate(prompt, args.max_new_tokens, timeout=600, stop_token_ids=set(eos))
+            s = stats[arm]
+            s["wall"] += time.perf_counter() - wall
+            s["cpu"] += time.process_time() - cpu
+            ids = out["output_ids"]
+            s["tokens"] += len(ids)
+            s["forwards"] += len(ids) / max(out["meta_info"].get("spec_accept_length") or 1.0, 1e-9)
+            reference.setdefault(i, ids)
+            s["same"] += ids == reference[i]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(
+        f"# {args.setting}: {len(prompts)} dev prompts ({len(rendered) - len(prompts)} too long for the context left "
+        f"out) x {args.max_new_tokens} new tokens, k={args.k}, "
+        f"{args.threads} thread(s)"
+    )
+    print(
+        f"# {platform.processor() or platform.machine()} ({os.cpu_count()} cores), "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit}\n"
+    )
+    print("| arm | tokens | tok/s (wall) | tok per CPU-s | vs ar (CPU) | accept length | identical to ar |")
+    print("|---|---|---|---|---|---|---|")
+    ar_rate = stats["ar"]["tokens"] / stats["ar"]["cpu"]
+    for arm, s in stats.items():
+        rate = s["tokens"] / s["cpu"]
+        print(
+            f"| {arm} | {s['tokens']} | {s['tokens'] / s['wall']:.1f} | {rate:.1f} | {rate / ar_rate:.2f}x | "
+            f"{s['tokens'] / s['forwards']:.2f} | {s['same']}/{len(prompts)} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

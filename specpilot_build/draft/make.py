@@ -1,0 +1,120 @@
+"""`specpilot draft`: a setting's target and a recipe become a drafter in the store, then a pin in the lock.
+
+The steps, each its own module: recipe (load and check), target (fetch and prove), data (the self-distillation
+set, cached), train (weights), store (id, atomic commit, lock)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specpilot_build.draft import data as data_step
+from specpilot_build.draft import store, train
+from specpilot_build.draft.recipe import load_recipe
+from specpilot_build.draft.target import WEIGHTS, Target, setting_target, tokenizer_files
+from specpilot_build.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Made:
+    name: str  # lock key
+    id: str
+    directory: Path
+    built: bool  # False: it was already in the store
+    seconds: float
+    final_loss: float | None
+
+
+def recipe_of_setting(setting: str) -> str:
+    """The recipe the setting's final arm drafts with (drafter.recipe), for `make draft SETTING=...` alone."""
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.config.effective import effective_config
+
+    drafter = effective_config(compose_setting(setting, "final").config)["drafter"]
+    if not drafter.get("recipe"):
+        raise ConfigError(f"setting {setting}: its final arm's drafter has no recipe; name one with RECIPE=<name>")
+    return str(drafter["recipe"])
+
+
+def make_drafter(
+    setting: str,
+    recipe_name: str | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    on_step: Callable[[int, float], None] | None = None,
+) -> Made:
+    recipe = load_recipe(recipe_name or recipe_of_setting(setting), overrides)
+    target = setting_target(setting)
+    rows: list[dict[str, Any]] = []
+    data_digest = None
+    if recipe["kind"] == "standalone":
+        record = data_step.distillation_set(target, recipe["data"], recipe["train"]["threads"])
+        rows, data_digest = record["rows"], record["digest"]
+    material = {
+        "recipe": recipe,
+        "target": target.identity,
+        "data": data_digest,
+        "trainer": store.source_digest(Path(train.__file__), Path(__file__)),
+    }
+    drafter = store.drafter_id(material)
+    name = store.lock_key(target.name, recipe["name"])
+    losses: list[float] = []
+    started = time.monotonic()
+    built = not store.drafter_dir(drafter).is_dir()
+
+    def write(out: Path, work: Path) -> None:
+        nonlocal losses
+        _write(out, work, target, recipe, rows, material, drafter, losses, on_step)
+
+    directory = store.commit(drafter, target.directory, write)
+    if not built:
+        losses = json.loads((directory / store.RECORD).read_text()).get("losses") or []
+    store.write_pin(
+        store.DrafterPin(
+            name=name,
+            id=drafter,
+            recipe=recipe["name"],
+            target=target.identity["repo"],
+            files=store.pin_files(directory),
+        )
+    )
+    return Made(name, drafter, directory, built, time.monotonic() - started, losses[-1] if losses else None)
+
+
+def _write(
+    out: Path,
+    work: Path,
+    target: Target,
+    recipe: dict[str, Any],
+    rows: list[dict[str, Any]],
+    material: dict[str, Any],
+    drafter: str,
+    losses: list[float],
+    on_step: Callable[[int, float], None] | None,
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    config = train.draft_config(target.directory, recipe["num_layers"])
+    if recipe["kind"] == "truncated":
+        weights = train.target_weights(target.directory, recipe["num_layers"])
+    else:
+        weights, vocab, trained = train.standalone(target.directory, recipe, rows, work, on_step=on_step)
+        losses += trained
+        save_file({"draft_to_target": vocab}, str(out / store.DRAFT_VOCAB), metadata={"format": "pt"})
+    save_file(
+        {k: v.to(torch.float32).contiguous() for k, v in weights.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in [*tokenizer_files(target.directory), *(n for n in WEIGHTS if n == "generation_config.json")]:
+        if (target.directory / name).is_file():
+            shutil.copyfile(target.directory / name, out / name)
+    record = {"id": drafter, **material, "losses": losses}
+    (out / store.RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
