@@ -3,6 +3,8 @@
     python benchmarks/roofline.py [--family normal,student-t4] [--ms 1,8,16,32,64] [--out roofline.json]
     python benchmarks/roofline.py --dry-run          # CPU: tiny shapes, checks the plumbing, measures nothing
 
+(w12 and specpilot_lab are installed with the repository; on the bare GPU device prefix PYTHONPATH=lab:kernels.)
+
 Per weight shape (the seed's 27B linears) and M, for each kernel:
 - `cuBLAS bf16`: F.linear on the bf16 weight (what a bf16 engine runs);
 - `W12 (picked)`: w12.linear as an engine calls it (the tuned table's kernel for this GPU: the Triton kernel, the
@@ -27,16 +29,12 @@ import json
 import math
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for path in (REPO / "kernels", REPO / "lab"):  # the bare GPU host has the repository, not its installed packages
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 DRY_SHAPES = {"qkv": (160, 128), "o": (64, 256), "gate_up": (352, 128), "down": (64, 448)}
 BUFFERS = 3

@@ -15,7 +15,7 @@ PACKAGE = "specpilot_build"
 BASE = {"(root)", "errors", "locations", "defaults"}
 # What each stage may import besides itself and BASE (cli may import everything; nothing imports cli).
 # The one-way rule: cli -> measure -> serve -> store / models -> pins; cli -> assemble -> hosts -> pins;
-# cli / assemble -> cache -> store, config; nothing goes back.
+# cli / assemble / bundle -> cache -> store, config; nothing goes back.
 ALLOWED = {
     "measure": {"serve", "store", "models", "pins"},
     "draft": {"config", "measure", "models", "pins", "store"},
@@ -23,7 +23,7 @@ ALLOWED = {
     "serve": {"store", "models", "pins"},
     "assemble": {"store", "config", "models", "pins", "hosts", "cache"},
     "cache": {"store", "config", "pins"},
-    "bundle": {"store", "models", "pins"},
+    "bundle": {"store", "models", "pins", "cache"},
     "hosts": {"store", "config", "pins"},
     "models": {"pins", "store"},
     "store": set(),

@@ -16,6 +16,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -31,6 +32,9 @@ from specpilot_build.store.engines import Engine, checked_manifest, index_put, i
 from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json
 from specpilot_build.store.names import plain_relpath
 
+# (setting, arm) -> (the head a build of it records, its build key): the assembler's, handed in by the CLI
+BuildOf = Callable[[str, str], tuple[dict, str]]
+
 
 def pull_for_bundle(
     cache: BinaryCache, refs: list[str], trusted: dict[str, Ed25519PublicKey], scratch: Path, meter: Meter | None
@@ -40,7 +44,7 @@ def pull_for_bundle(
 
 
 def import_bundle(
-    bundle_dir: Path, cache: BinaryCache, key: SigningKey, scratch: Path, meter: Meter | None = None
+    bundle_dir: Path, cache: BinaryCache, key: SigningKey, scratch: Path, build_of: BuildOf, meter: Meter | None = None
 ) -> list[PushSummary]:
     """Push every engine of the bundle at `bundle_dir` into `cache`, signed by `key`; `scratch` is an empty
     folder the caller removes. Refuses (naming the part, member or engine) before anything is pushed."""
@@ -61,7 +65,7 @@ def import_bundle(
         engine = Engine(eid, store / eid)
         if not (engine.path / MANIFEST_NAME).is_file():
             raise IntegrityError(f"bundle {bundle_dir}: engine {eid[:12]} is listed but not in the archive")
-        build_key = _build_key_of(engine, bundle_dir)
+        build_key = _build_key_of(engine, bundle_dir, build_of)
         index_put(store, build_key, eid)
         engines.append(engine)
     return [push_engine(engine, cache, key, store, meter=meter) for engine in engines]
@@ -95,16 +99,13 @@ def _unpack_engines(archive: Path, ids: list[str], store: Path, bundle_dir: Path
             os.chmod(target, 0o755 if member.mode & 0o111 else 0o644)
 
 
-def _build_key_of(engine: Engine, bundle_dir: Path) -> str:
+def _build_key_of(engine: Engine, bundle_dir: Path, build_of: BuildOf) -> str:
     """The build key this SpecPilot computes for the engine's setting and arm, if the engine's manifest records
     exactly the head that build would have; else an IntegrityError naming the engine and what differs."""
-    from specpilot_build.assemble.builder import build_head, build_key
-    from specpilot_build.config.compose import compose_setting
-
     manifest = checked_manifest(engine)
     setting, arm = str(manifest.get("setting")), str(manifest.get("arm"))
     try:
-        head = build_head(compose_setting(setting, arm))[1]
+        head, key = build_of(setting, arm)
     except SpecPilotError as exc:
         raise SpecPilotError(
             f"bundle {bundle_dir}: engine {engine.id[:12]} is {setting} {arm}, which this SpecPilot cannot "
@@ -117,7 +118,7 @@ def _build_key_of(engine: Engine, bundle_dir: Path) -> str:
             f"bundle {bundle_dir}: engine {engine.id[:12]} ({setting} {arm}) was not built from the inputs this "
             f"SpecPilot would use ({', '.join(differs)} differ); no build key can name it; refused"
         )
-    return build_key(head)
+    return key
 
 
 def scratch_dir(near: Path, what: str) -> Path:

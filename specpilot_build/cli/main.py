@@ -502,6 +502,15 @@ def _cache_gc(args) -> int:
     return 0
 
 
+def _build_of(setting: str, arm: str) -> tuple[dict, str]:
+    """The head a build of `setting`/`arm` records and its build key (what `cache import` keys a bundle's engines by)."""
+    from specpilot_build.assemble.builder import build_head, build_key
+    from specpilot_build.config.compose import compose_setting
+
+    head = build_head(compose_setting(setting, arm))[1]
+    return head, build_key(head)
+
+
 def _cache_import(args) -> int:
     import shutil
 
@@ -513,7 +522,7 @@ def _cache_import(args) -> int:
     key = _signing_key(args)
     scratch = scratch_dir(data_dir(), "cache-import")
     try:
-        summaries = import_bundle(args.bundle, cache, key, scratch, meter=meter_for(args.progress))
+        summaries = import_bundle(args.bundle, cache, key, scratch, _build_of, meter=meter_for(args.progress))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for summary in summaries:
