@@ -41,7 +41,7 @@ def available() -> bool:
         return _library is not None
     try:
         _library = _load()
-    except _Unavailable as exc:
+    except (_Unavailable, OSError) as exc:  # OSError: an unwritable cache, a library that will not load
         _unavailable = str(exc)
         log.warning("rowgemm unavailable (%s): float32 CPU products use MKL with padded rows", exc)
     return _library is not None
