@@ -78,14 +78,29 @@ FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=8, ngram_min_n=1
 # The c16 setting batches 16 requests per step; each padded verify row costs real work there, so its
 # final arm wants fewer draft tokens (measured with --c16).
 FINAL_C16 = DrafterConfig("ngram", num_draft_tokens=2, ngram_max_n=8, ngram_min_n=1)
+MAX_STEP = 17  # tokens per forward the models make room for: the largest k of --sweep, plus one
+
+
+_MODELS: dict[tuple, LeanLlama] = {}
 
 
 def engine_arm(
     hf, tokenizer, drafter_config: DrafterConfig, options: dict, running: int = 1, use_rowgemm: bool = True
 ) -> Engine:
+    """A fresh engine (empty drafter state) on a model shared by every c1 engine of the same kind: c1 engines
+    run one request at a time and each request prefills its own cache, so they can share one; fresh models per
+    round would keep every earlier round's (engine threads never end), ~1 GB each for SmolLM2."""
     k = drafter_config.num_draft_tokens
-    model = LeanLlama(hf, num_slots=running, max_tokens_per_step=k + 1, device="cpu", use_rowgemm=use_rowgemm)
-    engine = Engine(model, tokenizer, make_drafter(drafter_config, options), k, max_running_requests=running)
+    key = (id(hf), running, use_rowgemm)
+    if running > 1 or key not in _MODELS:  # c16 engines each get their own (a burst fills all slots)
+        model = LeanLlama(hf, num_slots=running, max_tokens_per_step=MAX_STEP, device="cpu", use_rowgemm=use_rowgemm)
+        if running > 1:
+            return _started(Engine(model, tokenizer, make_drafter(drafter_config, options), k, running))
+        _MODELS[key] = model
+    return _started(Engine(_MODELS[key], tokenizer, make_drafter(drafter_config, options), k, running))
+
+
+def _started(engine: Engine) -> Engine:
     engine.start()
     return engine
 
