@@ -10,6 +10,7 @@
 #include <string.h>
 
 #define TILE 32
+#define PARALLEL_MACS 4e6
 
 static void store_tile(float *out, const __m256 acc[4], long cols) {
     if (cols == TILE) {
@@ -61,7 +62,10 @@ static void one_row(const float *x0, const float *w, long K, long ldw, float *o0
 void rowgemm(const float *x, long M, long K, const float *w, long ldw, long tstride, long N, float *out, long batch,
              long bx, long bw, long bo) {
     long tiles = (N + TILE - 1) / TILE;
-#pragma omp parallel for schedule(static)
+    /* Threads only where the product is big enough to repay waking them: a decode step's layer products take
+     * tens of microseconds, and a thread that the OS has parked makes the others wait (and spin). */
+    int big = (double)batch * M * K * N >= PARALLEL_MACS;
+#pragma omp parallel for schedule(static) if (big)
     for (long bt = 0; bt < batch * tiles; bt++) {
         long b = bt / tiles, t = bt % tiles;
         const float *xb = x + b * bx, *wt = w + b * bw + t * tstride;
