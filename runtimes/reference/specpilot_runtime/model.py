@@ -8,7 +8,10 @@ module tree dominates the arithmetic, so this is what makes plain greedy decodin
 - q/k/v (plus rotate_half of q and k, for RoPE: an exact permutation of rows) and gate/up projections are
   fused; in float32, RMSNorm weights are folded into the projection that follows and the attention scale
   into the q rows (both linear, so the maths is unchanged up to float rounding);
-- K is cached pre-transposed ([kv_heads, head_dim, position]) so attention is two batched matmuls.
+- K is cached pre-transposed ([kv_heads, head_dim, position]) so attention is two batched matmuls;
+- in float32 on CPU the products run on rowgemm (rowgemm.py), whose rows do not depend on the rows beside
+  them, so a decode step multiplies one row: one pass over the weights, where MKL's padded 16-row products
+  cost ~16 passes on this AMD EPYC (SmolLM2-135M: benchmarks/reference_runtime.md).
 With `w12=True` (model.quantization w12, bf16 only) the projections are held in W12 form instead (kernels/w12,
 lossless 12-bit, [out, in] as encoded) and `self.mm` runs W12's GEMM (see _w12_projection); `dense_fallback`
 (runtime_options.w12_dense_fallback) keeps each one's bf16 matrix beside it where cuBLAS beats that GEMM.
@@ -24,14 +27,16 @@ tokens through) gives, bit for bit, the logits that prefill and verify steps gav
 drafter proposed and whatever else was in the batch. On CPU, MKL runs a product of few rows through other kernels
 than a larger one: on an Intel CPU a single row (GEMV) differed, which alone made a position's float32 logits
 differ by up to 1.4e-5 (benchmarks/tolerance.md); on an AMD EPYC with AVX2 products of 1-3, 5-7
-and 9-11 rows differed and every product of 12 rows or more gave each row the same result. So on CPU every
-product here has at least MIN_ROWS rows, padded with zero rows that are dropped again (`rows_padded`). The
-attention's probs @ values product also reduced in another order over more keys (a short prefill against a
-whole sequence, or past 256 keys), so attention spans whole blocks of KEY_BLOCK keys, the keys past a query
-masked to exact zeros, and that product runs block by block with the partial results added in a fixed order
-(`_attend`); softmax gives the same result over more masked keys (measured). tests/test_batch_invariance.py
-checks all of it on stories260K: verify chunks of 1..k tokens, rejected drafts, short prompts, sequences past
-256 tokens, and a second sequence in the batch.
+and 9-11 rows differed and every product of 12 rows or more gave each row the same result. rowgemm needs no
+padding: it sums each output element in one order whatever the rows and threads. Where rowgemm is not used
+(bf16, or no compiler) every product here has at least MIN_ROWS rows, padded with zero rows that are dropped
+again (`rows_padded`). The attention's probs @ values product also reduced in another order over more keys (a
+short prefill against a whole sequence, or past 256 keys), so attention spans whole blocks of KEY_BLOCK keys,
+the keys past a query masked to exact zeros; MKL's product runs block by block with the partial results added
+in a fixed order (`_attend`), rowgemm's is one product over all keys, summed in order, where the masked keys add
+exact zeros. Softmax gives the same result over more masked keys (measured). tests/test_batch_invariance.py
+checks all of it on stories260K (verify chunks of 1..k tokens, rejected drafts, short prompts, sequences past
+256 tokens, a second sequence in the batch) and on SmolLM2-135M past 512 keys.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from specpilot_runtime import rowgemm
 
 KEY_BLOCK = 512  # attention runs in whole blocks of this many keys (batch invariance, see the docstring)
 MIN_ROWS = 16  # on CPU every product has at least this many rows (batch invariance, see the docstring)
@@ -93,11 +100,19 @@ class LeanLlama:
         device: torch.device | str,
         w12: bool = False,
         dense_fallback: bool = False,
+        use_rowgemm: bool = True,
     ):
         self.shape = s = llama_shape(hf_model.config)
         self.device = torch.device(device)
         self.dtype = next(hf_model.parameters()).dtype
-        self.mm = rows_padded(torch.mm)
+        # float32 on CPU: rowgemm's products, one pass over the weights whatever the rows (see rowgemm.py).
+        # use_rowgemm=False keeps MKL with padded rows (benchmarks/reference_runtime.py compares the two).
+        self.rowgemm = use_rowgemm and self.device.type == "cpu" and self.dtype == torch.float32 and rowgemm.available()
+        self.mm = rowgemm.mm if self.rowgemm else rows_padded(torch.mm)
+        self.scores = rowgemm.bmm if self.rowgemm else rows_padded(torch.matmul)
+        # probs @ values: rowgemm sums each output over the keys in order, so masked keys after a query add
+        # exact zeros and one product over all keys is invariant; it needs head_dim a multiple of its tile.
+        self.attend = rowgemm.bmm if self.rowgemm and s.head_dim % rowgemm.TILE == 0 else _attend
         self._take_weights(hf_model)
         if w12:
             self._encode_w12(dense_fallback)
@@ -132,7 +147,7 @@ class LeanLlama:
             w = weight.detach().float()
             if self.folded:
                 w = w * (norm.detach().float() * math.sqrt(s.hidden_size))[None, :]
-            return w.to(self.dtype).t().contiguous()
+            return self._stored(w.to(self.dtype).t())
 
         def rotated(weight, heads):  # rows giving rotate_half(W @ x) per head: exact (a permutation and signs)
             w = weight.view(heads, 2, s.head_dim // 2, -1)
@@ -152,12 +167,16 @@ class LeanLlama:
             self.layers.append(
                 (
                     fold(wqkv, layer.input_layernorm.weight),
-                    att.o_proj.weight.detach().t().contiguous(),
+                    self._stored(att.o_proj.weight.detach().t()),
                     fold(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), layer.post_attention_layernorm.weight),
-                    mlp.down_proj.weight.detach().t().contiguous(),
+                    self._stored(mlp.down_proj.weight.detach().t()),
                 )
             )
             self.norms.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()))
+
+    def _stored(self, weight: torch.Tensor):
+        """A projection's [in, out] weight as `self.mm` takes it."""
+        return rowgemm.Packed(weight) if self.rowgemm else weight.contiguous()
 
     def _encode_w12(self, dense_fallback: bool = False) -> None:
         """Replace every projection by its W12 encoding (of the [out, in] weight). The bf16 copies are freed, unless
@@ -252,11 +271,11 @@ class LeanLlama:
             kc[:, :, start:end] = qk[:, nh:].permute(1, 2, 0)
             vc[:, start:end] = qkv[:, nh + nkv : nh + 2 * nkv].transpose(0, 1)
             q = qk[:, :nh].reshape(steps, nkv, group, hd).transpose(0, 1).reshape(nkv, steps * group, hd)
-            scores = rows_padded(torch.bmm)(q, kc[:, :, :keys])
+            scores = self.scores(q, kc[:, :, :keys])
             if not self.folded:
                 scores = scores * self.q_scale
             scores += mask
-            o = _attend(self._softmax(scores), vc[:, :keys])
+            o = self.attend(self._softmax(scores), vc[:, :keys])
             o = o.view(nkv, steps, group * hd).transpose(0, 1).reshape(steps, nh * hd)
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
@@ -295,11 +314,11 @@ class LeanLlama:
                 keys_i, values_i = kc[lo : lo + batch, :, :, :key_len], vc[lo : lo + batch, :, :key_len]
             else:
                 keys_i, values_i = kc[slot_t, :, :, :key_len], vc[slot_t, :, :key_len]
-            scores = rows_padded(torch.matmul)(q, keys_i)
+            scores = self.scores(q, keys_i)
             if not self.folded:
                 scores = scores * self.q_scale
             scores += mask
-            o = _attend(self._softmax(scores), values_i)  # [B, kv, T*group, hd]
+            o = self.attend(self._softmax(scores), values_i)  # [B, kv, T*group, hd]
             o = o.view(batch, nkv, steps, group * hd).transpose(1, 2).reshape(batch * steps, nh * hd)
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)

@@ -94,6 +94,8 @@ class Runtime:
             "quantization": cfg.quantization,
             "device": self.device,
             "num_threads": self.num_threads,
+            # float32 on CPU: rowgemm, or MKL with padded rows where rowgemm could not be built (model.py)
+            "cpu_products": ("rowgemm" if engine.model.rowgemm else "torch") if self.device == "cpu" else None,
             "context_length": self.limits.context_length,
             "speculative_algorithm": cfg.drafter.algorithm,
             "speculative_num_draft_tokens": cfg.drafter.num_draft_tokens,
