@@ -110,7 +110,7 @@ class DraftModelDrafter(NoDrafter):
         self.model = model
         self.to_target: list[int] | None = None
         if draft_to_target is not None:
-            model.lm_head = model.lm_head[:, draft_to_target.to(model.lm_head.device)].contiguous()
+            model.cut_head(draft_to_target)
             self.to_target = [int(i) for i in draft_to_target]
 
     def start(self, seq) -> None:

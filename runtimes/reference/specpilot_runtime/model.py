@@ -178,6 +178,13 @@ class LeanLlama:
         """A projection's [in, out] weight as `self.mm` takes it."""
         return rowgemm.Packed(weight) if self.rowgemm else weight.contiguous()
 
+    def cut_head(self, columns: torch.Tensor) -> None:
+        """Score only these vocabulary entries from now on (a drafter's reduced head): logit i is columns[i]'s."""
+        head = self.lm_head.unpacked() if isinstance(self.lm_head, rowgemm.Packed) else self.lm_head
+        if not isinstance(head, torch.Tensor):
+            raise TypeError(f"cannot cut a {type(head).__name__} head (a W12 drafter has no reduced vocabulary)")
+        self.lm_head = self._stored(head[:, columns.to(head.device)])
+
     def _encode_w12(self, dense_fallback: bool = False) -> None:
         """Replace every projection by its W12 encoding (of the [out, in] weight). The bf16 copies are freed, unless
         `dense_fallback` keeps one as the encoding's `dense` where its shape runs faster on cuBLAS (w12.keep_dense)."""

@@ -102,6 +102,11 @@ class Packed:
         self.data = padded.view(k, tiles, TILE).transpose(0, 1).contiguous()
         self.shape = (k, n)
 
+    def unpacked(self) -> torch.Tensor:
+        """The [in, out] weight this was made from."""
+        k, n = self.shape
+        return self.data.transpose(0, 1).reshape(k, -1)[:, :n]
+
 
 def mm(x: torch.Tensor, weight: Packed) -> torch.Tensor:
     """x [M, in] @ weight, float32 [M, out]; each row computed alone (see rowgemm.c)."""
