@@ -673,10 +673,10 @@ def test_gc_drops_a_pack_only_when_no_entry_reaches_any_object_in_it(source, key
     root, engines = source
     cache = BinaryCache(f"file://{tmp_path}/cache")
     final, stock = engines["final"], engines["stock"]
-    push_engine(stock, cache, keys["trusted"], root)
+    push_engine(stock, cache, keys["trusted"], root, merge_after=1)
     stock_pack = the_pack_of(cache, next(iter(objects_of(stock)))).pack
     (superseded,) = [n for n in cache.names("merged") if n != "latest.json"]  # stock's merged index
-    push_engine(final, cache, keys["trusted"], root)
+    push_engine(final, cache, keys["trusted"], root, merge_after=1)
     final_pack = the_pack_of(cache, _final_only(engines)["blake3"]).pack
     orphan = pack_rel("ab" * 32)  # a push cut off between a pack and its index
     cache.write(orphan, b"partly")
@@ -907,7 +907,10 @@ def test_a_pull_reads_one_merged_index_not_every_packs(cache_url, source, keys, 
     counting = Counting(cache_url)
     pulled = pull_engine(counting, engines["final"].id, keys["trust"], tmp_path / "engines")
     assert pulled.created and inspect_engine(pulled.engine).bad == [] and pulled.notes == []
-    assert [r for r in counting.reads if r.endswith(".idx")] == []
+    merged = packs.load_indexes(cache).merged
+    read_alone = {r.rsplit("/", 1)[1].removesuffix(".idx") for r in counting.reads if r.endswith(".idx")}
+    assert len(merged) > 6 and read_alone == {n.removesuffix(".idx") for n in packs_held} - merged
+    assert len(read_alone) < packs.MERGE_AFTER  # the packs pushed since the last merge, no more
     assert len({r for r in counting.reads if r.startswith("merged/")}) == 2  # the pointer, then the index
     assert check_cache(cache, keys["trust"]).problems == []
     # an old cache (no merged index) still pulls, through every pack's index
@@ -924,10 +927,10 @@ def test_pushes_whose_pointers_overwrite_each_other_lose_no_pack(cache_url, sour
     everything."""
     root, engines = source
     cache = BinaryCache(cache_url)
-    push_engine(engines["ar"], cache, keys["trusted"], root)
-    push_engine(engines["stock"], cache, keys["trusted"], root)
+    push_engine(engines["ar"], cache, keys["trusted"], root, merge_after=1)
+    push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=1)
     stock_pointer = cache.read("merged/latest.json")
-    push_engine(engines["final"], cache, keys["trusted"], root)
+    push_engine(engines["final"], cache, keys["trusted"], root, merge_after=1)
     cache.write("merged/latest.json", stock_pointer)  # final's pointer lost to a push that never saw its pack
     final_pack = the_pack_of(cache, _final_only(engines)["blake3"]).pack
     found = packs.load_indexes(cache)
@@ -936,10 +939,25 @@ def test_pushes_whose_pointers_overwrite_each_other_lose_no_pack(cache_url, sour
     pulled = pull_engine(cache, engines["final"].id, keys["trust"], tmp_path / "engines")
     assert inspect_engine(pulled.engine).bad == [] and pulled.notes == []
     # a push with nothing to send still merges what the pointed index lacks
-    again = push_engine(engines["stock"], cache, keys["trusted"], root)
+    again = push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=1)
     assert again.packs_sent == 0 and again.merged_bytes > 0
     assert packs.load_indexes(cache).merged == set(packs.load_indexes(cache, merged=False).packs)
-    assert push_engine(engines["final"], cache, keys["trusted"], root).bytes_sent == 0  # nothing left to merge
+    assert (
+        push_engine(engines["final"], cache, keys["trusted"], root, merge_after=1).bytes_sent == 0
+    )  # nothing left to merge
+
+
+def test_a_push_writes_a_merged_index_only_once_enough_packs_lie_outside_it(source, keys, tmp_path):
+    root, engines = source
+    cache = BinaryCache(f"file://{tmp_path}/cache")
+    first = push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=2)
+    assert first.packs_sent == 1 and first.merged_bytes == 0 and cache.names("merged") == []
+    second = push_engine(engines["final"], cache, keys["trusted"], root, merge_after=2)
+    assert second.merged_bytes > 0 and packs.load_indexes(cache).merged == {
+        n.removesuffix(".idx") for n in cache.names("packs") if n.endswith(".idx")
+    }
+    third = push_engine(engines["ar"], cache, keys["trusted"], root, merge_after=2)  # one pack outside it
+    assert third.packs_sent == 1 and third.merged_bytes == 0
 
 
 def test_a_merged_index_that_is_not_its_digest_is_refused_by_name_and_the_pull_reads_per_pack_indexes(
@@ -948,8 +966,8 @@ def test_a_merged_index_that_is_not_its_digest_is_refused_by_name_and_the_pull_r
     root, engines = source
     url = f"file://{tmp_path}/cache"
     cache = BinaryCache(url)
-    push_engine(engines["stock"], cache, keys["trusted"], root)
-    push_engine(engines["final"], cache, keys["trusted"], root)
+    push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=1)
+    push_engine(engines["final"], cache, keys["trusted"], root, merge_after=1)
     pointed = json.loads(cache.read("merged/latest.json"))["index"]
     rel = f"merged/{pointed}.json.zst"
     stale = packs.merged_index({})[1]  # a well-formed merged index, but not the bytes of that name
@@ -964,7 +982,7 @@ def test_a_merged_index_that_is_not_its_digest_is_refused_by_name_and_the_pull_r
     assert main(["pull", engines["final"].id, "--cache", url, "--trust", keys["public"]]) == 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("warning: ") and words in err and "Traceback" not in err
-    # the next push replaces it
+    # the next push replaces it, however few packs lie outside it
     push_engine(engines["final"], cache, keys["trusted"], root)
     assert packs.load_indexes(cache).problems == [] and check_cache(cache, keys["trust"]).problems == []
 

@@ -11,8 +11,10 @@ that is malformed or whose pack is absent (`cache check` names it; a later push 
 The merged index saves a pull from reading every pack's index (one request each, growing with every push): the
 union of the per-pack indexes (canonical JSON, zstd-compressed), `merged/<blake3>.json.zst`, named by the blake3
 of its own bytes and so immutable,
-and a pointer `merged/latest.json` naming the newest. A push that sent packs (or sees packs the pointed index
-lacks) writes a new merged index, then the pointer, both after its packs' indexes. The listing of packs/ stays
+and a pointer `merged/latest.json` naming the newest. A push after which MERGE_AFTER or more listed packs are not
+in the pointed index (its own included), or that found the pointed index refused, writes a new merged index, then
+the pointer, both after its packs' indexes: a pull reads at most MERGE_AFTER - 1 per-pack indexes besides the
+merged one, and a push re-sends the merged index (which grows with the cache) only every MERGE_AFTER packs. The listing of packs/ stays
 the authority on which packs exist: a reader takes from the merged index only packs that are listed with their
 index, and reads the per-pack index of every listed pack it lacks. So two pushes at once, whose pointers
 overwrite each other, lose nothing (the loser's packs are read through their own indexes until the next push
@@ -40,6 +42,7 @@ MERGED = "merged"
 MERGED_SCHEMA = "specpilot.cache-merged-index/1"
 POINTER = f"{MERGED}/latest.json"
 POINTER_SCHEMA = "specpilot.cache-merged-pointer/1"
+MERGE_AFTER = 8  # packs outside the merged index that make a push write a new one
 MERGED_LIMIT = 1 << 30  # a merged index that says it decompresses to more is refused
 SMALL = 1 << 20  # objects whose zstd frame is shorter go into packs; larger ones stay loose (one request each)
 PACK_BYTES = 32 << 20  # a pack is closed once it holds this many bytes
@@ -186,6 +189,7 @@ class Indexes:
     packs: dict[str, dict[str, Any]] = field(default_factory=dict)  # pack digest -> {"bytes", "objects"}
     located: dict[str, Located] = field(default_factory=dict)  # object digest hex -> its place (the first pack)
     merged: frozenset[str] = frozenset()  # the listed packs the pointed merged index covered
+    merged_refused: bool = False  # the pointer named a merged index that could not be trusted as a map
     problems: list[str] = field(default_factory=list)  # one line per index ignored
 
     def add(self, digest: str, length: int, objects: dict[str, list[int]], placed: dict[str, Located]) -> None:
@@ -214,7 +218,7 @@ def load_indexes(cache: BinaryCache, merged: bool = True) -> Indexes:
             for digest, entry, placed in _read_merged(cache, set(listed)):
                 found.add(digest, entry["bytes"], entry["objects"], placed)
         except IntegrityError as exc:
-            found.packs, found.located = {}, {}
+            found.packs, found.located, found.merged_refused = {}, {}, True
             found.problems.append(f"{exc}".removesuffix("; refused") + "; refused, per-pack indexes read instead")
         found.merged = frozenset(found.packs)
     rest = [d for d in listed if d not in found.packs]

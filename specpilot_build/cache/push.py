@@ -3,8 +3,8 @@
 Small objects travel in packs (cache/packs.py: each pack before its index), large ones loose. A push that dies
 half-way leaves whole objects and packs (named by their content), perhaps a pack without its index (invisible)
 and a manifest, but no entry, so no pull or substitution ever sees a partial engine; the next push sends only
-what is missing. After its packs a push writes a new merged index and points to it (cache/packs.py), when it sent
-packs or found packs the pointed index lacks; a pack's upload reports its bytes as they go."""
+what is missing. After its packs a push writes a new merged index and points to it when MERGE_AFTER packs are
+outside the pointed one (cache/packs.py); a pack's upload reports its bytes as they go."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import blake3
 
 from specpilot_build.cache.objects import object_name, pack
 from specpilot_build.cache.packs import (
+    MERGE_AFTER,
     PACK_BYTES,
     POINTER,
     SMALL,
@@ -67,10 +68,12 @@ def push_engine(
     batch: int = BATCH,
     small: int = SMALL,
     pack_bytes: int = PACK_BYTES,
+    merge_after: int = MERGE_AFTER,
 ) -> PushSummary:
     """Push `engine`, signing an entry for every build key the store's index maps to it. Each file is re-hashed
-    before it is sent: a damaged store is never copied into a cache. Objects whose zstd frame is shorter than
-    `small` go into packs of about `pack_bytes` (small=0: every object loose, as caches were before packs)."""
+        before it is sent: a damaged store is never copied into a cache. Objects whose zstd frame is shorter than
+        `small` go into packs of about `pack_bytes` (small=0: every object loose, as caches were before packs); a new
+    merged index is written once `merge_after` listed packs are outside the pointed one."""
     raw = read_regular(engine.path / MANIFEST_NAME)[0]
     if blake3.blake3(raw).hexdigest() != engine.id:
         raise IntegrityError(
@@ -145,7 +148,8 @@ def push_engine(
                     put_loose()
         put_loose()
         put_pack(packs.close())
-    if sent_packs or found.merged != set(found.packs):
+    outside = (set(found.packs) - found.merged) | set(sent_packs)
+    if outside and (len(outside) >= merge_after or found.merged_refused):
         digest, merged = merged_index({**found.packs, **sent_packs})
         pointer = pointer_to(digest)
         cache.write(merged_rel(digest), merged)  # whole, before the pointer that names it
