@@ -235,9 +235,14 @@ def many_pushes(args: argparse.Namespace, work: Path, env: dict[str, str], key, 
                 if found.problems or len(found.packs) != len(packs):
                     raise SystemExit(f"{row}: {found.problems} {len(found.packs)} of {len(packs)} packs")
     cache.write(POINTER, pointer)
+    covered = len(load_indexes(cache).merged)
     print("| path | whole pull median s | min–max s | index step median s | index files read |\n|---|---|---|---|---|")
     for row, times in rows.items():
-        reads = "1 merged (+ pointer)" if row == "pull, merged index" else f"{len(packs)} per-pack"
+        reads = (
+            f"pointer, merged ({covered} packs), {len(packs) - covered} per-pack"
+            if row == "pull, merged index"
+            else f"{len(packs)} per-pack"
+        )
         print(
             f"| {row} | {statistics.median(times):.2f} | {min(times):.2f}–{max(times):.2f} | "
             f"{statistics.median(steps[row]):.3f} | {reads} |"

@@ -568,6 +568,61 @@ def test_killing_the_s3_server_mid_pull_leaves_the_store_as_it_was_and_a_rerun_c
     assert pulled.created and inspect_engine(pulled.engine).bad == []
 
 
+def _no_room_over(limit: int):
+    """A child process in which writing a file past `limit` bytes fails (EFBIG, as a full disk or a quota
+    fails a write) instead of killing it."""
+
+    def limit_files() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_files
+
+
+@pytest.mark.slow
+def test_a_pull_or_push_that_runs_out_of_room_changes_nothing_and_a_rerun_completes(source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    biggest = max(objects_of(final).values())
+    url = f"file://{tmp_path}/cache"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("SPECPILOT_DEBUG", None)
+
+    def cli(args: list[str], store: Path, room: int | None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "specpilot_build.cli", *args],
+            env={**env, "SPECPILOT_ENGINES": str(store)},
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            preexec_fn=None if room is None else _no_room_over(room),
+        )
+
+    push = ["push", final.id, "--cache", url, "--key", str(keys["secret"])]
+    cut = cli(push, root, room=biggest // 4)  # the pack is larger than that
+    assert cut.returncode != 0 and cut.stderr.count("\n") == 1 and "Traceback" not in cut.stderr
+    assert f"cache {url}: writing packs/" in cut.stderr and "File too large" in cut.stderr
+    cache = BinaryCache(url)
+    assert cache.names("keys") == [] and cache.names("manifests") == [] and cache.names("packs") == []
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "cache").rglob("*"))  # no half-written file
+    assert cli(push, root, room=None).returncode == 0
+
+    store = tmp_path / "engines"
+    push_engine(engines["ar"], cache, keys["trusted"], root)
+    pull_engine(cache, engines["ar"].id, keys["trust"], store)  # the store is not empty before the pull
+    before = snapshot(store)
+    pull = ["pull", final.id, "--cache", url, "--trust", keys["public"]]
+    cut = cli(pull, store, room=_final_only(engines)["size"] // 2)  # a file the store lacks cannot be written
+    assert cut.returncode != 0 and cut.stderr.count("\n") == 1 and "Traceback" not in cut.stderr
+    assert "cannot write it (File too large); nothing was pulled" in cut.stderr
+    assert snapshot(store) == before
+    again = cli(pull, store, room=None)
+    assert again.returncode == 0 and final.id in again.stdout
+    assert inspect_engine(Engine(final.id, store / final.id)).bad == []
+
+
 @contextlib.contextmanager
 def through(relay: Relay):
     os.environ["AWS_ENDPOINT_URL"], direct = f"http://127.0.0.1:{relay.port}", os.environ["AWS_ENDPOINT_URL"]
