@@ -93,11 +93,13 @@ class Moto:
 class Relay:
     """A loopback TCP relay in front of a server: killing it cuts every connection mid-transfer while the server
     behind it (and what it stores) lives on. With `cut_pack=n` it kills itself halfway through the body of the
-    n-th PUT of a pack, and records (body bytes forwarded, body length) in `cut`."""
+    n-th PUT of a pack, and records (body bytes forwarded, body length) in `cut`. With `drop_first=n` it closes
+    the first n connections it accepts without a byte."""
 
-    def __init__(self, target: int, cut_pack: int | None = None):
+    def __init__(self, target: int, cut_pack: int | None = None, drop_first: int = 0):
         self.target, self.port = target, free_port()
         self.cut_pack, self.pack_puts, self.cut = cut_pack, 0, None
+        self.drop_first, self.dropped = drop_first, 0  # connections closed unanswered, as a flaky network does
         self.sockets: list[socket.socket] = []
         self.listener = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, daemon=True).start()
@@ -109,6 +111,11 @@ class Relay:
                 server = socket.create_connection(("127.0.0.1", self.target))
             except OSError:
                 return
+            if self.dropped < self.drop_first:
+                self.dropped += 1
+                client.close()
+                server.close()
+                continue
             self.sockets += [client, server]
             threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
@@ -647,6 +654,21 @@ def test_a_push_cut_off_mid_transfer_exposes_no_engine_and_a_rerun_completes(mot
     again = push_engine(final, cache, keys["trusted"], root)
     assert again.objects_skipped == 3 and again.objects_sent == len(objects_of(final)) - 3
     assert pull_engine(cache, final.id, keys["trust"], tmp_path / "engines").engine.id == final.id
+
+
+def test_transient_network_errors_are_retried_with_backoff_and_the_transfer_completes(moto, source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    url = f"s3://{new_bucket()}/specpilot"
+    relay = Relay(moto.port, drop_first=3)
+    with through(relay):
+        pushed = push_engine(final, BinaryCache(url), keys["trusted"], root)
+    assert relay.dropped == 3 and pushed.objects_sent == len(objects_of(final))
+    relay = Relay(moto.port, drop_first=3)
+    with through(relay):
+        pulled = pull_engine(BinaryCache(url), final.id, keys["trust"], tmp_path / "engines")
+    assert relay.dropped == 3 and inspect_engine(pulled.engine).bad == []
+    relay.kill()
 
 
 def test_a_push_cut_off_in_the_middle_of_a_pack_leaves_no_index_naming_it(moto, source, keys, tmp_path):
