@@ -8,8 +8,8 @@ the keys that name an engine, so a pull by id finds its entries with one listing
 Writes never expose a partial file. file://: the bytes go to a temporary name in the same directory and are
 renamed over the final one (rename(2) is atomic on one file system). s3://: a PUT (single or multipart) becomes
 visible only when complete, so a write goes straight to its name; a write that reports progress goes as a
-multipart upload of PART-byte parts, aborted (never completed) when anything fails mid-way. hf://: every write is one commit of the
-repository, atomic by construction. Two pushes of the same engine may both write an object or manifest: the
+multipart upload of PART-byte parts, aborted (never completed) when anything fails mid-way. hf://: every write
+is one commit of the repository, atomic by construction. Two pushes of the same engine may both write an object or manifest: the
 bytes are the same (named by their digest), so the last writer changes nothing; two entries for one build key
 written at once leave one of them, whole."""
 
@@ -166,11 +166,12 @@ class BinaryCache:
         if self.local or not isinstance(self.fs, AsyncFileSystem):
             for k, (rel, start, end) in enumerate(pieces):
                 try:
-                    got[k] = self._read_piece(rel, start, end)
+                    piece = self._read_piece(rel, start, end)
                 except Exception as exc:
                     got[k] = exc
                     continue
-                arrived(k, got[k])  # type: ignore[arg-type]
+                got[k] = piece
+                arrived(k, piece)
             return got
         fs = self.fs
         done: queue.SimpleQueue[tuple[int, bytes | BaseException]] = queue.SimpleQueue()
