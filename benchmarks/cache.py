@@ -10,7 +10,12 @@ Rows (whole processes, wall clock, median and min–max over --repeat runs, the 
   pull s3        `specpilot pull <id> --cache s3://...` into an empty store
   pull file      `specpilot pull <id> --cache file://...` into an empty store
   substitute s3  `specpilot engine build` with the S3 cache as substituter, into an empty store
-Then the bytes each push sends: the stock arm into an empty cache, then the final arm of the same setting."""
+Then the bytes each push sends: the stock arm into an empty cache, then the final arm of the same setting.
+
+With --many N (default 20; 0 skips it): N engines (every setting and arm that builds here, in order) pushed one
+by one into a fresh S3 bucket, then `specpilot pull` of the --setting's final arm into an empty store with the
+merged index and without it (its pointer removed: the layout of caches before it, one index read per pack),
+alternating, --repeat times; and the index step alone in this process (load_indexes, median of 5)."""
 
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--setting", default="h100_c1_qwen3-8b_dflash")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--many", type=int, default=20)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cache-bench-"))
     data = Path(os.environ.get("SPECPILOT_DATA") or Path.home() / "specpilot_data")
@@ -165,6 +171,82 @@ def report(args: argparse.Namespace, work: Path, env: dict[str, str]) -> None:
     for url in (s3, local):
         first, second = pushes[url, "stock"][0].bytes_sent, pushes[url, "final"][0].bytes_sent
         print(f"{'s3' if url == s3 else 'file'}: the final push sent {second / first:.1%} of the stock push's bytes")
+    if args.many:
+        many_pushes(args, work, env, key, ids["final"])
+
+
+def many_pushes(args: argparse.Namespace, work: Path, env: dict[str, str], key, final_id: str) -> None:
+    import s3fs
+
+    from specpilot_build.cache.packs import POINTER, load_indexes
+    from specpilot_build.cache.push import push_engine
+    from specpilot_build.cache.remote import BinaryCache
+    from specpilot_build.store.engines import Engine
+
+    source = work / "many-source"
+    e = {**env, "SPECPILOT_ENGINES": str(source)}
+    built: list[str] = []
+    settings = sorted(p.stem for p in (REPO / "conf" / "setting").glob("*.yaml"))
+    settings.remove(args.setting)
+    for setting in [args.setting, *settings]:
+        for arm in ("final", "stock", "ar"):
+            if len(built) == args.many:
+                break
+            cmd = [*SP, "engine", "build", "--setting", setting, "--arm", arm]
+            proc = subprocess.run(cmd, env=e, capture_output=True, text=True, cwd=REPO)
+            if proc.returncode == 0 and proc.stdout.split()[0] not in built:
+                built.append(proc.stdout.split()[0])
+    bucket = f"many-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+    url = f"s3://{bucket}/specpilot"
+    pushed = []
+    for eid in built:
+        started = time.perf_counter()
+        summary = push_engine(Engine(eid, source / eid), BinaryCache(url), key, source)
+        pushed.append((summary, time.perf_counter() - started))
+    cache = BinaryCache(url)
+    packs = [n for n in cache.names("packs") if n.endswith(".idx")]
+    print(f"\n{len(built)} engines pushed one by one into one S3 cache: {len(packs)} packs")
+    print("| push | packs sent | bytes sent | of which merged index + pointer | s |\n|---|---|---|---|---|")
+    for i, (s, secs) in enumerate(pushed, 1):
+        print(f"| {i} | {s.packs_sent} | {s.bytes_sent} | {s.merged_bytes} | {secs:.2f} |")
+    pointer = cache.read(POINTER)
+    assert pointer is not None
+    rows: dict[str, list[float]] = {"pull, merged index": [], "pull, per-pack indexes": []}
+    steps: dict[str, list[float]] = {"pull, merged index": [], "pull, per-pack indexes": []}
+    public = key.public_line()
+    for i in range(args.repeat):
+        for row in list(rows) if i % 2 == 0 else list(reversed(rows)):
+            if row == "pull, merged index":
+                cache.write(POINTER, pointer)
+            else:
+                cache.remove(POINTER)
+            store = work / f"many-store-{i}"
+            elapsed, out = run([*SP, "pull", final_id, "--cache", url, "--trust", public],
+                               {**env, "SPECPILOT_ENGINES": str(store)})  # fmt: skip
+            if final_id not in out:
+                raise SystemExit(f"{row}: unexpected output {out!r}")
+            rows[row].append(elapsed)
+            shutil.rmtree(store)
+            for _ in range(5):
+                started = time.perf_counter()
+                found = load_indexes(BinaryCache(url))
+                steps[row].append(time.perf_counter() - started)
+                if found.problems or len(found.packs) != len(packs):
+                    raise SystemExit(f"{row}: {found.problems} {len(found.packs)} of {len(packs)} packs")
+    cache.write(POINTER, pointer)
+    covered = len(load_indexes(cache).merged)
+    print("| path | whole pull median s | min–max s | index step median s | index files read |\n|---|---|---|---|---|")
+    for row, times in rows.items():
+        reads = (
+            f"pointer, merged ({covered} packs), {len(packs) - covered} per-pack"
+            if row == "pull, merged index"
+            else f"{len(packs)} per-pack"
+        )
+        print(
+            f"| {row} | {statistics.median(times):.2f} | {min(times):.2f}–{max(times):.2f} | "
+            f"{statistics.median(steps[row]):.3f} | {reads} |"
+        )
 
 
 if __name__ == "__main__":

@@ -93,11 +93,13 @@ class Moto:
 class Relay:
     """A loopback TCP relay in front of a server: killing it cuts every connection mid-transfer while the server
     behind it (and what it stores) lives on. With `cut_pack=n` it kills itself halfway through the body of the
-    n-th PUT of a pack, and records (body bytes forwarded, body length) in `cut`."""
+    n-th PUT of a pack, and records (body bytes forwarded, body length) in `cut`. With `drop_first=n` it closes
+    the first n connections it accepts without a byte."""
 
-    def __init__(self, target: int, cut_pack: int | None = None):
+    def __init__(self, target: int, cut_pack: int | None = None, drop_first: int = 0):
         self.target, self.port = target, free_port()
         self.cut_pack, self.pack_puts, self.cut = cut_pack, 0, None
+        self.drop_first, self.dropped = drop_first, 0  # connections closed unanswered, as a flaky network does
         self.sockets: list[socket.socket] = []
         self.listener = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, daemon=True).start()
@@ -109,6 +111,11 @@ class Relay:
                 server = socket.create_connection(("127.0.0.1", self.target))
             except OSError:
                 return
+            if self.dropped < self.drop_first:
+                self.dropped += 1
+                client.close()
+                server.close()
+                continue
             self.sockets += [client, server]
             threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
@@ -568,6 +575,61 @@ def test_killing_the_s3_server_mid_pull_leaves_the_store_as_it_was_and_a_rerun_c
     assert pulled.created and inspect_engine(pulled.engine).bad == []
 
 
+def _no_room_over(limit: int):
+    """A child process in which writing a file past `limit` bytes fails (EFBIG, as a full disk or a quota
+    fails a write) instead of killing it."""
+
+    def limit_files() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_files
+
+
+@pytest.mark.slow
+def test_a_pull_or_push_that_runs_out_of_room_changes_nothing_and_a_rerun_completes(source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    biggest = max(objects_of(final).values())
+    url = f"file://{tmp_path}/cache"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("SPECPILOT_DEBUG", None)
+
+    def cli(args: list[str], store: Path, room: int | None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "specpilot_build.cli", *args],
+            env={**env, "SPECPILOT_ENGINES": str(store)},
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            preexec_fn=None if room is None else _no_room_over(room),
+        )
+
+    push = ["push", final.id, "--cache", url, "--key", str(keys["secret"])]
+    cut = cli(push, root, room=biggest // 4)  # the pack is larger than that
+    assert cut.returncode != 0 and cut.stderr.count("\n") == 1 and "Traceback" not in cut.stderr
+    assert f"cache {url}: writing packs/" in cut.stderr and "File too large" in cut.stderr
+    cache = BinaryCache(url)
+    assert cache.names("keys") == [] and cache.names("manifests") == [] and cache.names("packs") == []
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "cache").rglob("*"))  # no half-written file
+    assert cli(push, root, room=None).returncode == 0
+
+    store = tmp_path / "engines"
+    push_engine(engines["ar"], cache, keys["trusted"], root)
+    pull_engine(cache, engines["ar"].id, keys["trust"], store)  # the store is not empty before the pull
+    before = snapshot(store)
+    pull = ["pull", final.id, "--cache", url, "--trust", keys["public"]]
+    cut = cli(pull, store, room=_final_only(engines)["size"] // 2)  # a file the store lacks cannot be written
+    assert cut.returncode != 0 and cut.stderr.count("\n") == 1 and "Traceback" not in cut.stderr
+    assert "cannot write it (File too large); nothing was pulled" in cut.stderr
+    assert snapshot(store) == before
+    again = cli(pull, store, room=None)
+    assert again.returncode == 0 and final.id in again.stdout
+    assert inspect_engine(Engine(final.id, store / final.id)).bad == []
+
+
 @contextlib.contextmanager
 def through(relay: Relay):
     os.environ["AWS_ENDPOINT_URL"], direct = f"http://127.0.0.1:{relay.port}", os.environ["AWS_ENDPOINT_URL"]
@@ -592,6 +654,21 @@ def test_a_push_cut_off_mid_transfer_exposes_no_engine_and_a_rerun_completes(mot
     again = push_engine(final, cache, keys["trusted"], root)
     assert again.objects_skipped == 3 and again.objects_sent == len(objects_of(final)) - 3
     assert pull_engine(cache, final.id, keys["trust"], tmp_path / "engines").engine.id == final.id
+
+
+def test_transient_network_errors_are_retried_with_backoff_and_the_transfer_completes(moto, source, keys, tmp_path):
+    root, engines = source
+    final = engines["final"]
+    url = f"s3://{new_bucket()}/specpilot"
+    relay = Relay(moto.port, drop_first=3)
+    with through(relay):
+        pushed = push_engine(final, BinaryCache(url), keys["trusted"], root)
+    assert relay.dropped == 3 and pushed.objects_sent == len(objects_of(final))
+    relay = Relay(moto.port, drop_first=3)
+    with through(relay):
+        pulled = pull_engine(BinaryCache(url), final.id, keys["trust"], tmp_path / "engines")
+    assert relay.dropped == 3 and inspect_engine(pulled.engine).bad == []
+    relay.kill()
 
 
 def test_a_push_cut_off_in_the_middle_of_a_pack_leaves_no_index_naming_it(moto, source, keys, tmp_path):
@@ -673,9 +750,10 @@ def test_gc_drops_a_pack_only_when_no_entry_reaches_any_object_in_it(source, key
     root, engines = source
     cache = BinaryCache(f"file://{tmp_path}/cache")
     final, stock = engines["final"], engines["stock"]
-    push_engine(stock, cache, keys["trusted"], root)
+    push_engine(stock, cache, keys["trusted"], root, merge_after=1)
     stock_pack = the_pack_of(cache, next(iter(objects_of(stock)))).pack
-    push_engine(final, cache, keys["trusted"], root)
+    (superseded,) = [n for n in cache.names("merged") if n != "latest.json"]  # stock's merged index
+    push_engine(final, cache, keys["trusted"], root, merge_after=1)
     final_pack = the_pack_of(cache, _final_only(engines)["blake3"]).pack
     orphan = pack_rel("ab" * 32)  # a push cut off between a pack and its index
     cache.write(orphan, b"partly")
@@ -691,6 +769,7 @@ def test_gc_drops_a_pack_only_when_no_entry_reaches_any_object_in_it(source, key
         pack_rel(final_pack),
         orphan,
         f"ids/{final.id}/{final_key}",
+        f"merged/{superseded}",  # final's push merged stock's pack with its own and pointed to that
     }
     assert removed.index(index_rel(final_pack)) < removed.index(pack_rel(final_pack))
     # final again, stock's entry gone: stock's pack still holds objects final lists, so it stays whole
@@ -773,3 +852,235 @@ def test_push_and_pull_show_bytes_rate_and_time_left_on_a_terminal_and_nothing_o
     env["SPECPILOT_ENGINES"] = str(tmp_path / "store-asked")
     code, out, err = _cli(["pull", final.id, "--cache", url, "--trust", keys["public"], "--progress"], env, tty=False)
     assert code == 0 and f"pull {final.id[:12]}" in err and f"{done[0]}/{done[0]} {done[1]}" in err
+
+
+class Recording(Meter):
+    """Every report of a transfer, in order: ("moved", bytes) and ("advance", bytes)."""
+
+    def __init__(self):
+        self.events: list[tuple[str, int]] = []
+
+    def moved(self, nbytes: int) -> None:
+        self.events.append(("moved", nbytes))
+
+    def advance(self, digest: str, nbytes: int) -> None:
+        self.events.append(("advance", nbytes))
+
+
+def _running_totals(steps: list[int]) -> list[int]:
+    out, total = [], 0
+    for step in steps:
+        total += step
+        out.append(total)
+    return out
+
+
+def test_a_large_write_and_a_large_range_read_report_bytes_as_they_go_on_s3(moto, tmp_path):
+    """A pack of several S3 parts: the callback hears of each part as it is uploaded, not of the whole at the
+    end; a long range comes back in pieces, each heard of as it arrives."""
+    from specpilot_build.cache import remote
+
+    cache = BinaryCache(f"s3://{new_bucket()}/specpilot")
+    data = os.urandom(remote.PART * 2 + 12345)  # incompressible: three parts
+    heard: list[int] = []
+    cache.write("packs/big.pack", data, sent=heard.append)
+    assert heard == [remote.PART, remote.PART, 12345]
+    assert cache.read("packs/big.pack") == data  # whole, in order
+    got: list[tuple[int, int]] = []
+    start, end = 1000, 1000 + remote.PIECE * 3 + 7
+    (blob,) = cache.read_ranges([("packs/big.pack", start, end)], received=lambda i, n: got.append((i, n)))
+    assert blob == data[start:end]
+    assert sorted(n for _, n in got) == sorted([remote.PIECE] * 3 + [7]) and {i for i, _ in got} == {0}
+    # a range past the end of a shorter file: the bytes there are, in pieces, as before
+    (short,) = cache.read_ranges([("packs/big.pack", len(data) - 10, len(data) + remote.PIECE * 2)], lambda i, n: None)
+    assert short == data[-10:]
+
+
+def test_a_multipart_write_cut_off_midway_leaves_nothing_under_its_name(moto, tmp_path):
+    from specpilot_build.cache import remote
+
+    relay = Relay(moto.port, cut_pack=2)  # the second part's upload loses its connections halfway
+    url = f"s3://{new_bucket()}/specpilot"
+    heard: list[int] = []
+    with through(relay), pytest.raises(CacheError, match=f"cache {url}: writing packs/"):
+        BinaryCache(url).write(pack_rel("cd" * 32), os.urandom(remote.PART * 2 + 1), sent=heard.append)
+    assert relay.cut is not None and heard == [remote.PART]
+    assert BinaryCache(url).names("packs") == []  # the upload was never completed with the parts it had
+
+    def interrupt(nbytes: int) -> None:  # Ctrl-C once the first part is in
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        BinaryCache(url).write(pack_rel("cd" * 32), os.urandom(remote.PART * 2 + 1), sent=interrupt)
+    import gc
+
+    gc.collect()  # no file object left behind completes the upload when it is collected
+    assert BinaryCache(url).names("packs") == []
+
+
+def test_a_pack_push_and_pull_move_the_bar_before_the_pack_is_whole(moto, source, keys, tmp_path, monkeypatch):
+    """The meter hears of a pack's bytes while it is written (file://: in PART-long writes) and read (s3: in
+    PIECE-long ranges), before any of its objects is counted done; each object is counted once in all."""
+    from specpilot_build.cache import remote
+
+    root, engines = source
+    final = engines["final"]
+    total = sum(objects_of(final).values())
+    monkeypatch.setattr(remote, "PART", 4096)
+    pushed = Recording()
+    push_engine(final, BinaryCache(f"file://{tmp_path}/cache"), keys["trusted"], root, meter=pushed)
+    kinds = [kind for kind, _ in pushed.events]
+    assert kinds.index("advance") > 1 and kinds[:2] == ["moved", "moved"]  # a 60 kB pack: several writes
+    moved = [n for kind, n in pushed.events if kind == "moved"]
+    assert 0 < _running_totals(moved)[0] < total and sum(moved) <= total
+    monkeypatch.undo()  # S3 parts are at least 5 MiB
+    monkeypatch.setattr(remote, "PIECE", 4096)
+    url = f"s3://{new_bucket()}/specpilot"
+    push_engine(final, BinaryCache(url), keys["trusted"], root)
+    pulled = Recording()
+    result = pull_engine(BinaryCache(url), final.id, keys["trust"], tmp_path / "engines", meter=pulled)
+    assert result.created and inspect_engine(result.engine).bad == []
+    kinds = [kind for kind, _ in pulled.events]
+    assert kinds[:2] == ["moved", "moved"] and 0 < pulled.events[0][1] < total
+    # what the bar shows: each object's bytes once (moved first, advance the rest), the whole at the end
+    shown, ahead = [], 0
+    for kind, n in pulled.events:
+        if kind == "moved":
+            ahead += n
+            shown.append(n)
+        else:
+            counted = min(ahead, n)
+            ahead -= counted
+            shown.append(n - counted)
+    assert sum(shown) == total and ahead == 0
+
+
+# --- the merged index ---------------------------------------------------------------------------------------
+
+
+class Counting(BinaryCache):
+    """A cache that records the path of every file it reads whole."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.reads: list[str] = []
+
+    def read(self, rel):
+        self.reads.append(rel)
+        return super().read(rel)
+
+    def read_many(self, rels):
+        self.reads += rels
+        return super().read_many(rels)
+
+
+def test_a_pull_reads_one_merged_index_not_every_packs(cache_url, source, keys, tmp_path):
+    root, engines = source
+    cache = BinaryCache(cache_url)
+    for arm in ("ar", "stock", "final"):
+        push_engine(engines[arm], cache, keys["trusted"], root, pack_bytes=2048)  # several packs each
+    packs_held = [n for n in cache.names("packs") if n.endswith(".idx")]
+    assert len(packs_held) > 6
+    counting = Counting(cache_url)
+    pulled = pull_engine(counting, engines["final"].id, keys["trust"], tmp_path / "engines")
+    assert pulled.created and inspect_engine(pulled.engine).bad == [] and pulled.notes == []
+    merged = packs.load_indexes(cache).merged
+    read_alone = {r.rsplit("/", 1)[1].removesuffix(".idx") for r in counting.reads if r.endswith(".idx")}
+    assert len(merged) > 6 and read_alone == {n.removesuffix(".idx") for n in packs_held} - merged
+    assert len(read_alone) < packs.MERGE_AFTER  # the packs pushed since the last merge, no more
+    assert len({r for r in counting.reads if r.startswith("merged/")}) == 2  # the pointer, then the index
+    assert check_cache(cache, keys["trust"]).problems == []
+    # an old cache (no merged index) still pulls, through every pack's index
+    cache.remove("merged/latest.json")
+    counting = Counting(cache_url)
+    pulled = pull_engine(counting, engines["final"].id, keys["trust"], tmp_path / "engines-old")
+    assert pulled.notes == [] and inspect_engine(pulled.engine).bad == []
+    assert {r.rsplit("/", 1)[1] for r in counting.reads if r.endswith(".idx")} == set(packs_held)
+
+
+def test_pushes_whose_pointers_overwrite_each_other_lose_no_pack(cache_url, source, keys, tmp_path):
+    """Two pushes at once both start from the same merged index and each points to its own: the pointer keeps
+    one. The other's packs are still listed with their indexes, so pulls find them, and the next push merges
+    everything."""
+    root, engines = source
+    cache = BinaryCache(cache_url)
+    push_engine(engines["ar"], cache, keys["trusted"], root, merge_after=1)
+    push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=1)
+    stock_pointer = cache.read("merged/latest.json")
+    push_engine(engines["final"], cache, keys["trusted"], root, merge_after=1)
+    cache.write("merged/latest.json", stock_pointer)  # final's pointer lost to a push that never saw its pack
+    final_pack = the_pack_of(cache, _final_only(engines)["blake3"]).pack
+    found = packs.load_indexes(cache)
+    assert final_pack not in found.merged and final_pack in found.packs and found.problems == []
+    assert set(objects_of(engines["final"])) <= {"blake3:" + d for d in found.located} | set(objects_of(engines["ar"]))
+    pulled = pull_engine(cache, engines["final"].id, keys["trust"], tmp_path / "engines")
+    assert inspect_engine(pulled.engine).bad == [] and pulled.notes == []
+    # a push with nothing to send still merges what the pointed index lacks
+    again = push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=1)
+    assert again.packs_sent == 0 and again.merged_bytes > 0
+    assert packs.load_indexes(cache).merged == set(packs.load_indexes(cache, merged=False).packs)
+    assert (
+        push_engine(engines["final"], cache, keys["trusted"], root, merge_after=1).bytes_sent == 0
+    )  # nothing left to merge
+
+
+def test_a_push_writes_a_merged_index_only_once_enough_packs_lie_outside_it(source, keys, tmp_path):
+    root, engines = source
+    cache = BinaryCache(f"file://{tmp_path}/cache")
+    first = push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=2)
+    assert first.packs_sent == 1 and first.merged_bytes == 0 and cache.names("merged") == []
+    second = push_engine(engines["final"], cache, keys["trusted"], root, merge_after=2)
+    assert second.merged_bytes > 0 and packs.load_indexes(cache).merged == {
+        n.removesuffix(".idx") for n in cache.names("packs") if n.endswith(".idx")
+    }
+    third = push_engine(engines["ar"], cache, keys["trusted"], root, merge_after=2)  # one pack outside it
+    assert third.packs_sent == 1 and third.merged_bytes == 0
+
+
+def test_a_merged_index_that_is_not_its_digest_is_refused_by_name_and_the_pull_reads_per_pack_indexes(
+    source, keys, tmp_path, monkeypatch, capsys
+):
+    root, engines = source
+    url = f"file://{tmp_path}/cache"
+    cache = BinaryCache(url)
+    push_engine(engines["stock"], cache, keys["trusted"], root, merge_after=1)
+    push_engine(engines["final"], cache, keys["trusted"], root, merge_after=1)
+    pointed = json.loads(cache.read("merged/latest.json"))["index"]
+    rel = f"merged/{pointed}.json.zst"
+    stale = packs.merged_index({})[1]  # a well-formed merged index, but not the bytes of that name
+    cache.write(rel, stale)
+    words = f"{cache.where(rel)}: hashes to"
+    pulled = pull_engine(cache, engines["final"].id, keys["trust"], tmp_path / "engines")
+    assert inspect_engine(pulled.engine).bad == []
+    assert len(pulled.notes) == 1 and words in pulled.notes[0] and "per-pack indexes read instead" in pulled.notes[0]
+    problems = check_cache(cache, keys["trust"]).problems
+    assert len(problems) == 1 and words in problems[0]
+    monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines-cli"))
+    assert main(["pull", engines["final"].id, "--cache", url, "--trust", keys["public"]]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: ") and words in err and "Traceback" not in err
+    # the next push replaces it, however few packs lie outside it
+    push_engine(engines["final"], cache, keys["trusted"], root)
+    assert packs.load_indexes(cache).problems == [] and check_cache(cache, keys["trust"]).problems == []
+
+
+def test_a_merged_index_that_lies_about_places_fails_the_pull_naming_the_object(source, keys, tmp_path):
+    """A merged index is a map, trusted no more than a pack's own index: one that hashes to its name but
+    places an object elsewhere in its pack fails the pull on arrival, naming the pack and the object."""
+    root, engines = source
+    cache = BinaryCache(f"file://{tmp_path}/cache")
+    push_engine(engines["final"], cache, keys["trusted"], root)
+    entry = _final_only(engines)
+    name = entry["blake3"][7:]
+    found = packs.load_indexes(cache)
+    place = found.located[name]
+    others = [n for n, p in found.located.items() if p.pack == place.pack and n != name]
+    lying = {d: {"bytes": e["bytes"], "objects": dict(e["objects"])} for d, e in found.packs.items()}
+    lying[place.pack]["objects"][name] = lying[place.pack]["objects"][others[0]]  # another object's frame
+    digest, raw = packs.merged_index(lying)
+    cache.write(packs.merged_rel(digest), raw)
+    cache.write("merged/latest.json", packs.pointer_to(digest))
+    with pytest.raises(IntegrityError, match=f"{pack_rel(place.pack)} \\(object {name[:12]} at bytes"):
+        pull_engine(cache, engines["final"].id, keys["trust"], tmp_path / "engines")
+    assert snapshot(tmp_path / "engines") == set()
+    assert any("otherwise than" in p for p in check_cache(cache, keys["trust"]).problems)

@@ -12,7 +12,15 @@ import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from specpilot_build.cache.objects import object_name, unpack
-from specpilot_build.cache.packs import PACKS, index_rel, pack_rel, parse_index, read_indexes
+from specpilot_build.cache.packs import (
+    MERGED,
+    PACKS,
+    POINTER,
+    index_rel,
+    load_indexes,
+    pack_rel,
+    parse_index,
+)
 from specpilot_build.cache.pull import fetch_manifest
 from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, OBJECTS, BinaryCache
 from specpilot_build.cache.signing import check_entry
@@ -82,8 +90,10 @@ def check_cache(cache: BinaryCache, trusted: dict[str, Ed25519PublicKey]) -> Cac
                 f"{cache.where(f'{KEYS}/{item.build_key}.json')}: names engine {item.engine[:12]}, "
                 f"whose manifest is not in the cache"
             )
-    located, skipped = read_indexes(cache)
-    report.problems += skipped
+    per_pack = load_indexes(cache, merged=False)
+    located = per_pack.located
+    report.problems += per_pack.problems
+    report.problems += _check_merged(cache, per_pack.packs)
     checked = _check_packs(cache, report)
     for name in cache.names(MANIFESTS):
         eid = name.removesuffix(".json")
@@ -121,6 +131,19 @@ def check_cache(cache: BinaryCache, trusted: dict[str, Ed25519PublicKey]) -> Cac
                 report.problems.append(str(exc))
     report.objects = len(set(cache.names(OBJECTS)) | set(located))
     return report
+
+
+def _check_merged(cache: BinaryCache, packs: dict[str, dict[str, Any]]) -> list[str]:
+    """The merged index the pointer names must be trusted as a map and agree with each pack's own index."""
+    merged = load_indexes(cache)
+    problems = [p for p in merged.problems if p.startswith(cache.where(f"{MERGED}/"))]
+    for digest in sorted(merged.merged):
+        if merged.packs[digest] != packs.get(digest):
+            problems.append(
+                f"{cache.where(POINTER)}: its merged index places the objects of {pack_rel(digest)} otherwise than "
+                f"{index_rel(digest)} does"
+            )
+    return problems
 
 
 def _check_packs(cache: BinaryCache, report: CacheReport) -> set[str]:
@@ -162,7 +185,9 @@ class GcReport:
 
 def gc_cache(cache: BinaryCache, grace_s: float = 3600.0, dry_run: bool = False) -> GcReport:
     """Remove manifests no entry names, objects no remaining manifest lists, packs none of whose objects a
-    remaining manifest lists (whole: no repacking), packs without an index, and id markers of absent entries.
+    remaining manifest lists (whole: no repacking), packs without an index, merged indexes the pointer does not
+    name (it is never removed: a stale one costs only the per-pack reads of what it lacks), and id markers of
+    absent entries.
     Only what is older than `grace_s` goes: a push in progress has sent objects and packs before its entry."""
     report = GcReport()
     now = time.time()
@@ -214,6 +239,13 @@ def gc_cache(cache: BinaryCache, grace_s: float = 3600.0, dry_run: bool = False)
                 drop(pack_rel(digest))
         elif kind == "pack" and digest not in indexed:
             drop(pack_rel(digest))  # a push cut off between its pack and the index
+    try:
+        pointed = json.loads(cache.read(POINTER) or b"{}").get("index")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        pointed = None  # a damaged pointer: pulls refuse it and read per-pack indexes; the next push replaces it
+    for name in cache.names(MERGED):
+        if name.endswith(".json.zst") and name.removesuffix(".json.zst") != pointed:
+            drop(f"{MERGED}/{name}")
     for eid in cache.names(IDS):
         for key in cache.names(f"{IDS}/{eid}"):
             if entries.get(key) != eid:

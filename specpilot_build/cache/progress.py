@@ -1,12 +1,15 @@
 """Progress of long transfers (push, pull, bundle): bytes done, rate and what is left, on stderr.
 
-A transfer reports to a Meter: `start` with the bytes it will move, `advance` after each object is sent or
-checked, `finish` at the end. The base Meter reports nothing; `meter_for` gives a rich progress bar on stderr
-when stderr is a terminal (or when asked, `--progress`), else the silent one."""
+A transfer reports to a Meter: `start` with the bytes of content it will move, `moved` as a large write or read
+goes (a pack's share of content for the bytes on the wire so far), `advance` after each object is sent or
+checked (counting only what `moved` had not already counted), `finish` at the end. The base Meter reports
+nothing; `meter_for` gives a rich progress bar on stderr when stderr is a terminal (or when asked, `--progress`),
+else the silent one."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -16,6 +19,10 @@ class Meter:
 
     def start(self, what: str, total_bytes: int) -> None:
         """A transfer of `total_bytes` bytes of content begins."""
+
+    def moved(self, nbytes: int) -> None:
+        """`nbytes` more bytes of content are on their way (in a pack being written or read); the `advance` of
+        the objects they belong to follows."""
 
     def advance(self, digest: str, nbytes: int) -> None:
         """The object `digest` (`nbytes` bytes of content) was sent, or received and checked."""
@@ -37,6 +44,7 @@ class BarMeter(Meter):
         self.force = force
         self._progress: Any = None  # a rich Progress while a transfer runs
         self._task: Any = None
+        self._ahead = 0  # bytes `moved` counted that no `advance` has yet
 
     def start(self, what: str, total_bytes: int) -> None:
         if self._progress is None:
@@ -62,15 +70,39 @@ class BarMeter(Meter):
         elif self._task is not None:
             self._progress.stop_task(self._task)
         self._task = self._progress.add_task(what, total=total_bytes)
+        self._progress.advance(self._task, 0)  # the rate counts from here (rich leaves out its first sample)
+        self._ahead = 0
+
+    def moved(self, nbytes: int) -> None:
+        if self._task is not None:
+            self._ahead += nbytes
+            self._progress.advance(self._task, nbytes)
 
     def advance(self, digest: str, nbytes: int) -> None:
-        if self._task is not None:
-            self._progress.advance(self._task, nbytes)
+        counted = min(self._ahead, nbytes)
+        self._ahead -= counted
+        if self._task is not None and nbytes > counted:
+            self._progress.advance(self._task, nbytes - counted)
 
     def finish(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = self._task = None
+
+
+def share(meter: Meter, content: int, wire: int) -> Callable[[int], None]:
+    """A callback told of bytes on the wire (of `wire` in all) that tells `meter` of the content they carry
+    (`content` in all), in proportion: a pack's bytes are compressed, the bar counts content."""
+    done = [0, 0]  # wire bytes so far, content bytes reported so far
+
+    def step(nbytes: int) -> None:
+        done[0] += nbytes
+        now = content * min(done[0], wire) // max(wire, 1)
+        if now > done[1]:
+            meter.moved(now - done[1])
+            done[1] = now
+
+    return step
 
 
 def meter_for(asked: bool | None = None) -> Meter:

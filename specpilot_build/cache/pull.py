@@ -17,8 +17,8 @@ import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from specpilot_build.cache.objects import object_name, unpack
-from specpilot_build.cache.packs import Span, pack_rel, read_indexes, spans
-from specpilot_build.cache.progress import Meter
+from specpilot_build.cache.packs import Span, load_indexes, pack_rel, spans
+from specpilot_build.cache.progress import Meter, share
 from specpilot_build.cache.remote import IDS, KEYS, MANIFESTS, BinaryCache, CacheError
 from specpilot_build.cache.signing import check_entry
 from specpilot_build.errors import IntegrityError, SpecPilotError
@@ -51,6 +51,7 @@ class PullResult:
     bytes_fetched: int = 0  # compressed bytes received
     objects_local: int = 0  # content already in the store: linked, not fetched
     keys: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # indexes ignored (a refused merged index: per-pack ones read)
 
     def summary(self, cache: BinaryCache) -> str:
         if not self.created:
@@ -266,7 +267,11 @@ def _materialise(
             known[entry["path"]] = (entry, (st.st_dev, st.st_ino))
         else:
             wanted.setdefault(entry["blake3"], []).append(entry)
-    located, _ = read_indexes(cache) if wanted else ({}, [])
+    located = {}
+    if wanted:
+        found = load_indexes(cache)
+        located = found.located
+        result.notes += found.problems
     in_packs = {d: located[d.split(":", 1)[1]] for d in wanted if d.split(":", 1)[1] in located}
     meter.start(f"pull {eid[:12]}", sum(entries[0]["size"] for entries in wanted.values()))
 
@@ -286,7 +291,7 @@ def _materialise(
             chunks.append([])
         chunks[-1].append(span)
     for chunk in chunks:
-        got = _read_spans(cache, chunk, eid, wanted)
+        got = _read_spans(cache, chunk, eid, wanted, meter)
         for span, blob in zip(chunk, got, strict=True):
             for name, place in span.objects:
                 digest = "blake3:" + name
@@ -312,9 +317,13 @@ def _materialise(
     return known
 
 
-def _read_spans(cache: BinaryCache, chunk: list[Span], eid: str, wanted: dict[str, list[FileEntry]]) -> list[bytes]:
-    """The bytes of each span (fewer where a pack was cut short); a pack that is absent, or shorter than a span's
-    start (S3 refuses such a range), is an IntegrityError naming it and the first object it should hold."""
+def _read_spans(
+    cache: BinaryCache, chunk: list[Span], eid: str, wanted: dict[str, list[FileEntry]], meter: Meter
+) -> list[bytes]:
+    """The bytes of each span (fewer where a pack was cut short), told to `meter` as they arrive; a pack that is
+    absent, or shorter than a span's start (S3 refuses such a range), is an IntegrityError naming it and the
+    first object it should hold."""
+    steps = [share(meter, sum(p.size for _, p in s.objects), s.end - s.start) for s in chunk]
 
     def refuse(span: Span, size: int | None) -> IntegrityError:
         name = span.objects[0][0]
@@ -325,7 +334,7 @@ def _read_spans(cache: BinaryCache, chunk: list[Span], eid: str, wanted: dict[st
         )
 
     try:
-        got = cache.read_ranges([(pack_rel(s.pack), s.start, s.end) for s in chunk])
+        got = cache.read_ranges([(pack_rel(s.pack), s.start, s.end) for s in chunk], received=lambda i, n: steps[i](n))
     except CacheError as failed:
         for span in chunk:
             try:

@@ -7,19 +7,23 @@ the keys that name an engine, so a pull by id finds its entries with one listing
 
 Writes never expose a partial file. file://: the bytes go to a temporary name in the same directory and are
 renamed over the final one (rename(2) is atomic on one file system). s3://: a PUT (single or multipart) becomes
-visible only when complete, so a write goes straight to its name. hf://: every write is one commit of the
-repository, atomic by construction. Two pushes of the same engine may both write an object or manifest: the
+visible only when complete, so a write goes straight to its name; a write that reports progress goes as a
+multipart upload of PART-byte parts, aborted (never completed) when anything fails mid-way. hf://: every write
+is one commit of the repository, atomic by construction. Two pushes of the same engine may both write an object or manifest: the
 bytes are the same (named by their digest), so the last writer changes nothing; two entries for one build key
 written at once leave one of them, whole."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import queue
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from datetime import datetime
 
+from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 
 from specpilot_build.errors import SpecPilotError
@@ -28,6 +32,12 @@ OBJECTS = "objects"
 MANIFESTS = "manifests"
 KEYS = "keys"
 IDS = "ids"
+PART = 5 << 20  # a reported write goes in parts this long (S3's smallest multipart part but the last)
+PIECE = 2 << 20  # a reported range read goes in pieces this long (concurrently on s3)
+READS_AT_ONCE = 32
+
+Sent = Callable[[int], None]  # told the number of bytes of a write that just reached the cache
+Received = Callable[[int, int], None]  # told (which range, how many more bytes of it) as a read goes
 
 
 class CacheError(SpecPilotError):
@@ -46,7 +56,9 @@ class BinaryCache:
         except (ImportError, ValueError) as exc:
             raise SpecPilotError(f"cache {url}: {exc}") from None
         protocol = self.fs.protocol
-        self.local = "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
+        protocols = protocol if isinstance(protocol, tuple) else (protocol,)
+        self.local = "file" in protocols
+        self.s3 = any(p in ("s3", "s3a") for p in protocols)
 
     def __str__(self) -> str:
         return self.url
@@ -95,22 +107,42 @@ class BinaryCache:
                 out[rel] = bytes(value)
         return out
 
-    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | None]:
+    def read_ranges(self, ranges: list[tuple[str, int, int]], received: Received | None = None) -> list[bytes | None]:
         """The bytes [start, end) of each (rel, start, end), concurrently on s3 and hf; fewer bytes where the file
-        is shorter, None where it is absent."""
+        is shorter, None where it is absent. With `received` (and always on file://), ranges are read in
+        PIECE-byte pieces and `received(i, n)` hears of each piece of range i as it arrives, in this thread."""
         if not ranges:
             return []
-        if self.local:
-            out: list[bytes | None] = []
-            for rel, start, end in ranges:
-                with self._talking(f"reading {rel}"):
-                    try:
-                        with open(self._path(rel), "rb") as fh:
-                            fh.seek(start)
-                            out.append(fh.read(end - start))
-                    except FileNotFoundError:
-                        out.append(None)
-            return out
+        if received is None and not self.local:
+            return self._cat_ranges(ranges)
+        pieces = [(i, s, min(s + PIECE, e)) for i, (_, start, e) in enumerate(ranges) for s in range(start, e, PIECE)]
+
+        def arrived(k: int, value: bytes) -> None:
+            if received is not None:
+                received(pieces[k][0], len(value))
+
+        got = self._pieces([(ranges[i][0], s, e) for i, s, e in pieces], arrived)
+        out: list[bytes | None] = []
+        for i, (rel, _, _) in enumerate(ranges):
+            parts: list[bytes] | None = []
+            for k in [k for k, piece in enumerate(pieces) if piece[0] == i]:
+                value, (_, s, e) = got[k], pieces[k]
+                if isinstance(value, BaseException):
+                    if isinstance(value, FileNotFoundError) and not parts:
+                        parts = None
+                        break
+                    if parts and (self.size(rel) or 0) <= s:
+                        break  # the file ends where the piece before ended (S3 refuses a range past the end)
+                    with self._talking(f"reading {rel}"):
+                        raise value
+                assert parts is not None
+                parts.append(value)
+                if len(value) < e - s:
+                    break  # the file ends inside this piece
+            out.append(None if parts is None else b"".join(parts))
+        return out
+
+    def _cat_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | None]:
         paths = [self._path(rel) for rel, _, _ in ranges]
         with self._talking(f"reading {ranges[0][0]} and {len(ranges) - 1} more"):
             got = self.fs.cat_ranges(paths, [s for _, s, _ in ranges], [e for _, _, e in ranges], on_error="return")
@@ -124,6 +156,64 @@ class BinaryCache:
             else:
                 results.append(bytes(value))
         return results
+
+    def _pieces(
+        self, pieces: list[tuple[str, int, int]], arrived: Callable[[int, bytes], None]
+    ) -> list[bytes | BaseException]:
+        """Each piece (rel, start, end) read: its bytes or the error reading it; `arrived(k, bytes)` is called in
+        this thread as piece k comes (concurrently READS_AT_ONCE at a time on an async backend, else in turn)."""
+        got: list[bytes | BaseException] = [b""] * len(pieces)
+        if self.local or not isinstance(self.fs, AsyncFileSystem):
+            for k, (rel, start, end) in enumerate(pieces):
+                try:
+                    piece = self._read_piece(rel, start, end)
+                except Exception as exc:
+                    got[k] = exc
+                    continue
+                got[k] = piece
+                arrived(k, piece)
+            return got
+        fs = self.fs
+        done: queue.SimpleQueue[tuple[int, bytes | BaseException]] = queue.SimpleQueue()
+
+        async def one(k: int, gate: asyncio.Semaphore) -> None:
+            rel, start, end = pieces[k]
+            async with gate:
+                try:
+                    value: bytes | BaseException = bytes(await fs._cat_file(self._path(rel), start=start, end=end))
+                except Exception as exc:
+                    value = exc
+            done.put((k, value))
+
+        async def every() -> None:
+            gate = asyncio.Semaphore(READS_AT_ONCE)
+            await asyncio.gather(*(one(k, gate) for k in range(len(pieces))))
+
+        running = asyncio.run_coroutine_threadsafe(every(), fs.loop)
+        try:
+            for _ in pieces:
+                while True:
+                    try:
+                        k, value = done.get(timeout=0.5)
+                        break
+                    except queue.Empty:
+                        if running.done():
+                            running.result()  # raises what stopped it
+                            raise RuntimeError("a range read ended without its pieces") from None
+                got[k] = value
+                if not isinstance(value, BaseException):
+                    arrived(k, value)
+            running.result()
+        finally:
+            running.cancel()
+        return got
+
+    def _read_piece(self, rel: str, start: int, end: int) -> bytes:
+        if not self.local:
+            return bytes(self.fs.cat_file(self._path(rel), start=start, end=end))
+        with open(self._path(rel), "rb") as fh:
+            fh.seek(start)
+            return fh.read(end - start)
 
     def size(self, rel: str) -> int | None:
         """The length of the file at `rel`, or None when there is nothing there."""
@@ -147,25 +237,56 @@ class BinaryCache:
         with self._talking(f"looking up {rel}"):
             return bool(self.fs.exists(self._path(rel)))
 
-    def write(self, rel: str, data: bytes) -> None:
-        """Put `data` at `rel` so that no reader ever sees a part of it (see the module docstring)."""
+    def write(self, rel: str, data: bytes, sent: Sent | None = None) -> None:
+        """Put `data` at `rel` so that no reader ever sees a part of it (see the module docstring). With `sent`,
+        it hears of the bytes as they reach the cache: on file:// and s3:// PART bytes at a time; on hf:// (one
+        commit of the whole file) all at once, at the end."""
         with self._talking(f"writing {rel}"):
             path = self._path(rel)
-            if not self.local:
+            if self.s3 and sent is not None and len(data) > PART:
+                self._write_parts(path, data, sent)
+            elif not self.local:
                 self.fs.pipe_file(path, data)
-                return
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(directory, f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-            try:
-                with open(tmp, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            finally:
-                if os.path.lexists(tmp):
-                    os.unlink(tmp)
+                if sent is not None:
+                    sent(len(data))
+            else:
+                self._write_local(path, data, sent)
+
+    def _write_local(self, path: str, data: bytes, sent: Sent | None) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as fh:
+                for start in range(0, len(data), PART):
+                    fh.write(data[start : start + PART])
+                    if sent is not None:
+                        sent(min(PART, len(data) - start))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+
+    def _write_parts(self, path: str, data: bytes, sent: Sent) -> None:
+        """A multipart upload, one PART-byte part per write (s3fs sends a full block before `write` returns);
+        the object appears when `close` completes the upload. On any failure the upload is aborted and the file
+        object marked closed, so neither an exit handler nor the garbage collector completes it part-way."""
+        fh = self.fs.open(path, "wb", block_size=PART)
+        try:
+            last = (len(data) - 1) // PART * PART
+            for start in range(0, last, PART):
+                fh.write(data[start : start + PART])
+                sent(PART)
+            fh.write(data[last:])
+            fh.close()
+        except BaseException:
+            with suppress(Exception):
+                fh.discard()
+            fh.closed = True
+            raise
+        sent(len(data) - last)
 
     def names(self, folder: str) -> list[str]:
         """The names directly under `folder` (none if it does not exist), temporaries left out, sorted."""

@@ -459,6 +459,8 @@ def _pull(args) -> int:
 
     cache, settings = _cache_of(args)
     pulled = pull_engine(cache, args.engine, settings.trusted, store_root(), meter=meter_for(args.progress))
+    for note in pulled.notes:
+        print(f"warning: {note}", file=sys.stderr)
     print(pulled.summary(cache))
     return 0
 
