@@ -86,13 +86,13 @@ def choose(
         entry: dict = {}
         for heavy, cls in ((False, "light"), (True, "heavy")):
             # a weight with many escapes takes the heavy measurement, the light one where it has none (gemm.py)
-            found = [(measured.get((b, heavy), measured.get((b, False))), b) for b in buckets]
-            unmeasured = [b for value, b in found if value is None]
+            found = {b: measured.get((b, heavy), measured.get((b, False))) for b in buckets}
+            unmeasured = [b for b, value in found.items() if value is None]
             if unmeasured:
                 entry[cls] = "bf16"
                 entry[f"{cls}_why"] = f"bucket {unmeasured[0]} not measured"
                 continue
-            worst = min(found)
+            worst = min((value, b) for b, value in found.items() if value is not None)
             entry[cls] = "w12" if worst[0] >= THRESHOLD else "bf16"
             entry[f"{cls}_worst"] = {"speedup": worst[0], "bucket": worst[1]}
         shapes[f"{n},{k}"] = entry
