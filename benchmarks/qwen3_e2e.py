@@ -132,19 +132,27 @@ def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torc
     if args.control:
         with fp32_products(model):
             control = {b: decode(model, "control (fp32 GEMM)", p, args, False) for b, p in prompts.items()}
+    plan = layer_plan(args.plan) if args.plan else None
+    if plan is not None:
+        kept = sorted(f"{k} ({c})" for k, v in plan["shapes"].items() for c in ("light", "heavy") if v[c] == "bf16")
+        say(f"layer plan ({plan['tables']}, rows {plan['rows_per_forward']}): bf16 kept for {kept or 'no shape'}")
     say("encoding to W12 in place, layer by layer")
     model.to_w12(
         lm_head=args.lm_head == "w12",
         dense_fallback=args.dense_fallback,
+        plan=plan,
         progress=lambda i: (
             (i + 1) % 16 == 0 and say(f"  W12: {i + 1}/{shape.num_layers} layers encoded{_memory(device)}")
         ),
     )
     _release_memory(device)
     w12_bytes, escapes, encoded = _w12_size(model)
+    stored_bytes = sum(
+        lin.packed.nbytes() if hasattr(lin, "packed") else lin.weight.numel() * 2 for _, lin in model.projections()
+    )
     say(
-        f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB (bf16 {bf16_bytes / 1e9:.2f} GB), "
-        f"escapes {escapes}{_memory(device)}"
+        f"W12: {encoded} matrices, {w12_bytes / 1e9:.2f} GB; all weights as stored {stored_bytes / 1e9:.2f} GB "
+        f"(bf16 {bf16_bytes / 1e9:.2f} GB), escapes {escapes}{_memory(device)}"
     )
     fallback = {}
     with fallback_off(model):
@@ -161,6 +169,8 @@ def run_family(family: str, shape: Qwen3Shape, prompts: dict, args, device: torc
         "family": family,
         "bf16_weight_bytes": bf16_bytes,
         "w12_weight_bytes": w12_bytes,
+        "stored_weight_bytes": stored_bytes,
+        "plan": plan,
         "w12_escapes": escapes,
         "w12_matrices": encoded,
         "graph_equals_eager": checks,
@@ -199,6 +209,12 @@ def parse_args() -> argparse.Namespace:
         "--dense-fallback",
         action="store_true",
         help="keep bf16 copies where W12 falls back to cuBLAS; decode a third time with the fallback on",
+    )
+    p.add_argument(
+        "--plan",
+        metavar="ROWS",
+        help="encode only the shapes the W12 layer plan stores in W12 (this GPU's tables; 'all' = every bucket "
+        "up to 64 rows, else the rows per forward the plan serves); the rest stay bf16, no copy kept",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
@@ -372,6 +388,18 @@ def say(message: str) -> None:
 
 def _weight_bytes(model: Qwen3) -> int:
     return sum(linear.weight.numel() * 2 for _, linear in model.projections())
+
+
+def layer_plan(rows: str) -> dict:
+    """The plan an engine on this GPU would ship (specpilot_build.assemble.w12_plan, from w12's own tables)."""
+    from pathlib import Path
+
+    import w12.gemm
+    from specpilot_build.assemble.w12_plan import choose, measured_classes, speedups
+
+    table = Path(w12.gemm.__file__).with_name(w12.gemm.TABLES["fallback"])
+    rows_per_forward = None if rows == "all" else int(rows)
+    return choose(speedups(table), w12.gemm.TABLE_GPU, rows_per_forward, measured_classes(table))
 
 
 def _w12_size(model: Qwen3) -> tuple[int, int, int]:

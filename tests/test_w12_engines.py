@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from reference_runtime_helpers import STORY_PROMPTS, engine_config, free_port, write_engine
 from sglang_builds import sglang_settings
-from w12_overlay_helpers import EXPECTED, run_method
+from w12_overlay_helpers import EXPECTED, EXPECTED_KEPT_BF16, run_method
 
 from specpilot_build.assemble.builder import build_engine
 from specpilot_build.assemble.launch_check import check_launch_args
@@ -249,16 +250,26 @@ def test_sglang_accepts_quantization_w12_only_with_the_overlay(builds, tmp_path)
     assert "w12" in results["0" * 64] and "invalid choice" in results["0" * 64]
 
 
-def test_the_overlay_method_encodes_a_real_layer_at_load_and_computes_it_exactly(builds, stories_dir):
+@pytest.mark.parametrize("plan_file", ["the engine's", "none"])
+def test_the_overlay_method_encodes_a_real_layer_at_load_and_computes_it_exactly(
+    builds, stories_dir, plan_file, tmp_path
+):
+    """With the engine's kernels (its plan.json: H100 tables, no stories260K shape in them) the layers stay bf16;
+    with the same kernels and no plan, they are encoded. Either way the product is exact."""
     engine = builds.engines["h100_c1_qwen38-27b_dflash2", "final"]
-    result = run_method(
-        [f"{engine.path}/python", f"{engine.path}/kernels"], stories_dir / "model.safetensors", engine.path
-    )
+    plan = json.loads((engine.path / "kernels" / "w12" / "plan.json").read_text())
+    assert (plan["gpu"], plan["tables"], plan["unlisted"]) == ("h100", "fallback_h100.json", "bf16")
+    kernels = engine.path / "kernels"
+    if plan_file == "none":
+        shutil.copytree(kernels, tmp_path / "kernels")
+        (tmp_path / "kernels" / "w12" / "plan.json").unlink()
+        kernels = tmp_path / "kernels"
+    result = run_method([f"{engine.path}/python", str(kernels)], stories_dir / "model.safetensors", engine.path)
     assert result.pop("from") == [
         f"{engine.path}/{OVERLAY_MODULE}",
         f"{engine.path}/python/sglang/srt/layers/quantization/base_config.py",
     ]
-    assert result == EXPECTED
+    assert result == (EXPECTED if plan_file == "none" else EXPECTED_KEPT_BF16)
 
 
 def _sglang_imports(path: Path) -> set[str]:

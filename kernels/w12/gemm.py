@@ -243,11 +243,12 @@ def linear(
         y = fused_gemm(x2, packed, config)
         if bias is not None:
             y = y + bias
+    elif packed.dense is not None:
+        y = torch.nn.functional.linear(x2, packed.dense, bias)
+    elif x2.is_cuda:
+        y = decoded_linear(x2, packed, bias)
     else:
-        weight = (
-            packed.dense if packed.dense is not None else decode_on_device(packed) if x2.is_cuda else decode(packed)
-        )
-        y = torch.nn.functional.linear(x2, weight, bias)
+        y = torch.nn.functional.linear(x2, decode(packed), bias)
     return y.reshape(*lead, packed.rows)
 
 
@@ -283,18 +284,25 @@ def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
     return plan
 
 
-def decode_on_device(packed: W12Tensor) -> torch.Tensor:
-    """decode(packed) in one Triton pass over the planes plus an escape scatter (the M > 64 path)."""
-    out = torch.empty((packed.rows, packed.cols), dtype=torch.bfloat16, device=packed.device)
+def decode_on_device(packed: W12Tensor, first: int = 0, end: int | None = None, out: torch.Tensor | None = None):
+    """decode(packed)[first:end] in one Triton pass over those rows' planes plus an escape scatter, into `out` (rows
+    end - first, or one more: escapes of other rows are written to that last row, so no escape count is read
+    back to the host and the call is CUDA-graph safe) or a new tensor."""
+    end = packed.rows if end is None else end
+    count = end - first
+    if out is None:
+        out = torch.empty((count + (packed.escapes > 0), packed.cols), dtype=torch.bfloat16, device=packed.device)
+    whole = first == 0 and end == packed.rows
     half = packed.cols_padded // 2
-    grid = (triton.cdiv(packed.rows, 16), triton.cdiv(half, 256))
+    grid = (triton.cdiv(count, 16), triton.cdiv(half, 256))
     low, nib, tile_stride = _plane_args(packed)
     _w12_decode_kernel[grid](
         low,
         nib,
         packed.base,
         out,
-        packed.rows,
+        first,
+        end,
         half,
         packed.cols,
         tile_stride,
@@ -305,12 +313,59 @@ def decode_on_device(packed: W12Tensor) -> torch.Tensor:
         num_warps=4,
     )
     if packed.escapes:
-        counts = (packed.esc_ptr[1:] - packed.esc_ptr[:-1]).long()
-        rows = torch.repeat_interleave(
-            torch.arange(packed.rows, device=packed.device), counts, output_size=packed.escapes
+        rows = _escape_rows(packed)
+        if whole:
+            out.view(torch.int16)[rows, packed.esc_col.long()] = packed.esc_bits
+        else:
+            if out.shape[0] <= count:
+                raise ValueError(f"decoding rows {first}..{end} of a weight with escapes needs one spare row in out")
+            local = torch.where((rows >= first) & (rows < end), rows - first, count)
+            out.view(torch.int16)[local, packed.esc_col.long()] = packed.esc_bits
+    return out[:count].reshape(packed.shape if whole else (count, packed.cols))
+
+
+def _escape_rows(packed: W12Tensor) -> torch.Tensor:
+    """The row of each escape (made per call, from esc_ptr and the host's escape count: no read-back)."""
+    counts = (packed.esc_ptr[1:] - packed.esc_ptr[:-1]).long()
+    return torch.repeat_interleave(torch.arange(packed.rows, device=packed.device), counts, output_size=packed.escapes)
+
+
+SCRATCH_BYTES = int(os.environ.get("W12_SCRATCH_MIB", "64")) << 20
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def scratch_bytes(device: torch.device | str) -> int:
+    """The bytes the > 64-row path holds on `device` beside the W12 weights (0 before its first call)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _SCRATCH.get(device)
+    return 0 if buf is None else buf.numel() * buf.element_size()
+
+
+def slab_rows(packed: W12Tensor) -> int:
+    """Rows decoded at a time by the > 64-row path: as many whole 128-row tiles as fit SCRATCH_BYTES (one at least)."""
+    fit = SCRATCH_BYTES // (2 * packed.cols) // UNIT_ROWS * UNIT_ROWS
+    return min(packed.rows, max(UNIT_ROWS, fit))
+
+
+def decoded_linear(x2: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of x2 [M, K] with the decoded weight, slab by slab through one scratch buffer per device (no bf16
+    copy of the whole weight is ever made: at most SCRATCH_BYTES, or one 128-row slab, plus a row)."""
+    slab = slab_rows(packed)
+    need = (slab + 1) * packed.cols
+    buf = _SCRATCH.get(packed.device)
+    if buf is None or buf.numel() < need:
+        buf = _SCRATCH[packed.device] = torch.empty(
+            max(need, SCRATCH_BYTES // 2), dtype=torch.bfloat16, device=packed.device
         )
-        out.view(torch.int16)[rows, packed.esc_col.long()] = packed.esc_bits
-    return out.reshape(packed.shape)
+    out = buf[:need].view(slab + 1, packed.cols)
+    y = torch.empty((x2.shape[0], packed.rows), dtype=x2.dtype, device=x2.device)
+    for first in range(0, packed.rows, slab):
+        end = min(first + slab, packed.rows)
+        weight = decode_on_device(packed, first, end, out[: end - first + 1])
+        y[:, first:end] = torch.nn.functional.linear(x2, weight)
+    return y if bias is None else y + bias
 
 
 def fused_gemm(x: torch.Tensor, packed: W12Tensor, config: Config | None = None) -> torch.Tensor:
@@ -632,6 +687,7 @@ def _w12_decode_kernel(
     nib_ptr,
     base_ptr,
     out_ptr,
+    FIRST,
     ROWS,
     HALF,
     COLS,
@@ -641,7 +697,9 @@ def _w12_decode_kernel(
     UNITS: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """Rows FIRST .. ROWS - 1 of the weight, decoded to bf16 at out_ptr's rows 0 ..; escapes are left as the planes
+    read them (the caller scatters them)."""
+    rows = FIRST + tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     rmask = rows < ROWS
@@ -659,8 +717,9 @@ def _w12_decode_kernel(
         low_b = tl.load(low_ptr + r64 * (2 * HALF) + HALF + offs_k[None, :], mask=mask, other=0)
         w_lo = _decode(low_a, nib, base, False, PTX)
         w_hi = _decode(low_b, nib, base, True, PTX)
-    tl.store(out_ptr + r64 * COLS + offs_k[None, :], w_lo, mask=mask & (offs_k < COLS)[None, :])
-    tl.store(out_ptr + r64 * COLS + HALF + offs_k[None, :], w_hi, mask=mask & ((HALF + offs_k) < COLS)[None, :])
+    o64 = (rows - FIRST).to(tl.int64)[:, None]
+    tl.store(out_ptr + o64 * COLS + offs_k[None, :], w_lo, mask=mask & (offs_k < COLS)[None, :])
+    tl.store(out_ptr + o64 * COLS + HALF + offs_k[None, :], w_hi, mask=mask & ((HALF + offs_k) < COLS)[None, :])
 
 
 @triton.jit

@@ -52,21 +52,34 @@ class W12Linear(torch.nn.Module):
         )
 
 
-def apply_w12(model: torch.nn.Module, dense_fallback: bool = False) -> int:
-    """Replace every nn.Linear of a bf16 model by a W12Linear in place; returns how many were replaced.
+def apply_w12(model: torch.nn.Module, dense_fallback: bool = False, plan: dict | None = None) -> int:
+    """Replace every nn.Linear of a bf16 model by a W12Linear in place; returns how many were replaced. With a
+    `plan` (plan.json's content, w12.plan), a Linear whose shape (and escape class) the plan keeps bf16 stays.
 
     Lossless: each replaced layer computes with exactly its original weights (its `.weight` still
     reads them back bit for bit). On CUDA with <= 64 rows the fused kernel runs (or, with `dense_fallback`, cuBLAS
     on the kept bf16 weight in the M buckets where that is faster); otherwise F.linear runs on the decoded weight
     (or on the kept copy).
     """
+    from .plan import encode_planned
+
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     for name, layer in targets:
         if layer.weight.dtype != torch.bfloat16:
             raise TypeError(
                 f"W12 stores bf16 weights; {name}.weight is {layer.weight.dtype} (load the model in bfloat16)"
             )
+    replaced = 0
     for name, layer in targets:
+        if plan is None:
+            new = W12Linear.from_linear(layer, dense_fallback)
+        else:
+            packed = encode_planned(layer.weight.detach(), plan)
+            if packed is None:
+                continue
+            bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16)
+            new = W12Linear(packed, bias)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, W12Linear.from_linear(layer, dense_fallback))
-    return len(targets)
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        replaced += 1
+    return replaced

@@ -179,15 +179,18 @@ class Qwen3(nn.Module):
             for name in ("qkv", "o", "gate_up", "down"):
                 yield f"layers.{i}.{name}", getattr(layer, name)
 
-    def to_w12(self, lm_head: bool = False, progress=None, dense_fallback: bool = False) -> None:
+    def to_w12(
+        self, lm_head: bool = False, progress=None, dense_fallback: bool = False, plan: dict | None = None
+    ) -> None:
         """Every layer's projections (and the lm_head, if asked) in W12 form, layer by layer in place: each
         bf16 weight is freed once its encoding exists, so the peak is the bf16 model plus one layer's
         encodings, not both models. With `dense_fallback`, a weight whose shape runs faster on cuBLAS at some
-        M is kept beside its encoding instead (w12.keep_dense: +2 bytes per such weight)."""
+        M is kept beside its encoding instead (w12.keep_dense: +2 bytes per such weight). With a `plan` (w12.plan),
+        the shapes it keeps bf16 are not encoded."""
         from w12.module import W12Linear, apply_w12  # kernels/w12 (on PYTHONPATH from <engine>/kernels)
 
         for i, layer in enumerate(self.layers):
-            apply_w12(layer, dense_fallback=dense_fallback)
+            apply_w12(layer, dense_fallback=dense_fallback, plan=plan)
             if progress:
                 progress(i)
         if lm_head:

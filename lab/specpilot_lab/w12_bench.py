@@ -806,8 +806,10 @@ def save_tuned(result: dict, path: Path | None = None) -> None:
 def save_fallback(result: dict, path: Path | None = None) -> dict:
     """Write the fused kernel's speed over cuBLAS at each M bucket's largest M, per shape and escape class, over
     the package's fallback_h200.json into a candidate table at `path` (gemm.fallback_buckets falls back where it is
-    below 1.0): the light class from the normal family, the heavy class from the geomean of HEAVY_CLASS. Replaces
-    the keys this run measured, keeps the rest. `make w12-promote TABLE=<path>` moves it into the package."""
+    below 1.0): the light class from the normal family, the heavy class from the slowest of HEAVY_CLASS (an engine's
+    W12 plan promises "never slower than bf16", which a mean over families does not back). Replaces the keys this run
+    measured, keeps the rest and the table's `_classes` (the escape rates its classes were measured up to).
+    `make w12-promote TABLE=<path>` moves it into the package."""
     path = path or RESULTS / f"fallback_{run_gpu(result)}.json"
     fams = result["families"]
     classes = {False: ["normal"], True: [f for f in HEAVY_CLASS if f in fams]}
@@ -821,7 +823,7 @@ def save_fallback(result: dict, path: Path | None = None) -> dict:
         for (n, k, bucket), values in cells.items():
             if len(values) == len(names):  # every family of the class measured this cell
                 measured[tuned_name((n, k, bucket, heavy_class))] = {
-                    "speedup": round(gm(values), 4),
+                    "speedup": round(min(values), 4),
                     "M": bucket,
                     "families": names,
                 }
@@ -833,7 +835,8 @@ def save_fallback(result: dict, path: Path | None = None) -> dict:
         f"(,heavy); gemm.fallback_buckets falls back where below 1.0. Written by `specpilot_lab.w12_bench --save-fallback` "
         f"from the run of {result.get('device', '?')}."
     )
-    _write_candidate(path, {"_comment": comment, **entries})
+    classes = {"_classes": old["_classes"]} if "_classes" in old else {}
+    _write_candidate(path, {"_comment": comment, **classes, **entries})
     print(
         f"wrote {path}: {len(measured)} entries measured, {len(entries) - len(measured)} kept; below 1.0: "
         + ", ".join(key for key, e in entries.items() if e["speedup"] < 1.0)

@@ -13,6 +13,7 @@ from specpilot_build.assemble.launch import flag_origins, launch_spec, sglang_fl
 from specpilot_build.assemble.overlays import apply_overlays
 from specpilot_build.assemble.prune import select_members
 from specpilot_build.assemble.sglang_flags import check_launch_args, flag_table
+from specpilot_build.assemble.w12_plan import PLAN_FILE, plan_for
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.pins.lockfile import WheelPin
 from specpilot_build.pins.wheels import wheel_file
@@ -41,6 +42,10 @@ def assemble_tree(tree: Path, inputs: BuildInputs, store: Path) -> tuple[dict, d
         check_launch_args(sglang_flags(cfg), table, flag_origins(cfg, inputs.composed.config.get("final")), pin.version)
     for kernel in inputs.kernels:
         copy_files(list(kernel.files), tree / "kernels" / kernel.name)
+        if kernel.name == "w12":
+            plan = tree / "kernels" / "w12" / PLAN_FILE
+            plan.write_bytes(canonical_json(plan_for(cfg, plan.parent)) + b"\n")
+            os.chmod(plan, 0o644)
     (tree / "config.json").write_bytes(canonical_json(cfg) + b"\n")
     (tree / "launch.json").write_bytes(canonical_json(launch_spec(cfg)) + b"\n")
     for name in ("config.json", "launch.json"):

@@ -110,12 +110,14 @@ def test_save_fallback_measures_each_class_on_its_families(tmp_path):
         },
     }  # not a class family: ignored
     path = tmp_path / "fallback.json"
-    path.write_text(json.dumps({"_comment": "old", "7,7,8": {"speedup": 0.5, "M": 8}}))
+    classes = {"heavy": {"families": ["student-t4", "outliers"], "max_escape_rate": 6e-4}}
+    path.write_text(json.dumps({"_comment": "old", "_classes": classes, "7,7,8": {"speedup": 0.5, "M": 8}}))
     entries = bench.save_fallback(result, path)
     saved = json.loads(path.read_text())
     assert {k: v["speedup"] for k, v in entries.items()} == {k: v["speedup"] for k, v in saved.items() if k[0] != "_"}
     assert saved["7,7,8"]["speedup"] == 0.5  # kept
     assert saved["64,1024,32"]["speedup"] == 0.9 and "64,1024,1" not in saved  # buckets only
-    assert saved["64,1024,16,heavy"]["speedup"] == pytest.approx((1.02 * 0.96) ** 0.5, abs=1e-4)
+    assert saved["64,1024,16,heavy"]["speedup"] == 0.96  # the slower family of the class
+    assert saved["_classes"] == classes  # kept: the escape rates the classes were measured up to
     assert "64,1024,64,heavy" not in saved  # outliers did not measure it
     assert "test GPU" in saved["_comment"]

@@ -157,3 +157,26 @@ def test_fallback_buckets_run_cublas_on_the_copy_and_the_rest_the_kernel(monkeyp
         else:
             assert_close_to_exact(x, w, y)
     assert sorted(packed.plans) == [8, 16, 64]  # no kernel prepared for the bucket that falls back
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decoded_slabs_equal_the_weight_and_need_only_the_scratch(layout, monkeypatch):
+    """Above 64 rows W12 decodes slab by slab into one scratch buffer (no bf16 copy of the weight): every slab's
+    rows bit for bit, escapes of other slabs kept out of it, the product that of F.linear on the whole weight."""
+    from w12 import gemm
+
+    w = llm_like(1000, 768, 3)
+    w[::97, ::13] = 3.0e4  # escapes in every slab
+    packed = w12.encode(w, layout)
+    monkeypatch.setattr(gemm, "SCRATCH_BYTES", 300 * 768 * 2)  # 256-row slabs: four of them, the last short
+    monkeypatch.setattr(gemm, "_SCRATCH", {})
+    assert gemm.slab_rows(packed) == 256
+    for first, end in ((0, 256), (256, 512), (768, 1000), (5, 133)):
+        out = torch.empty(end - first + 1, 768, dtype=torch.bfloat16, device="cuda")
+        got = decode_on_device(packed, first, end, out)
+        assert torch.equal(got.view(torch.int16), w[first:end].view(torch.int16))
+    x = torch.randn(100, 768, device="cuda").to(torch.bfloat16)
+    y = w12.linear(x, packed)
+    slabs = [torch.nn.functional.linear(x, w[first : first + 256]) for first in range(0, 1000, 256)]
+    assert torch.equal(y, torch.cat(slabs, dim=1))  # cuBLAS on bit-equal weights, slab by slab
+    assert gemm.scratch_bytes("cuda") == 300 * 768 * 2

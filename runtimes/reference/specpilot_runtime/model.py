@@ -114,6 +114,7 @@ class LeanLlama:
         # exact zeros and one product over all keys is invariant; it needs head_dim a multiple of its tile.
         self.attend = rowgemm.bmm if self.rowgemm and s.head_dim % rowgemm.TILE == 0 else _attend
         self._take_weights(hf_model)
+        self.w12_layers: dict | None = None
         if w12:
             self._encode_w12(dense_fallback)
         # Whole key blocks (batch invariance), with room past the context for padded query rows of a verify step.
@@ -186,23 +187,33 @@ class LeanLlama:
         self.lm_head = self._stored(head[:, columns.to(head.device)])
 
     def _encode_w12(self, dense_fallback: bool = False) -> None:
-        """Replace every projection by its W12 encoding (of the [out, in] weight). The bf16 copies are freed, unless
-        `dense_fallback` keeps one as the encoding's `dense` where its shape runs faster on cuBLAS (w12.keep_dense)."""
+        """Replace each projection by its W12 encoding (of the [out, in] weight) where the engine's W12 plan stores
+        its shape in W12 (w12.plan: chosen at build time from the GPU's tables); the others stay bf16, with no second
+        copy. The bf16 copies of encoded weights are freed, unless `dense_fallback` keeps one as the encoding's
+        `dense` where its shape runs faster on cuBLAS (w12.keep_dense). `self.w12_layers` says what was chosen."""
         import w12  # kernels/w12, on PYTHONPATH from <engine>/kernels
+        import w12.plan
 
         if self.dtype != torch.bfloat16:
             raise TypeError(f"W12 stores bf16 weights; this model runs in {self.dtype}")
+        choices: dict[str, str] = {}
 
-        def encode(w: torch.Tensor):
+        def encode(name: str, w: torch.Tensor):
             weight = w.t().contiguous()  # stored [in, out] for torch.mm
-            packed = w12.encode(weight)
+            packed = w12.plan.encode_planned(weight)
+            choices[name] = "bf16" if packed is None else "w12"
+            if packed is None:
+                return w
             if dense_fallback:
                 w12.keep_dense(packed, weight)
             return packed
 
-        self.lm_head = encode(self.lm_head)
-        self.layers = [tuple(encode(w) for w in weights) for weights in self.layers]
-        self.mm = _w12_projection(w12)
+        self.lm_head = encode("lm_head", self.lm_head)
+        self.layers = [
+            tuple(encode(f"layers.{i}.{j}", w) for j, w in enumerate(weights)) for i, weights in enumerate(self.layers)
+        ]
+        self.w12_layers = w12.plan.summary(choices)
+        self.mm = _w12_projection(w12, self.mm)
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, [position, 1, head_dim], for x*cos + rotate_half(x)*sin."""
@@ -362,15 +373,17 @@ def rows_padded(product):
     return padded
 
 
-def _w12_projection(w12):
-    """x @ W.T for W in W12 form. On CUDA: W12's GEMM (fused decode-in-GEMM for <= 64 rows, cuBLAS on the kept
-    bf16 copy in the M buckets it falls back in, decode + cuBLAS above 64 rows). On CPU: the kept bf16 copy, or
-    else the decoded weight, then the very torch.mm the bf16 path runs on the [in, out] weight, so results equal
-    it bit for bit."""
+def _w12_projection(w12, bf16_mm):
+    """x @ W.T for W in W12 form (a weight the plan kept bf16 runs `bf16_mm`, the model's own product). On CUDA:
+    W12's GEMM (fused decode-in-GEMM for <= 64 rows, cuBLAS on the kept bf16 copy in the M buckets it falls back
+    in, decode + cuBLAS above 64 rows). On CPU: the kept bf16 copy, or else the decoded weight, then the very
+    torch.mm the bf16 path runs on the [in, out] weight, so results equal it bit for bit."""
     decode = w12.decode
     linear = w12.linear if torch.cuda.is_available() else None  # w12.linear needs Triton
 
     def mm(x: torch.Tensor, packed) -> torch.Tensor:
+        if not isinstance(packed, w12.W12Tensor):
+            return bf16_mm(x, packed)
         if x.is_cuda:
             return linear(x, packed)
         weight = packed.dense if packed.dense is not None else decode(packed)

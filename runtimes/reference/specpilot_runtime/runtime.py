@@ -111,6 +111,7 @@ class Runtime:
             "spec_accept_token_num": engine.accepted_tokens,
             "finished_requests": engine.finished_requests,
             "w12_tables": _w12_tables(),
+            "w12_layers": engine.model.w12_layers,  # the engine's W12 plan and how many layers it stored each way
             "internal_states": [{"avg_spec_accept_length": avg}],
         }
 

@@ -4,6 +4,9 @@
 Linear layers load their bf16 weights as usual; process_weights_after_loading encodes each weight to W12
 (kernels/w12, shipped in the engine tree as <engine>/kernels/w12 and put on PYTHONPATH by the launch spec)
 and frees the bf16 copy; apply runs W12's GEMM (fused decode-in-GEMM for <= 64 rows, decode + cuBLAS above).
+A weight the engine's W12 plan keeps bf16 (kernels/w12/plan.json, chosen at build time from the GPU's tables: W12
+not shown to win at every batch the setting serves, or on a weight with that many escapes) stays as loaded and
+runs F.linear: no second copy either way.
 Embeddings, the LM head, attention and MoE layers stay unquantized."""
 from __future__ import annotations
 
@@ -65,13 +68,21 @@ class W12LinearMethod(LinearMethodBase):
         if getattr(layer, "w12_weight", None) is not None and "weight" not in layer._parameters:
             return  # already encoded (some loaders call this twice)
         import w12
+        import w12.plan
 
         weight = layer.weight.data
         if weight.dtype != torch.bfloat16:
             raise TypeError(f"--quantization w12 stores bf16 weights; this layer's weight is {weight.dtype} "
                             "(serve with --dtype bfloat16)")
+        if w12.plan.stored_as(*weight.shape) == "bf16":
+            layer.w12_weight = None
+            return
         parts = [w12.encode(weight[row:row + ENCODE_ROWS]) for row in range(0, weight.shape[0], ENCODE_ROWS)]
-        layer.w12_weight = parts[0] if len(parts) == 1 else w12.cat(parts)
+        packed = parts[0] if len(parts) == 1 else w12.cat(parts)
+        if w12.plan.keep_bf16(packed):  # its escape class or rate: W12 not shown to win on this weight
+            layer.w12_weight = None
+            return
+        layer.w12_weight = packed
         on_gpu = weight.is_cuda
         del layer.weight, weight, parts
         if on_gpu:
@@ -79,4 +90,6 @@ class W12LinearMethod(LinearMethodBase):
         self._linear = w12.linear
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if layer.w12_weight is None:
+            return torch.nn.functional.linear(x, layer.weight, bias)
         return self._linear(x, layer.w12_weight, bias)
