@@ -20,7 +20,7 @@ from specpilot_build.locations import KERNELS_DIR
 # A table by hand: (N, K) -> {(bucket, heavy): W12 / cuBLAS}
 TABLE = {
     (100, 50): {(8, False): 1.3, (16, False): 1.2, (32, False): 1.05, (64, False): 0.9},
-    (200, 50): {(8, False): 1.4, (16, False): 1.3, (32, False): 1.2, (64, False): 1.1, (64, True): 0.95},
+    (200, 50): {(8, False): 1.4, (16, False): 1.3, (32, False): 1.2, (64, False): 1.12, (64, True): 0.95},
     (300, 50): {(8, False): 1.4, (16, False): 1.3},  # buckets 32 and 64 never measured
 }
 
@@ -33,7 +33,7 @@ def test_a_shape_is_w12_only_where_it_won_in_every_bucket_the_setting_serves():
     every = choose(TABLE, "h100", None)  # draft length left to the runtime: every bucket up to 64
     assert every["buckets"] == [8, 16, 32, 64]
     assert stores(every) == {
-        "100,50": ("bf16", "bf16"),  # 0.9 at 64
+        "100,50": ("bf16", "bf16"),  # 0.9 at 64 (below the 1.1 margin)
         "200,50": ("w12", "bf16"),  # the heavy class lost at 64; the light one won everywhere
         "300,50": ("bf16", "bf16"),  # not measured at 32 and 64: not shown to win
     }
@@ -42,7 +42,7 @@ def test_a_shape_is_w12_only_where_it_won_in_every_bucket_the_setting_serves():
     assert c1["buckets"] == [8, 16]
     assert stores(c1) == {"100,50": ("w12", "w12"), "200,50": ("w12", "w12"), "300,50": ("w12", "w12")}
     assert choose(TABLE, "h100", 32)["buckets"] == [8, 16, 32]
-    assert stores(choose(TABLE, "h100", 32))["100,50"] == ("w12", "w12")
+    assert stores(choose(TABLE, "h100", 32))["100,50"] == ("bf16", "bf16")  # 1.05 at 32: within the margin
 
 
 def test_more_than_64_rows_keeps_every_layer_bf16_and_no_tables_keeps_every_layer_w12():
@@ -78,7 +78,7 @@ def test_a_module_under_a_plan_keeps_the_bf16_linears_as_they_are():
 def test_the_tables_classes_bound_the_escape_rate_a_plan_trusts():
     classes = measured_classes(KERNELS_DIR / "w12" / "fallback_h100.json")
     assert classes["light"]["families"] == ["normal"]
-    assert classes["heavy"]["max_escape_rate"] == pytest.approx(6.29e-4 * RATE_SLACK)
+    assert classes["heavy"]["max_escape_rate"] == pytest.approx(2.0e-3 * RATE_SLACK)
 
 
 @pytest.mark.parametrize(
@@ -103,6 +103,7 @@ def test_an_h200_w12_final_plans_from_the_h200_tables():
         "bf16",
     )
     assert plan["shapes"]["34816,5120"]["light"] == "w12"  # 1.31 and 1.29 at buckets 8 and 16 on the H200
+    assert plan["shapes"]["34816,5120"]["heavy"] == "bf16"  # smollm2-135m's 1.015 at 16
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The W12 layer plan of an engine: which weight shapes are stored in W12 and which stay bf16, chosen at build time.
 
-A shape is stored in W12 only where the W12 GEMM was measured at least as fast as cuBLAS on bf16 in every M bucket
-the setting serves (kernels/w12/fallback_<gpu>.json, the tables of the setting's GPU), per escape class: a weight
+A shape is stored in W12 only where the W12 GEMM was measured at least 10% faster than cuBLAS on bf16 in every M
+bucket the setting serves (kernels/w12/fallback_<gpu>.json, the tables of the setting's GPU), per escape class: a weight
 with many escapes (w12.gemm.heavy) is judged by the heavy measurements, so the loader decides it once encoded.
 Everything else stays bf16, with no second copy: shapes the table does not have, and every shape when a forward
 takes more than 64 rows (there W12 decodes the whole weight before cuBLAS: never faster). A device
@@ -16,7 +16,9 @@ from pathlib import Path
 
 BUCKETS = (8, 16, 32, 64)  # kernels/w12/gemm.py's M buckets
 FUSED_MAX_M = 64
-THRESHOLD = 1.0  # W12 over cuBLAS, in every served bucket
+# W12 over cuBLAS in every served bucket, with a margin: the isolated GEMM measurement over-predicts end to end
+# (smollm2-135m's gate_up and down measured 1.06 and 1.07 at M = 64 on the H100 and decoded at 0.973x of bf16 there)
+THRESHOLD = 1.1
 RATE_SLACK = 1.5  # a weight up to 1.5x its class's densest measured family's escape rate is taken as measured
 PLAN_FILE = "plan.json"
 
