@@ -19,6 +19,7 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
 from specpilot_build.measure.results import write_json
 from specpilot_build.tune import study as studies
+from specpilot_build.tune.leaders import LEADERS
 from specpilot_build.tune.space import check_space, load_space
 from specpilot_build.tune.trial import SPLIT, Slice, run_trial
 
@@ -46,13 +47,18 @@ def tune(
     enqueue: list[dict[str, Any]] | None = None,
     promote: bool = False,
     eval_limit: int | None = 2,
+    leaders: int = LEADERS,
 ) -> dict[str, Any]:
     """`enqueue`: candidates ("section.key" -> value) a new study runs first, e.g. today's final. `promote`: confirm
-    the winner on `eval_limit` dev items per dataset against the current final (tune/promote.py)."""
+    the winner on `eval_limit` dev items per dataset against the current final (tune/promote.py). `leaders`: how
+    many distinct best points are re-measured side by side before the winner is chosen (tune/leaders.py; 0: the
+    winner is the best trial's objective)."""
     from specpilot_build.assemble.builder import build_engine
     from specpilot_build.serve.process import serve, stop
 
     console = console or Console()
+    if leaders < 0:
+        raise SpecPilotError(f"LEADERS={leaders}: re-measure 0 (off) or more leaders")
     if trials < 1:
         raise SpecPilotError(f"TRIALS={trials}: a tune needs at least 1 trial")
     if sampler not in studies.SAMPLERS:
@@ -107,6 +113,9 @@ def tune(
 
         def objective(trial) -> float:
             values = {key: _suggest(trial, key, dist) for key, dist in distributions.items()}
+            same = studies.same_point(study, values, trial.number)
+            if same is not None:
+                return _reuse(trial, same, values, table, console)
             try:
                 outcome = run_trial(
                     setting=setting,
@@ -135,6 +144,8 @@ def tune(
         if remaining > 0:
             # optimize, not ask/tell: the grid sampler stops the study from inside the loop when it is exhausted
             study.optimize(objective, n_trials=remaining, catch=(TrialFailed,))
+        if leaders:
+            _remeasure_leaders(study, setting, leaders, baseline, ports, pids, slice_, name, console)
     finally:
         signal.signal(signal.SIGTERM, previous)
         for arm in pids:
@@ -145,7 +156,9 @@ def tune(
     if write_winner and summary["best"] is not None:
         from specpilot_build.tune.winner import write_winner as write
 
-        summary["winner"] = str(write(setting, study, summary["best"]["number"], mechanisms))
+        summary["winner"] = str(
+            write(setting, study, summary["best"]["number"], mechanisms, summary["best"].get("remeasured"))
+        )
     from specpilot_build.tune.report import write_report
 
     out = data_dir() / "tune" / f"{name}.summary.json"
@@ -193,19 +206,96 @@ def summarize(study, name: str) -> dict[str, Any]:
                 "final_stock": t.user_attrs.get("final_stock"),
                 "final_ar": t.user_attrs.get("final_ar"),
                 "reason": t.user_attrs.get("reason"),
+                "overrides": t.user_attrs.get("overrides"),
+                "duplicate_of": t.user_attrs.get("duplicate_of"),
             }
         )
     complete = [r for r in rows if r["state"] == "COMPLETE"]
-    best = max(complete, key=lambda r: r["objective"]) if complete else None
+    by_trial = max(complete, key=lambda r: (r["objective"], -r["number"])) if complete else None
+    best = by_trial
+    record = current_leaders(study, rows)
+    if record is not None:
+        chosen = record["chosen"]
+        best = None if chosen is None else {**rows[chosen], "remeasured": record["trials"][str(chosen)]}
     return {
         "study": name,
         "storage": str(studies.storage_path()),
         "trials": rows,
         "complete": len(complete),
         "failed": sum(r["state"] == "FAIL" for r in rows),
-        "cache_hits": sum(bool(r["cache_hit"]) for r in rows),
+        "cache_hits": sum(bool(r["cache_hit"]) and r["duplicate_of"] is None for r in rows),
+        "duplicates": sum(r["duplicate_of"] is not None for r in rows),
+        "best_by_trial": by_trial,
+        "leaders": record,
         "best": best,
     }
+
+
+def current_leaders(study, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The study's leaders re-measurement when it re-measured today's leaders (none since a resume added a
+    better point), else None."""
+    from specpilot_build.tune.leaders import SCHEMA, pick
+
+    record = study.user_attrs.get("leaders")
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        return None
+    picked = [r["number"] for r in pick(rows, len(record["leaders"]))]
+    return record if picked == record["leaders"] else None
+
+
+def _remeasure_leaders(study, setting, k, baseline, ports, pids, slice_, name, console) -> None:
+    """Re-bench the study's `k` best distinct points side by side (tune/leaders.py), unless the study already
+    holds that re-measurement; the record becomes the study's user attribute `leaders`."""
+    from specpilot_build.tune.leaders import pick, remeasure
+
+    rows = summarize(study, name)["trials"]
+    chosen = pick(rows, k)
+    if not chosen or current_leaders(study, rows) is not None:
+        return
+    shown = ", ".join(str(r["number"]) for r in chosen)
+    console.print(f"re-measuring the leaders (trials {shown}) side by side with stock and ar on the tune split")
+    record = remeasure(
+        setting=setting,
+        leaders=chosen,
+        baseline=baseline,
+        ports={arm: ports[arm] for arm in ("ar", "stock")},
+        pids={arm: pids[arm] for arm in ("ar", "stock")},
+        slice_=slice_,
+        prefix=f"tune_{name}_leaders",
+    )
+    study.set_user_attr("leaders", record)
+    console.print(_leaders_table(record, rows))
+
+
+def _leaders_table(record: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="leaders re-measured side by side (tune split): the winner is the highest lower bound")
+    for column in ("trial", "params", "trial's final/stock", "re-measured final/stock [95% CI]", "final/ar", "verify"):
+        table.add_column(column)
+    for number in record["leaders"]:
+        again = record["trials"][str(number)]
+        fs, first = again["final_stock"], rows[number]["final_stock"]
+        mark = " ← chosen" if number == record["chosen"] else ""
+        table.add_row(
+            f"{number}{mark}",
+            _params(rows[number]["params"]),
+            f"{first['speedup']:.3f}× [{first['ci95'][0]:.3f}–{first['ci95'][1]:.3f}]",
+            f"{fs['speedup']:.3f}× [{fs['ci95'][0]:.3f}–{fs['ci95'][1]:.3f}]",
+            f"{again['final_ar']['speedup']:.3f}×",
+            again["verdict"],
+        )
+    return table
+
+
+def _reuse(trial, same, values: dict, table: Table, console: Console) -> float:
+    """Record trial `same`'s result on `trial` (the same point proposed again) without benching it again."""
+    attrs = {**same.user_attrs, "duplicate_of": same.number, "seconds": 0.0}
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
+    _add_row(table, trial.number, values, attrs)
+    console.print(_row_line(trial.number, values, attrs))
+    if same.state.name != "COMPLETE":
+        raise TrialFailed(attrs.get("reason") or "failed")
+    return float(same.value)
 
 
 def _table() -> Table:
@@ -234,6 +324,8 @@ def _row_line(number: int, values: dict, attrs: dict) -> str:
     result = f"final/stock {fs['speedup']:.3f}× [{fs['ci95'][0]:.3f}–{fs['ci95'][1]:.3f}]" if fs else ""
     state = f"FAILED: {attrs['reason']}" if attrs.get("reason") else "complete"
     cached = ", cache hit" if attrs.get("cache_hit") else ""
+    if attrs.get("duplicate_of") is not None:
+        cached = f", the point of trial {attrs['duplicate_of']}: its result reused, not benched again"
     return f"trial {number}: {_params(values)} → {result} ({state}{cached}, {attrs.get('seconds', 0):.0f} s)"
 
 
@@ -245,14 +337,23 @@ def _print_summary(summary: dict, console: Console) -> None:
     best = summary["best"]
     console.print(
         f"study {summary['study']}: {summary['complete']} complete, {summary['failed']} failed, "
-        f"{summary['cache_hits']} cache hit(s); {summary['seconds']:.0f} s; summary {summary['json']}"
+        f"{summary['cache_hits']} cache hit(s), {summary['duplicates']} repeated point(s) reused; "
+        f"{summary['seconds']:.0f} s; summary {summary['json']}"
     )
     console.print(f"report {summary['report']['markdown']} (chart {summary['report']['chart']})")
     if best is None:
-        console.print("no trial completed lossless; nothing written")
+        leaders = summary.get("leaders")
+        why = "no leader's re-run was lossless" if leaders else "no trial completed lossless"
+        console.print(f"{why}; nothing written")
         return
+    again = best.get("remeasured")
+    chosen_by = (
+        f"re-measured lower bound {again['final_stock']['ci95'][0]:.3f}× (final/stock "
+        f"{again['final_stock']['speedup']:.3f}×; its trial {best['objective']:.3f}×)"
+        if again
+        else f"lower bound {best['objective']:.3f}× (final/stock {best['final_stock']['speedup']:.3f}×)"
+    )
     console.print(
-        f"best: trial {best['number']} {_params(best['params'])}: lower bound {best['objective']:.3f}× "
-        f"(final/stock {best['final_stock']['speedup']:.3f}×), engine {best['engine_id'][:16]}"
+        f"best: trial {best['number']} {_params(best['params'])}: {chosen_by}, engine {best['engine_id'][:16]}"
         + (f" → {summary['winner']}" if summary.get("winner") else "")
     )
