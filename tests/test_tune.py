@@ -172,6 +172,13 @@ def test_a_study_name_reused_with_another_space_is_refused_naming_the_difference
         ("zero", "params:\n  drafter:\n    num_draft_tokens: {low: 0, high: 4}\n", [], ["zero.yaml", ">= 1"]),
         ("empty", "description: nothing\n", [], ["empty.yaml", "the space is empty"]),
         ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--trials", "0"], ["TRIALS=0"]),
+        (
+            "ok",
+            "params:\n  drafter:\n    num_draft_tokens: [2]\n",
+            ["--launcher", "k8s"],
+            ["LAUNCHER=k8s", "submitit_local"],
+        ),
+        ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--leaders", "-1"], ["LEADERS=-1"]),
         ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--study", "taken"], ["study 'taken'", "[3]"]),
         (
             "ok",
@@ -310,6 +317,59 @@ def test_a_point_proposed_again_reuses_its_result_and_the_leaders_are_distinct_p
     # one distinct point: one leader re-measured, once
     assert summary["leaders"]["leaders"] == [0] and summary["best"]["number"] == 0
     assert summary["best"]["remeasured"] == summary["leaders"]["trials"]["0"]
+
+
+@pytest.mark.slow
+def test_trials_through_submitit_local_serve_on_free_ports_and_their_results_are_checked(conf):
+    import os
+    import shutil
+
+    import optuna
+
+    from specpilot_build.tune import launched
+
+    port = _three_ports()
+    summary = _tune("ngram", 2, "random", "launched", launcher="submitit_local", port=port)
+    assert [t["number"] for t in summary["trials"]] == [0, 1]
+    study = optuna.load_study(study_name="launched", storage=f"sqlite:///{summary['storage']}")
+    specs = sorted((launched.batch_dir("launched", "x").parent).glob("t*/0.spec.json"))
+    assert len(specs) == 2
+    for trial, spec in zip(study.trials, specs):
+        result = json.loads(spec.with_name("0.result.json").read_text())
+        assert result["pid"] != os.getpid()  # the trial ran in submitit's process, not the tune's
+        used = set(result["attrs"]["ports"].values())
+        assert len(used) == 3 and port not in used  # its own free ports, not PORT
+        for p in used:  # and stopped them when it ended
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+        assert trial.user_attrs["engine_id"] == result["attrs"]["engine_id"]
+        if trial.state.name == "COMPLETE":
+            assert trial.value == result["objective"] == trial.user_attrs["final_stock"]["ci95"][0]
+            assert trial.user_attrs["verdict"] == "lossless"
+    # the leaders were re-measured through the launcher too, and chose the winner
+    assert summary["leaders"]["chosen"] == summary["best"]["number"]
+    assert "chosen among the re-measured leaders" in open(summary["winner"]).read()
+    # what the tune reads back is checked: a result altered, answering another spec, or over an altered run
+    spec = specs[0]
+    path = spec.with_name("0.result.json")
+    good = path.read_text()
+    assert launched.read_result(spec)["ok"] == (study.trials[0].state.name == "COMPLETE")
+    raw = json.loads(good)
+    path.write_text(json.dumps({**raw, "objective": 9.0}))
+    assert "digest does not match" in launched.read_result(spec)["attrs"]["reason"]
+    saved = spec.read_text()
+    spec.write_text(saved.replace('"trial": 0', '"trial": 7'))
+    path.write_text(good)
+    assert "another job spec" in launched.read_result(spec)["attrs"]["reason"]
+    spec.write_text(saved)
+    final = raw["attrs"]["runs"]["final"]
+    shutil.copy(final, final + ".bak")
+    with open(final, "a") as fh:
+        fh.write(" ")
+    assert "does not have the sha256 it records" in launched.read_result(spec)["attrs"]["reason"]
+    shutil.move(final + ".bak", final)
+    path.unlink()
+    assert "wrote no result" in launched.read_result(spec)["attrs"]["reason"]
 
 
 @pytest.mark.slow

@@ -203,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="distinct best points re-benched side by side on the tune split before the winner is chosen (0: off)",
     )
+    p.add_argument(
+        "--launcher",
+        default=None,
+        help="run each trial as a Hydra job through conf/hydra/launcher/<name> (submitit_local, slurm, ...)",
+    )
     p.set_defaults(handler=_tune)
 
     p = verbs.add_parser("lock", help="pin a setting's model and drafter repos to commits, files to sha256")
@@ -733,6 +738,7 @@ def _tune(args) -> int:
         promote=args.promote,
         eval_limit=args.eval_limit,
         leaders=args.leaders,
+        launcher=args.launcher,
     )
     return 0
 

@@ -48,11 +48,13 @@ def tune(
     promote: bool = False,
     eval_limit: int | None = 2,
     leaders: int = LEADERS,
+    launcher: str | None = None,
 ) -> dict[str, Any]:
     """`enqueue`: candidates ("section.key" -> value) a new study runs first, e.g. today's final. `promote`: confirm
     the winner on `eval_limit` dev items per dataset against the current final (tune/promote.py). `leaders`: how
     many distinct best points are re-measured side by side before the winner is chosen (tune/leaders.py; 0: the
-    winner is the best trial's objective)."""
+    winner is the best trial's objective). `launcher`: a Hydra launcher config; each trial then runs as one job
+    through it (tune/launched.py) on free ports of wherever it runs, and no server is started here."""
     from specpilot_build.assemble.builder import build_engine
     from specpilot_build.serve.process import serve, stop
 
@@ -69,6 +71,10 @@ def tune(
         raise SpecPilotError("PROMOTE=1 confirms the winner file the tune writes; it cannot run without it")
     if promote and eval_limit is not None and eval_limit < 1:
         raise SpecPilotError(f"EVAL_LIMIT={eval_limit}: the confirmation needs at least 1 dev prompt per dataset")
+    if launcher:
+        from specpilot_build.tune.launched import check_launcher
+
+        check_launcher(launcher)
     space = load_space(space_name)
     mechanisms = check_space(space, setting)
     slice_ = Slice(limit=limit, max_new_tokens=max_new_tokens, datasets=datasets)
@@ -101,14 +107,46 @@ def tune(
         f"space {space.shown}, sampler {sampler}, seed {seed}, tune split limit {limit}"
     )
     ports = {"ar": port, "stock": port + 1, "final": port + 2}
-    baseline = {arm: build_engine(setting, arm).engine for arm in ("ar", "stock")}
+    baseline = {} if launcher else {arm: build_engine(setting, arm).engine for arm in ("ar", "stock")}
     table = _table()
     started = time.perf_counter()
     pids: dict[str, int] = {}
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the servers and the trial as Ctrl-C does
     try:
-        for arm, engine in baseline.items():
-            pids[arm] = serve(engine.id, ports[arm], quiet=True)["pid"]
+        if launcher:
+            console.print(f"trials run as Hydra jobs through LAUNCHER={launcher}, each serving on its own free ports")
+            runner = _launched_runner(launcher, setting, mechanisms, slice_, name, timeout_s)
+            remeasurer = _launched_remeasurer(launcher, setting, slice_, name)
+        else:
+            for arm, engine in baseline.items():
+                pids[arm] = serve(engine.id, ports[arm], quiet=True)["pid"]
+
+            def runner(number: int, values: dict[str, Any]):
+                return run_trial(
+                    setting=setting,
+                    mechanisms=mechanisms,
+                    values=values,
+                    baseline=baseline,
+                    ports=ports,
+                    pids=pids,
+                    slice_=slice_,
+                    run_prefix=f"tune_{name}_t{number}",
+                    timeout_s=timeout_s,
+                )
+
+            def remeasurer(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+                from specpilot_build.tune.leaders import remeasure
+
+                return remeasure(
+                    setting=setting,
+                    leaders=chosen,
+                    baseline=baseline,
+                    ports={arm: ports[arm] for arm in ("ar", "stock")},
+                    pids=dict(pids),
+                    slice_=slice_,
+                    prefix=f"tune_{name}_leaders",
+                )
+
         distributions = space.distributions()
 
         def objective(trial) -> float:
@@ -117,17 +155,7 @@ def tune(
             if same is not None:
                 return _reuse(trial, same, values, table, console)
             try:
-                outcome = run_trial(
-                    setting=setting,
-                    mechanisms=mechanisms,
-                    values=values,
-                    baseline=baseline,
-                    ports=ports,
-                    pids=pids,
-                    slice_=slice_,
-                    run_prefix=f"tune_{name}_t{trial.number}",
-                    timeout_s=timeout_s,
-                )
+                outcome = runner(trial.number, values)
             except KeyboardInterrupt:
                 trial.set_user_attr("reason", studies.INTERRUPTED)
                 raise  # Optuna records the trial failed and re-raises
@@ -145,7 +173,7 @@ def tune(
             # optimize, not ask/tell: the grid sampler stops the study from inside the loop when it is exhausted
             study.optimize(objective, n_trials=remaining, catch=(TrialFailed,))
         if leaders:
-            _remeasure_leaders(study, setting, leaders, baseline, ports, pids, slice_, name, console)
+            _remeasure_leaders(study, leaders, remeasurer, name, console)
     finally:
         signal.signal(signal.SIGTERM, previous)
         for arm in pids:
@@ -243,10 +271,10 @@ def current_leaders(study, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return record if picked == record["leaders"] else None
 
 
-def _remeasure_leaders(study, setting, k, baseline, ports, pids, slice_, name, console) -> None:
+def _remeasure_leaders(study, k: int, remeasurer, name: str, console: Console) -> None:
     """Re-bench the study's `k` best distinct points side by side (tune/leaders.py), unless the study already
     holds that re-measurement; the record becomes the study's user attribute `leaders`."""
-    from specpilot_build.tune.leaders import pick, remeasure
+    from specpilot_build.tune.leaders import pick
 
     rows = summarize(study, name)["trials"]
     chosen = pick(rows, k)
@@ -254,17 +282,61 @@ def _remeasure_leaders(study, setting, k, baseline, ports, pids, slice_, name, c
         return
     shown = ", ".join(str(r["number"]) for r in chosen)
     console.print(f"re-measuring the leaders (trials {shown}) side by side with stock and ar on the tune split")
-    record = remeasure(
-        setting=setting,
-        leaders=chosen,
-        baseline=baseline,
-        ports={arm: ports[arm] for arm in ("ar", "stock")},
-        pids={arm: pids[arm] for arm in ("ar", "stock")},
-        slice_=slice_,
-        prefix=f"tune_{name}_leaders",
-    )
+    record = remeasurer(chosen)
     study.set_user_attr("leaders", record)
     console.print(_leaders_table(record, rows))
+
+
+def _launched_runner(launcher: str, setting: str, mechanisms: list[str], slice_: Slice, name: str, timeout_s: float):
+    """A trial as one Hydra job through `launcher` (tune/launched.py): its checked result as the trial's Outcome."""
+    from specpilot_build.tune import launched
+    from specpilot_build.tune.space import candidate_overrides
+    from specpilot_build.tune.trial import Outcome
+
+    def runner(number: int, values: dict[str, Any]) -> Outcome:
+        spec = {
+            "schema": launched.SPEC,
+            "kind": "trial",
+            "study": name,
+            "trial": number,
+            "setting": setting,
+            "mechanisms": mechanisms,
+            "values": values,
+            "overrides": candidate_overrides(mechanisms, values),
+            "slice": {"limit": slice_.limit, "max_new_tokens": slice_.max_new_tokens, "datasets": slice_.datasets},
+            "run_prefix": f"tune_{name}_t{number}",
+            "timeout_s": timeout_s,
+        }
+        (result,) = launched.launch(launcher, launched.batch_dir(name, f"t{number}"), [spec])
+        return Outcome(ok=result["ok"], attrs=result["attrs"], objective=result["objective"])
+
+    return runner
+
+
+def _launched_remeasurer(launcher: str, setting: str, slice_: Slice, name: str):
+    """The leaders' re-measurement as one Hydra job through `launcher`; its record checked (tune/launched.py)."""
+    from specpilot_build.tune import launched
+    from specpilot_build.tune.leaders import choose
+
+    def remeasurer(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        spec = {
+            "schema": launched.SPEC,
+            "kind": "leaders",
+            "study": name,
+            "setting": setting,
+            "leaders": chosen,
+            "slice": {"limit": slice_.limit, "max_new_tokens": slice_.max_new_tokens, "datasets": slice_.datasets},
+            "run_prefix": f"tune_{name}_leaders",
+        }
+        (result,) = launched.launch(launcher, launched.batch_dir(name, "leaders"), [spec])
+        if not result["ok"]:
+            raise SpecPilotError(f"re-measuring the leaders failed: {result['attrs']['reason']}")
+        record = result["attrs"]["record"]
+        if record.get("leaders") != [r["number"] for r in chosen] or record.get("chosen") != choose(record):
+            raise SpecPilotError("the leaders' job measured other trials than asked, or chose unlike its numbers")
+        return record
+
+    return remeasurer
 
 
 def _leaders_table(record: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
