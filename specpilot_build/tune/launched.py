@@ -243,7 +243,11 @@ def _run_trial(spec: dict[str, Any]) -> tuple[bool, float | None, dict[str, Any]
     finally:
         for arm in pids:
             stop(ports[arm])
-    attrs = {**outcome.attrs, "ports": {**ports, "final": final_port}, "job_seconds": round(time.perf_counter() - started, 1)}
+    attrs = {
+        **outcome.attrs,
+        "ports": {**ports, "final": final_port},
+        "job_seconds": round(time.perf_counter() - started, 1),
+    }
     return outcome.ok, outcome.objective, attrs
 
 

@@ -76,6 +76,8 @@ def tune(
 
         check_launcher(launcher)
     space = load_space(space_name)
+    if not launcher:
+        _check_gpu(setting)
     mechanisms = check_space(space, setting)
     slice_ = Slice(limit=limit, max_new_tokens=max_new_tokens, datasets=datasets)
     name = study_name or f"{setting}-{space_name}"
@@ -204,6 +206,22 @@ def tune(
     elif promote:
         console.print("PROMOTE: no trial completed lossless; nothing to confirm, conf/ unchanged")
     return summary
+
+
+def _check_gpu(setting: str) -> None:
+    """A setting served on a GPU (SGLang's, or the reference runtime's CUDA path) is tuned where that GPU is: here,
+    or through LAUNCHER= on nodes that have it. Refused before the study or any server is started."""
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.serve.process import check_hardware
+
+    try:
+        check_hardware(compose_setting(setting, "final").config, 0, False)
+    except SpecPilotError as exc:
+        why = str(exc).split("; pass --ignore-hardware")[0]
+        raise SpecPilotError(
+            f"make tune SETTING={setting}: {why}; tune it on such a machine, or give LAUNCHER= (e.g. submitit_slurm) "
+            "to run its trials there"
+        ) from None
 
 
 def _interrupt(signum, frame) -> None:
