@@ -39,21 +39,23 @@ def check_launcher(name: str) -> None:
     """A launcher config that exists and whose plugin is installed; else one line naming what to do."""
     import importlib.util
 
-    from specpilot_build.cli.sweep import LAUNCHER_EXTRAS
+    from specpilot_build.cli.sweep import LAUNCHER_EXTRAS, check_slurm
 
     files = sorted(p.stem for p in (conf_dir() / "hydra" / "launcher").glob("*.yaml"))
     known = sorted({*files, *PLUGIN_LAUNCHERS})
     if name not in known:
         raise SpecPilotError(f"LAUNCHER={name}: no such Hydra launcher config; choose one of {', '.join(known)}")
     module = PLUGIN_LAUNCHERS.get(name) or LAUNCHER_EXTRAS.get(name, (None, None))[0]
-    if module is None:
-        return
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        raise SpecPilotError(f"LAUNCHER={name} needs the 'slurm' extra (submitit): .venv/bin/pip install -e '.[slurm]'")
+    if module is not None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise SpecPilotError(
+                f"LAUNCHER={name} needs the 'slurm' extra (submitit): .venv/bin/pip install -e '.[slurm]'"
+            )
+    check_slurm(name)
 
 
 def digest(data: Any) -> str:
