@@ -1,5 +1,8 @@
 """`make tune`: the loop. Build and serve ar and stock once, then per trial ask Optuna for a candidate, run it
-(tune/trial.py), tell Optuna the objective or the failure; print a row per trial; write the winner (tune/winner.py).
+(tune/trial.py), tell Optuna the objective or the failure; print a row per trial; re-measure the best few distinct
+points side by side and choose the winner by that (tune/leaders.py); write the winner (tune/winner.py). A point
+proposed again takes its earlier trial's result. With LAUNCHER, each trial and the re-measurement is instead one
+Hydra job through that launcher, serving its own ar and stock (tune/launched.py); PROMOTE still runs here.
 
 TRIALS is the study's size: a stopped tune run again with the same command continues with the next trial until
 the study holds that many. Every server started here is stopped on the way out, Ctrl-C included."""
