@@ -80,10 +80,14 @@ def test_a_sweep_with_a_config_typo_is_one_line_before_any_job_runs():
     assert len(out.stderr.strip().splitlines()) <= 2 and "num_draft_tokenz" in out.stderr
 
 
-def test_a_launcher_without_its_extra_names_the_extra():
+def test_a_slurm_launcher_off_a_slurm_cluster_says_so_in_one_line():
+    # the test extra installs the slurm extra (submitit); this machine has no srun
     out = cli("sweep", "--settings", "cpu_c1_stories260k_ngram", "--arms", "ar", "--launcher", "slurm")
-    assert out.returncode == 2
-    assert "pip install -e '.[slurm]'" in out.stderr
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "LAUNCHER=slurm" in out.stderr and "srun is not on PATH" in out.stderr and "submitit_local" in out.stderr
+    tune = cli("tune", "--launcher", "submitit_slurm", "--trials", "1")
+    assert tune.returncode == 2 and len(tune.stderr.strip().splitlines()) == 1, tune.stderr
+    assert "LAUNCHER=submitit_slurm" in tune.stderr and "srun is not on PATH" in tune.stderr
     unknown = cli("sweep", "--settings", "cpu_c1_stories260k_ngram", "--arms", "ar", "--launcher", "k8s")
     assert unknown.returncode == 2 and "local" in unknown.stderr and "slurm" in unknown.stderr
 

@@ -172,6 +172,13 @@ def test_a_study_name_reused_with_another_space_is_refused_naming_the_difference
         ("zero", "params:\n  drafter:\n    num_draft_tokens: {low: 0, high: 4}\n", [], ["zero.yaml", ">= 1"]),
         ("empty", "description: nothing\n", [], ["empty.yaml", "the space is empty"]),
         ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--trials", "0"], ["TRIALS=0"]),
+        (
+            "ok",
+            "params:\n  drafter:\n    num_draft_tokens: [2]\n",
+            ["--launcher", "k8s"],
+            ["LAUNCHER=k8s", "submitit_local"],
+        ),
+        ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--leaders", "-1"], ["LEADERS=-1"]),
         ("ok", "params:\n  drafter:\n    num_draft_tokens: [2]\n", ["--study", "taken"], ["study 'taken'", "[3]"]),
         (
             "ok",
@@ -231,11 +238,20 @@ def test_a_bounded_tune_benches_the_tune_split_verifies_and_writes_a_winner_that
     summary = _tune("ngram", 2, "random", "bounded")
     assert [t["number"] for t in summary["trials"]] == [0, 1]
     complete = [t for t in summary["trials"] if t["state"] == "COMPLETE"]
-    assert complete and summary["best"]["objective"] == max(t["objective"] for t in complete)
+    assert complete and summary["best_by_trial"]["objective"] == max(t["objective"] for t in complete)
+    # the leaders (both distinct points) were benched again side by side, and the winner is chosen by that
+    leaders = summary["leaders"]
+    assert leaders["split"] == "tune" and sorted(leaders["leaders"]) == sorted(t["number"] for t in complete)
+    again = {int(n): t["final_stock"]["ci95"][0] for n, t in leaders["trials"].items()}
+    assert summary["best"]["number"] == leaders["chosen"] == max(again, key=again.__getitem__)
+    assert all(t["verdict"] == "lossless" for t in leaders["trials"].values())
     import optuna
 
     study = optuna.load_study(study_name="bounded", storage=f"sqlite:///{summary['storage']}")
     attrs = study.trials[summary["best"]["number"]].user_attrs
+    _, rerun = load_results(leaders["runs"][f"t{summary['best']['number']}"])
+    assert rerun["engine_id"] == attrs["engine_id"] and rerun["prompts_digest"] == attrs["prompts_digest"]
+    assert {d["split"] for d in rerun["datasets"].values()} == {"tune"}
     _, final = load_results(attrs["runs"]["final"])
     # the trial benched the tune split's first item of each dataset, never a dev prompt
     assert {d["split"] for d in final["datasets"].values()} == {"tune"}
@@ -250,8 +266,17 @@ def test_a_bounded_tune_benches_the_tune_split_verifies_and_writes_a_winner_that
     path = winner_path(SETTING)
     assert path == conf / "mechanism" / "tuned" / f"{SETTING}.yaml" and summary["winner"] == str(path)
     text = path.read_text()
-    for needle in ("study: bounded", f"engine: {attrs['engine_id']}", attrs["verify_digest"], attrs["prompts_digest"]):
+    remeasured = leaders["trials"][str(summary["best"]["number"])]
+    for needle in (
+        "study: bounded",
+        f"engine: {attrs['engine_id']}",
+        attrs["verify_digest"],
+        attrs["prompts_digest"],
+        "chosen among the re-measured leaders",
+        remeasured["verify_digest"],
+    ):
         assert needle in text
+    assert "Leaders re-measured side by side" in open(summary["report"]["markdown"]).read()
     built = build_composed(
         compose_setting(SETTING, "final", winner_overrides(SETTING, ["shared-ngram-cache", "tuned-ngram"]))
     )
@@ -261,18 +286,90 @@ def test_a_bounded_tune_benches_the_tune_split_verifies_and_writes_a_winner_that
 @pytest.mark.slow
 def test_grid_visits_each_point_once_resumes_with_the_next_trial_and_counts_cache_hits(conf):
     space = _space(conf, "two", "params:\n  drafter:\n    num_draft_tokens: [2, 3]\n")
-    first = _tune(space, 1, "grid", "grid", write_winner=False)
+    first = _tune(space, 1, "grid", "grid", write_winner=False, leaders=0)
     assert [t["number"] for t in first["trials"]] == [0]
-    resumed = _tune(space, 5, "grid", "grid", write_winner=False)  # TRIALS above the grid: each point once
+    resumed = _tune(space, 5, "grid", "grid", write_winner=False, leaders=0)  # TRIALS above the grid: each point once
     numbers = [t["number"] for t in resumed["trials"]]
     assert numbers == [0, 1]
     points = sorted(t["params"]["drafter.num_draft_tokens"] for t in resumed["trials"])
     assert points == [2, 3]
-    again = _tune(space, 5, "grid", "grid", write_winner=False)  # nothing left: no new trial
+    again = _tune(space, 5, "grid", "grid", write_winner=False, leaders=0)  # nothing left: no new trial
     assert [t["number"] for t in again["trials"]] == [0, 1]
     # another study over the same points builds nothing new: every candidate is a cache hit
-    other = _tune(space, 2, "grid", "grid-again", write_winner=False)
+    other = _tune(space, 2, "grid", "grid-again", write_winner=False, leaders=0)
     assert other["cache_hits"] == 2 and first["cache_hits"] == 0
+
+
+@pytest.mark.slow
+def test_a_point_proposed_again_reuses_its_result_and_the_leaders_are_distinct_points(conf):
+    space = _space(conf, "single", "params:\n  drafter:\n    num_draft_tokens: [3]\n")
+    summary = _tune(space, 3, "random", "again", write_winner=False)  # the random sampler can only repeat it
+    first, *repeats = summary["trials"]
+    assert first["duplicate_of"] is None and [t["duplicate_of"] for t in repeats] == [0, 0]
+    assert summary["duplicates"] == 2 and summary["complete"] == 3
+    import optuna
+
+    study = optuna.load_study(study_name="again", storage=f"sqlite:///{summary['storage']}")
+    runs = [t.user_attrs["runs"]["final"] for t in study.trials]
+    assert runs[1] == runs[2] == runs[0]  # the recorded run, not a second bench under another name
+    assert [t.value for t in study.trials] == [study.trials[0].value] * 3
+    assert [t.user_attrs["seconds"] for t in study.trials[1:]] == [0.0, 0.0]
+    # one distinct point: one leader re-measured, once
+    assert summary["leaders"]["leaders"] == [0] and summary["best"]["number"] == 0
+    assert summary["best"]["remeasured"] == summary["leaders"]["trials"]["0"]
+
+
+@pytest.mark.slow
+def test_trials_through_submitit_local_serve_on_free_ports_and_their_results_are_checked(conf):
+    import os
+    import shutil
+
+    import optuna
+
+    from specpilot_build.tune import launched
+
+    port = _three_ports()
+    summary = _tune("ngram", 2, "random", "launched", launcher="submitit_local", port=port)
+    assert [t["number"] for t in summary["trials"]] == [0, 1]
+    study = optuna.load_study(study_name="launched", storage=f"sqlite:///{summary['storage']}")
+    specs = sorted((launched.batch_dir("launched", "x").parent).glob("t*/0.spec.json"))
+    assert len(specs) == 2
+    for trial, spec in zip(study.trials, specs):
+        result = json.loads(spec.with_name("0.result.json").read_text())
+        assert result["pid"] != os.getpid()  # the trial ran in submitit's process, not the tune's
+        used = set(result["attrs"]["ports"].values())
+        assert len(used) == 3 and port not in used  # its own free ports, not PORT
+        for p in used:  # and stopped them when it ended
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+        assert trial.user_attrs["engine_id"] == result["attrs"]["engine_id"]
+        if trial.state.name == "COMPLETE":
+            assert trial.value == result["objective"] == trial.user_attrs["final_stock"]["ci95"][0]
+            assert trial.user_attrs["verdict"] == "lossless"
+    # the leaders were re-measured through the launcher too, and chose the winner
+    assert summary["leaders"]["chosen"] == summary["best"]["number"]
+    assert "chosen among the re-measured leaders" in open(summary["winner"]).read()
+    # what the tune reads back is checked: a result altered, answering another spec, or over an altered run
+    spec = specs[0]
+    path = spec.with_name("0.result.json")
+    good = path.read_text()
+    assert launched.read_result(spec)["ok"] == (study.trials[0].state.name == "COMPLETE")
+    raw = json.loads(good)
+    path.write_text(json.dumps({**raw, "objective": 9.0}))
+    assert "digest does not match" in launched.read_result(spec)["attrs"]["reason"]
+    saved = spec.read_text()
+    spec.write_text(saved.replace('"trial": 0', '"trial": 7'))
+    path.write_text(good)
+    assert "another job spec" in launched.read_result(spec)["attrs"]["reason"]
+    spec.write_text(saved)
+    final = raw["attrs"]["runs"]["final"]
+    shutil.copy(final, final + ".bak")
+    with open(final, "a") as fh:
+        fh.write(" ")
+    assert "does not have the sha256 it records" in launched.read_result(spec)["attrs"]["reason"]
+    shutil.move(final + ".bak", final)
+    path.unlink()
+    assert "wrote no result" in launched.read_result(spec)["attrs"]["reason"]
 
 
 @pytest.mark.slow

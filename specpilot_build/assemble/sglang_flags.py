@@ -137,16 +137,21 @@ def check_launch_args(args: dict, table: dict, where: dict[str, str], version: s
                     ) from None
 
 
-def flag_table(
-    python_dir: Path, wheel_sha256: str, overlays: list[dict], version: str, flag_check: dict | None = None
-) -> tuple[dict, list[dict]]:
-    """The flag table of the SGLang in `python_dir` (an assembled tree's python/), cached by its inputs, and the
-    stand-ins used to read it ([] without `flag_check`: the builder's own packages)."""
+def cached_flag_table(wheel_sha256: str, overlays: list[dict], flag_check: dict | None = None) -> dict | None:
+    """The flag table a build of these inputs read and cached (its digest checked), or None when none did yet."""
+    cached = _read_cached(_cache_path(wheel_sha256, overlays, flag_check))
+    return None if cached is None else cached[0]
+
+
+def _cache_path(wheel_sha256: str, overlays: list[dict], flag_check: dict | None) -> Path:
     inputs: dict[str, object] = {"wheel": wheel_sha256, "overlays": overlays}
     if flag_check is not None:
         inputs["flag_check"] = flag_check
     key = digest_bytes(canonical_json(inputs)).split(":")[1]
-    cache = data_dir() / "cache" / "sglang-flags" / f"{key}.json"
+    return data_dir() / "cache" / "sglang-flags" / f"{key}.json"
+
+
+def _read_cached(cache: Path) -> tuple[dict, list[dict]] | None:
     try:
         record = json.loads(cache.read_text())
         body = {"flags": record["flags"], "stand_ins_used": record["stand_ins_used"]}
@@ -154,6 +159,18 @@ def flag_table(
             return record["flags"], record["stand_ins_used"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
         pass  # absent or damaged: extract again
+    return None
+
+
+def flag_table(
+    python_dir: Path, wheel_sha256: str, overlays: list[dict], version: str, flag_check: dict | None = None
+) -> tuple[dict, list[dict]]:
+    """The flag table of the SGLang in `python_dir` (an assembled tree's python/), cached by its inputs, and the
+    stand-ins used to read it ([] without `flag_check`: the builder's own packages)."""
+    cache = _cache_path(wheel_sha256, overlays, flag_check)
+    cached = _read_cached(cache)
+    if cached is not None:
+        return cached
     env = flag_env(flag_check["packages"]) if flag_check and flag_check.get("packages") else None
     flags, used = _extract(python_dir, version, env, list((flag_check or {}).get("stand_ins") or []))
     body = {"flags": flags, "stand_ins_used": used}

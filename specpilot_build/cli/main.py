@@ -197,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(95%% CI above 1) and lossless",
     )
     p.add_argument("--eval-limit", type=int, default=2, help="dev items per dataset the confirmation benches")
+    p.add_argument(
+        "--leaders",
+        type=int,
+        default=3,
+        help="distinct best points re-benched side by side on the tune split before the winner is chosen (0: off)",
+    )
+    p.add_argument(
+        "--launcher",
+        default=None,
+        help="run each trial as a Hydra job through conf/hydra/launcher/<name> (submitit_local, slurm, ...)",
+    )
     p.set_defaults(handler=_tune)
 
     p = verbs.add_parser("lock", help="pin a setting's model and drafter repos to commits, files to sha256")
@@ -728,6 +739,8 @@ def _tune(args) -> int:
         args.timeout,
         promote=args.promote,
         eval_limit=args.eval_limit,
+        leaders=args.leaders,
+        launcher=args.launcher,
     )
     return 0
 

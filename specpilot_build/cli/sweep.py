@@ -148,3 +148,19 @@ def _check_launcher(launcher: str) -> None:
         found = False
     if not found:
         raise SpecPilotError(f"LAUNCHER={launcher} needs the '{extra}' extra: .venv/bin/pip install -e '.[{extra}]'")
+    check_slurm(launcher)
+
+
+SLURM_LAUNCHERS = ("slurm", "submitit_slurm")
+
+
+def check_slurm(launcher: str) -> None:
+    """A Slurm launcher submits with srun/sbatch: off a cluster, say so in one line (submitit's own error is a
+    traceback from inside the multirun)."""
+    import shutil
+
+    if launcher in SLURM_LAUNCHERS and shutil.which("srun") is None:
+        raise SpecPilotError(
+            f"LAUNCHER={launcher} submits jobs to a Slurm cluster, but srun is not on PATH here; run it on the "
+            "cluster (its login node), or choose LAUNCHER=submitit_local or local to run the jobs on this machine"
+        )

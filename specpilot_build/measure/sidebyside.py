@@ -89,24 +89,29 @@ def bench_side_by_side(
     progress: bool = True,
     split: str = "dev",
 ) -> dict[str, Path]:
-    """Bench the three arms served on host:ports[arm] interleaved; returns {arm: results path}.
+    """Bench the arms served on host:ports[arm] interleaved; returns {arm: results path}. The arms are ar, stock
+    and final, or any slots beside ar (e.g. a tune's leaders and stock); each results file is its engine's arm.
 
     `pids`: the server processes (serve()'s run records), for the process-CPU cross-check; optional.
     `split`: the datasets' split benched (bench.bench's), recorded in each results file."""
     engines = {arm: resolve_engine(e) if isinstance(e, str) else e for arm, e in arm_engines.items()}
-    if set(engines) != set(ARMS) or set(names) != set(ARMS) or set(ports) != set(ARMS):
-        raise SpecPilotError(f"side-by-side bench needs exactly the arms {', '.join(ARMS)}")
-    if len(set(ports.values())) != len(ARMS):
-        raise SpecPilotError(f"side-by-side bench needs three different ports, got {ports}")
+    # the slots: ar, stock, final in that order; or any others beside ar (a tune's leaders), in the order given
+    arms = ARMS if set(engines) == set(ARMS) else tuple(engines)
+    if "ar" not in arms or len(arms) < 2 or set(names) != set(arms) or set(ports) != set(arms):
+        raise SpecPilotError(
+            f"side-by-side bench needs the ar arm and one name and port per arm, got arms {', '.join(engines)}"
+        )
+    if len(set(ports.values())) != len(arms):
+        raise SpecPilotError(f"side-by-side bench needs {len(arms)} different ports, got {ports}")
     pids = pids or {}
     oracle = engines["ar"]
-    outs = {arm: results_path(names[arm]) for arm in ARMS}
+    outs = {arm: results_path(names[arm]) for arm in arms}
     for out in outs.values():
         if out.exists() and not overwrite:
             raise SpecPilotError(f"{out} exists; choose another NAME or remove it")
-    urls = {arm: f"http://{host}:{ports[arm]}" for arm in ARMS}
+    urls = {arm: f"http://{host}:{ports[arm]}" for arm in arms}
     infos = {}
-    for arm in ARMS:
+    for arm in arms:
         infos[arm] = client.server_info(urls[arm])
         served = client.served_engine_id(infos[arm])
         if served != engines[arm].id:
@@ -115,12 +120,12 @@ def bench_side_by_side(
                 f"{arm} engine {engines[arm].id[:16]}"
             )
 
-    concurrencies = {arm: int(engines[arm].config["batching"]["concurrency"]) for arm in ARMS}
+    concurrencies = {arm: int(engines[arm].config["batching"]["concurrency"]) for arm in arms}
     if len(set(concurrencies.values())) != 1:
         raise SpecPilotError(f"the arms' concurrencies differ ({concurrencies}); side by side needs one")
     concurrency = concurrencies["ar"]
     plans = {}
-    for arm in ARMS:
+    for arm in arms:
         config = engines[arm].config
         names_ = list(datasets or config.get("datasets") or BENCHMARKS)
         renderer = PromptRenderer(
@@ -131,7 +136,7 @@ def bench_side_by_side(
         plan, skipped = bench_mod.plan_requests(renderer, names_, limit, max_new_tokens, context, split)
         plans[arm] = (names_, renderer, context, plan, skipped)
     reference = plans["ar"]
-    for arm in ARMS:
+    for arm in arms:
         if plans[arm][3] != reference[3]:
             raise SpecPilotError(
                 f"the {arm} engine renders other prompts or budgets than the ar engine "
@@ -144,21 +149,21 @@ def bench_side_by_side(
         raise SpecPilotError("no prompt fits the model's context; nothing to bench")
 
     date = dt.datetime.now(dt.UTC)
-    warmups = {arm: bench_mod._warm_up(urls[arm], plan, concurrency) for arm in ARMS}
+    warmups = {arm: bench_mod._warm_up(urls[arm], plan, concurrency) for arm in arms}
     rounds = [
         (dataset, entries[i : i + concurrency])
         for dataset, entries in plan.items()
         for i in range(0, len(entries), concurrency)
     ]
-    answers: dict[str, dict[tuple[str, str], Any]] = {arm: {} for arm in ARMS}  # arm -> (dataset, item_id) -> Answer
-    walls: dict[str, dict[tuple[str, str], float]] = {arm: {} for arm in ARMS}
-    gaps: dict[str, dict[tuple[str, str], Any]] = {arm: {} for arm in ARMS}
-    client_cpu = {arm: 0.0 for arm in ARMS}
+    answers: dict[str, dict[tuple[str, str], Any]] = {arm: {} for arm in arms}  # arm -> (dataset, item_id) -> Answer
+    walls: dict[str, dict[tuple[str, str], float]] = {arm: {} for arm in arms}
+    gaps: dict[str, dict[tuple[str, str], Any]] = {arm: {} for arm in arms}
+    client_cpu = {arm: 0.0 for arm in arms}
     round_log = []
-    total = sum(len(entries) for _, entries in rounds) * len(ARMS)
-    with client.progress_bar(progress, total, label="bench ar|stock|final") as advance:
+    total = sum(len(entries) for _, entries in rounds) * len(arms)
+    with client.progress_bar(progress, total, label="bench " + "|".join(arms)) as advance:
         for index, (dataset, entries) in enumerate(rounds):
-            order = rotation(index)
+            order = rotation(index, arms)
             bodies = [bench_mod.generate_body(e["prompt_ids"], e["max_new_tokens"]) for e in entries]
             record = {
                 "round": index,
@@ -181,13 +186,13 @@ def bench_side_by_side(
                 record["process_cpu_s"][arm] = None if before is None or after is None else after - before
             round_log.append(record)
 
-    per_request_process: dict[str, dict[Any, Any]] = {arm: {} for arm in ARMS}
+    per_request_process: dict[str, dict[Any, Any]] = {arm: {} for arm in arms}
     for record in round_log:
         if len(record["items"]) == 1:
-            for arm in ARMS:
+            for arm in arms:
                 per_request_process[arm][(record["dataset"], record["items"][0])] = record["process_cpu_s"][arm]
     paths = {}
-    for arm in ARMS:
+    for arm in arms:
         engine = engines[arm]
         info = infos[arm]
         requests = []
@@ -221,7 +226,7 @@ def bench_side_by_side(
         results["side_by_side"] = {
             "schema": SCHEMA_SIDE_BY_SIDE,
             "method": __doc__.strip().split("\n\n")[1].replace("\n", " "),
-            "arms": {a: {"name": names[a], "engine_id": engines[a].id, "port": ports[a]} for a in ARMS},
+            "arms": {a: {"name": names[a], "engine_id": engines[a].id, "port": ports[a]} for a in arms},
             "round_size": concurrency,
             "rounds": round_log,
             "server_cpu_s": _sum_or_none([r["cpu_s"] for r in requests]),

@@ -137,6 +137,12 @@ def promote(
 def confirm_speedups(runs: dict[str, Path]) -> dict[str, dict[str, Any]]:
     """new/current, new/ar and current/ar tokens per second, overall, with compare's paired bootstrap CI; the runs
     are checked as compare checks them (digests recomputed from the ids, same prompts, budgets and target)."""
+    return paired_speedups(runs, (("new", "current"), ("new", "ar"), ("current", "ar")), SPLIT)
+
+
+def paired_speedups(runs: dict[str, Path], pairs, split: str) -> dict[str, dict[str, Any]]:
+    """`num/den` tokens per second for each pair of runs benched side by side on `split`, overall, with compare's
+    paired bootstrap CI (its resamples and seed); the runs are checked as compare checks them."""
     from specpilot_build.measure.compare import OVERALL, RESAMPLES, SEED, _aligned, _speedup, check_comparable
     from specpilot_build.measure.compare import check_records as check_ids
     from specpilot_build.measure.results import load_results
@@ -147,15 +153,15 @@ def confirm_speedups(runs: dict[str, Path]) -> dict[str, dict[str, Any]]:
     data = {arm: d for arm, (_, d) in loaded.items()}
     for arm, d in data.items():
         splits = sorted({str(part.get("split")) for part in d["datasets"].values()})
-        if splits != [SPLIT]:
-            raise SpecPilotError(f"{loaded[arm][0]}: benched the {', '.join(splits)} split, not {SPLIT}")
+        if splits != [split]:
+            raise SpecPilotError(f"{loaded[arm][0]}: benched the {', '.join(splits)} split, not {split}")
     concurrency = data["ar"]["concurrency"]
     datasets = sorted({r["dataset"] for r in data["ar"]["requests"]})
     aligned = {arm: _aligned(d, data["ar"]) for arm, d in data.items()}
     rng = np.random.default_rng(SEED)
     draws = {d: rng.integers(0, len(aligned["ar"][d]), size=(RESAMPLES, len(aligned["ar"][d]))) for d in datasets}
     out = {}
-    for num, den in (("new", "current"), ("new", "ar"), ("current", "ar")):
+    for num, den in pairs:
         s = _speedup(data, aligned, draws, num, den, datasets, concurrency)
         out[f"{num}/{den}"] = {"dataset": OVERALL, "n": s["n"], "speedup": s["speedup"], "ci95": s["ci95"]}
     return out

@@ -40,7 +40,8 @@ def markdown(summary: dict[str, Any], chart_name: str) -> str:
         f"# Tune study `{summary['study']}`",
         "",
         f"Objective: the lower bound of the paired-bootstrap 95% CI of final/stock tokens/s on the tune split. "
-        f"{summary['complete']} complete, {summary['failed']} failed, {summary['cache_hits']} cache hit(s). "
+        f"{summary['complete']} complete, {summary['failed']} failed, {summary['cache_hits']} cache hit(s), "
+        f"{summary.get('duplicates', 0)} repeated point(s) reused. "
         f"Study storage: `{summary['storage']}`.",
         "",
         f"![objective per trial, best so far, parameter slices]({chart_name})",
@@ -56,16 +57,25 @@ def markdown(summary: dict[str, Any], chart_name: str) -> str:
             f"{best:.3f}" if best is not None else "",
             f"{fs['speedup']:.3f}× [{fs['ci95'][0]:.3f}–{fs['ci95'][1]:.3f}]" if fs else "",
             f"{t['final_ar']:.3f}×" if t.get("final_ar") else "",
-            "complete" if t["state"] == "COMPLETE" else f"{t['state'].lower()}: {t.get('reason') or ''}",
+            ("complete" if t["state"] == "COMPLETE" else f"{t['state'].lower()}: {t.get('reason') or ''}")
+            + (f" (point of trial {t['duplicate_of']}, reused)" if t.get("duplicate_of") is not None else ""),
         ]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += leaders_section(summary)
     best = summary.get("best")
     lines.append("")
     if best is None:
         lines.append("No trial completed lossless: no winner.")
     else:
+        again = best.get("remeasured")
+        chosen_by = (
+            f"re-measured lower bound {again['final_stock']['ci95'][0]:.3f} (its trial's objective "
+            f"{best['objective']:.3f})"
+            if again
+            else f"objective {best['objective']:.3f}"
+        )
         lines.append(
-            f"Best: trial {best['number']}, objective {best['objective']:.3f}, engine `{best['engine_id']}`"
+            f"Best: trial {best['number']}, {chosen_by}, engine `{best['engine_id']}`"
             + (f", written to `{summary['winner']}`." if summary.get("winner") else ".")
         )
     confirmed = summary.get("promote")
@@ -129,3 +139,29 @@ def chart(summary: dict[str, Any], path: Path) -> Path:
     plt.close(fig)
     partial.replace(path)
     return path
+
+
+def leaders_section(summary: dict[str, Any]) -> list[str]:
+    """The leaders' re-measurement (tune/leaders.py) beside each leader's trial result; empty when none ran."""
+    record = summary.get("leaders")
+    if not record:
+        return []
+    rows = {t["number"]: t for t in summary["trials"]}
+    lines = [
+        "",
+        f"Leaders re-measured side by side with stock and ar on the {record['split']} split "
+        f"({record['seconds']:.0f} s); the winner is the highest re-measured lower bound:",
+        "",
+        "| trial | trial's final/stock [95% CI] | re-measured final/stock [95% CI] | re-measured final/ar | verify |",
+        "|---|---|---|---|---|",
+    ]
+    for number in record["leaders"]:
+        first, again = rows[number]["final_stock"], record["trials"][str(number)]
+        fs = again["final_stock"]
+        mark = " (chosen)" if number == record["chosen"] else ""
+        lines.append(
+            f"| {number}{mark} | {first['speedup']:.3f}× [{first['ci95'][0]:.3f}–{first['ci95'][1]:.3f}] | "
+            f"{fs['speedup']:.3f}× [{fs['ci95'][0]:.3f}–{fs['ci95'][1]:.3f}] | "
+            f"{again['final_ar']['speedup']:.3f}× | {again['verdict']} |"
+        )
+    return lines

@@ -1,5 +1,8 @@
 """`make tune`: the loop. Build and serve ar and stock once, then per trial ask Optuna for a candidate, run it
-(tune/trial.py), tell Optuna the objective or the failure; print a row per trial; write the winner (tune/winner.py).
+(tune/trial.py), tell Optuna the objective or the failure; print a row per trial; re-measure the best few distinct
+points side by side and choose the winner by that (tune/leaders.py); write the winner (tune/winner.py). A point
+proposed again takes its earlier trial's result. With LAUNCHER, each trial and the re-measurement is instead one
+Hydra job through that launcher, serving its own ar and stock (tune/launched.py); PROMOTE still runs here.
 
 TRIALS is the study's size: a stopped tune run again with the same command continues with the next trial until
 the study holds that many. Every server started here is stopped on the way out, Ctrl-C included."""
@@ -19,6 +22,7 @@ from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import data_dir
 from specpilot_build.measure.results import write_json
 from specpilot_build.tune import study as studies
+from specpilot_build.tune.leaders import LEADERS
 from specpilot_build.tune.space import check_space, load_space
 from specpilot_build.tune.trial import SPLIT, Slice, run_trial
 
@@ -46,13 +50,20 @@ def tune(
     enqueue: list[dict[str, Any]] | None = None,
     promote: bool = False,
     eval_limit: int | None = 2,
+    leaders: int = LEADERS,
+    launcher: str | None = None,
 ) -> dict[str, Any]:
     """`enqueue`: candidates ("section.key" -> value) a new study runs first, e.g. today's final. `promote`: confirm
-    the winner on `eval_limit` dev items per dataset against the current final (tune/promote.py)."""
+    the winner on `eval_limit` dev items per dataset against the current final (tune/promote.py). `leaders`: how
+    many distinct best points are re-measured side by side before the winner is chosen (tune/leaders.py; 0: the
+    winner is the best trial's objective). `launcher`: a Hydra launcher config; each trial then runs as one job
+    through it (tune/launched.py) on free ports of wherever it runs, and no server is started here."""
     from specpilot_build.assemble.builder import build_engine
     from specpilot_build.serve.process import serve, stop
 
     console = console or Console()
+    if leaders < 0:
+        raise SpecPilotError(f"LEADERS={leaders}: re-measure 0 (off) or more leaders")
     if trials < 1:
         raise SpecPilotError(f"TRIALS={trials}: a tune needs at least 1 trial")
     if sampler not in studies.SAMPLERS:
@@ -63,7 +74,13 @@ def tune(
         raise SpecPilotError("PROMOTE=1 confirms the winner file the tune writes; it cannot run without it")
     if promote and eval_limit is not None and eval_limit < 1:
         raise SpecPilotError(f"EVAL_LIMIT={eval_limit}: the confirmation needs at least 1 dev prompt per dataset")
+    if launcher:
+        from specpilot_build.tune.launched import check_launcher
+
+        check_launcher(launcher)
     space = load_space(space_name)
+    if not launcher:
+        _check_gpu(setting)
     mechanisms = check_space(space, setting)
     slice_ = Slice(limit=limit, max_new_tokens=max_new_tokens, datasets=datasets)
     name = study_name or f"{setting}-{space_name}"
@@ -95,20 +112,22 @@ def tune(
         f"space {space.shown}, sampler {sampler}, seed {seed}, tune split limit {limit}"
     )
     ports = {"ar": port, "stock": port + 1, "final": port + 2}
-    baseline = {arm: build_engine(setting, arm).engine for arm in ("ar", "stock")}
+    baseline = {} if launcher else {arm: build_engine(setting, arm).engine for arm in ("ar", "stock")}
     table = _table()
     started = time.perf_counter()
     pids: dict[str, int] = {}
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the servers and the trial as Ctrl-C does
     try:
-        for arm, engine in baseline.items():
-            pids[arm] = serve(engine.id, ports[arm], quiet=True)["pid"]
-        distributions = space.distributions()
+        if launcher:
+            console.print(f"trials run as Hydra jobs through LAUNCHER={launcher}, each serving on its own free ports")
+            runner = _launched_runner(launcher, setting, mechanisms, slice_, name, timeout_s)
+            remeasurer = _launched_remeasurer(launcher, setting, slice_, name)
+        else:
+            for arm, engine in baseline.items():
+                pids[arm] = serve(engine.id, ports[arm], quiet=True)["pid"]
 
-        def objective(trial) -> float:
-            values = {key: _suggest(trial, key, dist) for key, dist in distributions.items()}
-            try:
-                outcome = run_trial(
+            def runner(number: int, values: dict[str, Any]):
+                return run_trial(
                     setting=setting,
                     mechanisms=mechanisms,
                     values=values,
@@ -116,9 +135,32 @@ def tune(
                     ports=ports,
                     pids=pids,
                     slice_=slice_,
-                    run_prefix=f"tune_{name}_t{trial.number}",
+                    run_prefix=f"tune_{name}_t{number}",
                     timeout_s=timeout_s,
                 )
+
+            def remeasurer(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+                from specpilot_build.tune.leaders import remeasure
+
+                return remeasure(
+                    setting=setting,
+                    leaders=chosen,
+                    baseline=baseline,
+                    ports={arm: ports[arm] for arm in ("ar", "stock")},
+                    pids=dict(pids),
+                    slice_=slice_,
+                    prefix=f"tune_{name}_leaders",
+                )
+
+        distributions = space.distributions()
+
+        def objective(trial) -> float:
+            values = {key: _suggest(trial, key, dist) for key, dist in distributions.items()}
+            same = studies.same_point(study, values, trial.number)
+            if same is not None:
+                return _reuse(trial, same, values, table, console)
+            try:
+                outcome = runner(trial.number, values)
             except KeyboardInterrupt:
                 trial.set_user_attr("reason", studies.INTERRUPTED)
                 raise  # Optuna records the trial failed and re-raises
@@ -135,6 +177,8 @@ def tune(
         if remaining > 0:
             # optimize, not ask/tell: the grid sampler stops the study from inside the loop when it is exhausted
             study.optimize(objective, n_trials=remaining, catch=(TrialFailed,))
+        if leaders:
+            _remeasure_leaders(study, leaders, remeasurer, name, console)
     finally:
         signal.signal(signal.SIGTERM, previous)
         for arm in pids:
@@ -145,7 +189,9 @@ def tune(
     if write_winner and summary["best"] is not None:
         from specpilot_build.tune.winner import write_winner as write
 
-        summary["winner"] = str(write(setting, study, summary["best"]["number"], mechanisms))
+        summary["winner"] = str(
+            write(setting, study, summary["best"]["number"], mechanisms, summary["best"].get("remeasured"))
+        )
     from specpilot_build.tune.report import write_report
 
     out = data_dir() / "tune" / f"{name}.summary.json"
@@ -163,6 +209,22 @@ def tune(
     elif promote:
         console.print("PROMOTE: no trial completed lossless; nothing to confirm, conf/ unchanged")
     return summary
+
+
+def _check_gpu(setting: str) -> None:
+    """A setting served on a GPU (SGLang's, or the reference runtime's CUDA path) is tuned where that GPU is: here,
+    or through LAUNCHER= on nodes that have it. Refused before the study or any server is started."""
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.serve.process import check_hardware
+
+    try:
+        check_hardware(compose_setting(setting, "final").config, 0, False)
+    except SpecPilotError as exc:
+        why = str(exc).split("; pass --ignore-hardware")[0]
+        raise SpecPilotError(
+            f"make tune SETTING={setting}: {why}; tune it on such a machine, or give LAUNCHER= (e.g. submitit_slurm) "
+            "to run its trials there"
+        ) from None
 
 
 def _interrupt(signum, frame) -> None:
@@ -193,19 +255,140 @@ def summarize(study, name: str) -> dict[str, Any]:
                 "final_stock": t.user_attrs.get("final_stock"),
                 "final_ar": t.user_attrs.get("final_ar"),
                 "reason": t.user_attrs.get("reason"),
+                "overrides": t.user_attrs.get("overrides"),
+                "duplicate_of": t.user_attrs.get("duplicate_of"),
             }
         )
     complete = [r for r in rows if r["state"] == "COMPLETE"]
-    best = max(complete, key=lambda r: r["objective"]) if complete else None
+    by_trial = max(complete, key=lambda r: (r["objective"], -r["number"])) if complete else None
+    best = by_trial
+    record = current_leaders(study, rows)
+    if record is not None:
+        chosen = record["chosen"]
+        best = None if chosen is None else {**rows[chosen], "remeasured": record["trials"][str(chosen)]}
     return {
         "study": name,
         "storage": str(studies.storage_path()),
         "trials": rows,
         "complete": len(complete),
         "failed": sum(r["state"] == "FAIL" for r in rows),
-        "cache_hits": sum(bool(r["cache_hit"]) for r in rows),
+        "cache_hits": sum(bool(r["cache_hit"]) and r["duplicate_of"] is None for r in rows),
+        "duplicates": sum(r["duplicate_of"] is not None for r in rows),
+        "best_by_trial": by_trial,
+        "leaders": record,
         "best": best,
     }
+
+
+def current_leaders(study, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The study's leaders re-measurement when it re-measured today's leaders (none since a resume added a
+    better point), else None."""
+    from specpilot_build.tune.leaders import SCHEMA, pick
+
+    record = study.user_attrs.get("leaders")
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        return None
+    picked = [r["number"] for r in pick(rows, len(record["leaders"]))]
+    return record if picked == record["leaders"] else None
+
+
+def _remeasure_leaders(study, k: int, remeasurer, name: str, console: Console) -> None:
+    """Re-bench the study's `k` best distinct points side by side (tune/leaders.py), unless the study already
+    holds that re-measurement; the record becomes the study's user attribute `leaders`."""
+    from specpilot_build.tune.leaders import pick
+
+    rows = summarize(study, name)["trials"]
+    chosen = pick(rows, k)
+    if not chosen or current_leaders(study, rows) is not None:
+        return
+    shown = ", ".join(str(r["number"]) for r in chosen)
+    console.print(f"re-measuring the leaders (trials {shown}) side by side with stock and ar on the tune split")
+    record = remeasurer(chosen)
+    study.set_user_attr("leaders", record)
+    console.print(_leaders_table(record, rows))
+
+
+def _launched_runner(launcher: str, setting: str, mechanisms: list[str], slice_: Slice, name: str, timeout_s: float):
+    """A trial as one Hydra job through `launcher` (tune/launched.py): its checked result as the trial's Outcome."""
+    from specpilot_build.tune import launched
+    from specpilot_build.tune.space import candidate_overrides
+    from specpilot_build.tune.trial import Outcome
+
+    def runner(number: int, values: dict[str, Any]) -> Outcome:
+        spec = {
+            "schema": launched.SPEC,
+            "kind": "trial",
+            "study": name,
+            "trial": number,
+            "setting": setting,
+            "mechanisms": mechanisms,
+            "values": values,
+            "overrides": candidate_overrides(mechanisms, values),
+            "slice": {"limit": slice_.limit, "max_new_tokens": slice_.max_new_tokens, "datasets": slice_.datasets},
+            "run_prefix": f"tune_{name}_t{number}",
+            "timeout_s": timeout_s,
+        }
+        (result,) = launched.launch(launcher, launched.batch_dir(name, f"t{number}"), [spec])
+        return Outcome(ok=result["ok"], attrs=result["attrs"], objective=result["objective"])
+
+    return runner
+
+
+def _launched_remeasurer(launcher: str, setting: str, slice_: Slice, name: str):
+    """The leaders' re-measurement as one Hydra job through `launcher`; its record checked (tune/launched.py)."""
+    from specpilot_build.tune import launched
+    from specpilot_build.tune.leaders import choose
+
+    def remeasurer(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        spec = {
+            "schema": launched.SPEC,
+            "kind": "leaders",
+            "study": name,
+            "setting": setting,
+            "leaders": chosen,
+            "slice": {"limit": slice_.limit, "max_new_tokens": slice_.max_new_tokens, "datasets": slice_.datasets},
+            "run_prefix": f"tune_{name}_leaders",
+        }
+        (result,) = launched.launch(launcher, launched.batch_dir(name, "leaders"), [spec])
+        if not result["ok"]:
+            raise SpecPilotError(f"re-measuring the leaders failed: {result['attrs']['reason']}")
+        record = result["attrs"]["record"]
+        if record.get("leaders") != [r["number"] for r in chosen] or record.get("chosen") != choose(record):
+            raise SpecPilotError("the leaders' job measured other trials than asked, or chose unlike its numbers")
+        return record
+
+    return remeasurer
+
+
+def _leaders_table(record: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="leaders re-measured side by side (tune split): the winner is the highest lower bound")
+    for column in ("trial", "params", "trial's final/stock", "re-measured final/stock [95% CI]", "final/ar", "verify"):
+        table.add_column(column)
+    for number in record["leaders"]:
+        again = record["trials"][str(number)]
+        fs, first = again["final_stock"], rows[number]["final_stock"]
+        mark = " ← chosen" if number == record["chosen"] else ""
+        table.add_row(
+            f"{number}{mark}",
+            _params(rows[number]["params"]),
+            f"{first['speedup']:.3f}× [{first['ci95'][0]:.3f}–{first['ci95'][1]:.3f}]",
+            f"{fs['speedup']:.3f}× [{fs['ci95'][0]:.3f}–{fs['ci95'][1]:.3f}]",
+            f"{again['final_ar']['speedup']:.3f}×",
+            again["verdict"],
+        )
+    return table
+
+
+def _reuse(trial, same, values: dict, table: Table, console: Console) -> float:
+    """Record trial `same`'s result on `trial` (the same point proposed again) without benching it again."""
+    attrs = {**same.user_attrs, "duplicate_of": same.number, "seconds": 0.0}
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
+    _add_row(table, trial.number, values, attrs)
+    console.print(_row_line(trial.number, values, attrs))
+    if same.state.name != "COMPLETE":
+        raise TrialFailed(attrs.get("reason") or "failed")
+    return float(same.value)
 
 
 def _table() -> Table:
@@ -234,6 +417,8 @@ def _row_line(number: int, values: dict, attrs: dict) -> str:
     result = f"final/stock {fs['speedup']:.3f}× [{fs['ci95'][0]:.3f}–{fs['ci95'][1]:.3f}]" if fs else ""
     state = f"FAILED: {attrs['reason']}" if attrs.get("reason") else "complete"
     cached = ", cache hit" if attrs.get("cache_hit") else ""
+    if attrs.get("duplicate_of") is not None:
+        cached = f", the point of trial {attrs['duplicate_of']}: its result reused, not benched again"
     return f"trial {number}: {_params(values)} → {result} ({state}{cached}, {attrs.get('seconds', 0):.0f} s)"
 
 
@@ -245,14 +430,23 @@ def _print_summary(summary: dict, console: Console) -> None:
     best = summary["best"]
     console.print(
         f"study {summary['study']}: {summary['complete']} complete, {summary['failed']} failed, "
-        f"{summary['cache_hits']} cache hit(s); {summary['seconds']:.0f} s; summary {summary['json']}"
+        f"{summary['cache_hits']} cache hit(s), {summary['duplicates']} repeated point(s) reused; "
+        f"{summary['seconds']:.0f} s; summary {summary['json']}"
     )
     console.print(f"report {summary['report']['markdown']} (chart {summary['report']['chart']})")
     if best is None:
-        console.print("no trial completed lossless; nothing written")
+        leaders = summary.get("leaders")
+        why = "no leader's re-run was lossless" if leaders else "no trial completed lossless"
+        console.print(f"{why}; nothing written")
         return
+    again = best.get("remeasured")
+    chosen_by = (
+        f"re-measured lower bound {again['final_stock']['ci95'][0]:.3f}× (final/stock "
+        f"{again['final_stock']['speedup']:.3f}×; its trial {best['objective']:.3f}×)"
+        if again
+        else f"lower bound {best['objective']:.3f}× (final/stock {best['final_stock']['speedup']:.3f}×)"
+    )
     console.print(
-        f"best: trial {best['number']} {_params(best['params'])}: lower bound {best['objective']:.3f}× "
-        f"(final/stock {best['final_stock']['speedup']:.3f}×), engine {best['engine_id'][:16]}"
+        f"best: trial {best['number']} {_params(best['params'])}: {chosen_by}, engine {best['engine_id'][:16]}"
         + (f" → {summary['winner']}" if summary.get("winner") else "")
     )

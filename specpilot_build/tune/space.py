@@ -191,7 +191,8 @@ def check_space(space: Space, setting: str) -> list[str]:
     for key, values in grid.items():
         for value in values:
             try:
-                compose_setting(setting, "final", candidate_overrides(mechanisms, {key: value}))
+                composed = compose_setting(setting, "final", candidate_overrides(mechanisms, {key: value}))
+                check_sglang_flags(composed)
             except ConfigError as exc:
                 raise ConfigError(
                     f"{space.shown}: params.{key} = {value!r} is refused for setting {setting}: {_without_override(exc)}"
@@ -199,8 +200,34 @@ def check_space(space: Space, setting: str) -> list[str]:
     return mechanisms
 
 
+def check_sglang_flags(composed) -> None:
+    """On an SGLang setting, the candidate's launch flags and values against the pinned SGLang's own flag table
+    (assemble/sglang_flags.py), the one its build would check them against. The table is the one a build of the
+    same wheel and overlays cached; where none did yet, the candidate is built (content-addressed: the tune's
+    first trial of it is then a cache hit), which reads and caches the table and refuses a bad flag itself."""
+    from specpilot_build.assemble.builder import build_composed
+    from specpilot_build.assemble.inputs import resolve_inputs
+    from specpilot_build.assemble.launch import flag_origins, sglang_flags
+    from specpilot_build.assemble.sglang_flags import cached_flag_table, check_launch_args
+    from specpilot_build.pins.lockfile import WheelPin, load_lock
+
+    inputs = resolve_inputs(composed, load_lock())
+    if not isinstance(inputs.runtime, WheelPin):
+        return
+    flag_check = inputs.config["runtime"].get("flag_check")
+    table = cached_flag_table(inputs.runtime.sha256, list(inputs.overlays), flag_check)
+    if table is None:
+        build_composed(composed)
+        table = cached_flag_table(inputs.runtime.sha256, list(inputs.overlays), flag_check)
+    if table is None:
+        raise ConfigError(f"no flag table of SGLang {inputs.runtime.version} was cached by the build; cannot check")
+    origins = flag_origins(inputs.config, composed.config.get("final"))
+    check_launch_args(sglang_flags(inputs.config), table, origins, inputs.runtime.version)
+
+
 def _without_override(exc: ConfigError) -> str:
     """The schema's message without the generated override it names (the space file and key say where)."""
     text = re.sub(r" \(override [^()]*\)", "", str(exc))
     text = re.sub(r"Error merging override \S+; ", "", text)
+    text = re.sub(rf" \(set by mechanism '{MECHANISM}' \(final\.mechanisms\.{MECHANISM}\.launch_args\)\)", "", text)
     return text.removeprefix("config: ")

@@ -84,3 +84,12 @@ def counted(study) -> list:
         for t in study.get_trials(deepcopy=False)
         if t.state.is_finished() and t.user_attrs.get("reason") != INTERRUPTED
     ]
+
+
+def same_point(study, values: dict[str, Any], number: int):
+    """The first counted trial before `number` that ran exactly `values`, or None: a sampler that proposes a point
+    again gets that trial's recorded result, not a second bench."""
+    for trial in counted(study):
+        if trial.number < number and trial.params == values:
+            return trial
+    return None

@@ -30,7 +30,7 @@ def winner_overrides(setting: str, mechanisms: list[str]) -> list[str]:
     return [*drop, f"+mechanism@final.mechanisms.{MECHANISM}={FOLDER}/{setting}"]
 
 
-def mechanism_text(setting: str, study, number: int) -> str:
+def mechanism_text(setting: str, study, number: int, remeasured: dict | None = None) -> str:
     trial = study.trials[number]
     attrs = trial.user_attrs
     nested = nest(dict(trial.params))
@@ -45,15 +45,24 @@ def mechanism_text(setting: str, study, number: int) -> str:
     ]
     header += [f"# results {arm}: {digest}" for arm, digest in sorted(attrs["results_digests"].items())]
     header.append(f"# verify statement: {attrs['verify_digest']} ({attrs['verdict']})")
+    record = study.user_attrs.get("leaders")
+    if remeasured is not None and record:
+        again = remeasured["final_stock"]
+        header.append(
+            f"# chosen among the re-measured leaders (trials {', '.join(map(str, record['leaders']))}, side by side"
+            f" on the tune split): lower bound {again['ci95'][0]:.4f} (point {again['speedup']:.4f}, n {again['n']})"
+        )
+        header += [f"# re-measured results {s}: {d}" for s, d in sorted(record["results_digests"].items())]
+        header.append(f"# re-measured verify statement: {remeasured['verify_digest']} ({remeasured['verdict']})")
     return "\n".join(header) + "\n" + yaml.safe_dump(nested, sort_keys=False)
 
 
-def write_winner(setting: str, study, number: int, mechanisms: list[str]) -> Path:
+def write_winner(setting: str, study, number: int, mechanisms: list[str], remeasured: dict | None = None) -> Path:
     from specpilot_build.assemble.builder import build_composed
     from specpilot_build.config.compose import compose_setting
 
     path = winner_path(setting)
-    text = mechanism_text(setting, study, number)
+    text = mechanism_text(setting, study, number, remeasured)
     expected = study.trials[number].user_attrs["engine_id"]
     previous = path.read_bytes() if path.exists() else None
     path.parent.mkdir(parents=True, exist_ok=True)
