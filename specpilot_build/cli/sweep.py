@@ -5,7 +5,6 @@ build.json into its job directory; the summary callback reads those files when t
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import sys
@@ -19,6 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from specpilot_build.config.compose import compose_setting
+from specpilot_build.config.launchers import check_launcher
 from specpilot_build.config.schema import register
 from specpilot_build.errors import SpecPilotError, debug_enabled
 from specpilot_build.locations import conf_dir, data_dir
@@ -93,7 +93,7 @@ def run_sweep(settings: str, arms: str, launcher: str | None = None, overrides: 
         *overrides,
     ]
     if launcher:
-        _check_launcher(launcher)
+        check_launcher(launcher, plugins=False)
         hydra_args.append(f"hydra/launcher={launcher}")
     for job in _jobs(settings, arms, overrides):  # compose every job first: a typo is one line, before any job
         compose_setting(*job)
@@ -130,37 +130,3 @@ def _jobs(settings: str, arms: str, overrides: Sequence[str]) -> list[tuple[str,
     return [
         (s, a, list(combo)) for s in settings.split(",") for a in arms.split(",") for combo in itertools.product(*axes)
     ]
-
-
-LAUNCHER_EXTRAS = {"slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm")}
-
-
-def _check_launcher(launcher: str) -> None:
-    known = sorted(p.stem for p in (conf_dir() / "hydra" / "launcher").glob("*.yaml"))
-    if launcher not in known:
-        raise SpecPilotError(f"unknown launcher '{launcher}'; choose one of {', '.join(known)}")
-    module, extra = LAUNCHER_EXTRAS.get(launcher, (None, None))
-    if module is None:
-        return
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        raise SpecPilotError(f"LAUNCHER={launcher} needs the '{extra}' extra: .venv/bin/pip install -e '.[{extra}]'")
-    check_slurm(launcher)
-
-
-SLURM_LAUNCHERS = ("slurm", "submitit_slurm")
-
-
-def check_slurm(launcher: str) -> None:
-    """A Slurm launcher submits with srun/sbatch: off a cluster, say so in one line (submitit's own error is a
-    traceback from inside the multirun)."""
-    import shutil
-
-    if launcher in SLURM_LAUNCHERS and shutil.which("srun") is None:
-        raise SpecPilotError(
-            f"LAUNCHER={launcher} submits jobs to a Slurm cluster, but srun is not on PATH here; run it on the "
-            "cluster (its login node), or choose LAUNCHER=submitit_local or local to run the jobs on this machine"
-        )

@@ -25,37 +25,6 @@ from specpilot_build.locations import conf_dir, data_dir
 SPEC = "specpilot.tune_job/1"
 RESULT = "specpilot.tune_job_result/1"
 KINDS = ("trial", "leaders")
-# Launchers Hydra's plugins register under hydra/launcher (beside conf/hydra/launcher/*.yaml) and the module each
-# needs: `pip install -e '.[slurm]'` brings submitit's.
-PLUGIN_LAUNCHERS = {
-    "basic": None,
-    "joblib": "hydra_plugins.hydra_joblib_launcher",
-    "submitit_local": "hydra_plugins.hydra_submitit_launcher",
-    "submitit_slurm": "hydra_plugins.hydra_submitit_launcher",
-}
-
-
-def check_launcher(name: str) -> None:
-    """A launcher config that exists and whose plugin is installed; else one line naming what to do."""
-    import importlib.util
-
-    from specpilot_build.cli.sweep import LAUNCHER_EXTRAS, check_slurm
-
-    files = sorted(p.stem for p in (conf_dir() / "hydra" / "launcher").glob("*.yaml"))
-    known = sorted({*files, *PLUGIN_LAUNCHERS})
-    if name not in known:
-        raise SpecPilotError(f"LAUNCHER={name}: no such Hydra launcher config; choose one of {', '.join(known)}")
-    module = PLUGIN_LAUNCHERS.get(name) or LAUNCHER_EXTRAS.get(name, (None, None))[0]
-    if module is not None:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            raise SpecPilotError(
-                f"LAUNCHER={name} needs the 'slurm' extra (submitit): .venv/bin/pip install -e '.[slurm]'"
-            )
-    check_slurm(name)
 
 
 def digest(data: Any) -> str:

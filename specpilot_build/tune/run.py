@@ -75,7 +75,7 @@ def tune(
     if promote and eval_limit is not None and eval_limit < 1:
         raise SpecPilotError(f"EVAL_LIMIT={eval_limit}: the confirmation needs at least 1 dev prompt per dataset")
     if launcher:
-        from specpilot_build.tune.launched import check_launcher
+        from specpilot_build.config.launchers import check_launcher
 
         check_launcher(launcher)
     space = load_space(space_name)
