@@ -28,7 +28,8 @@ import torch
 
 log = logging.getLogger("specpilot_runtime")
 SOURCE = Path(__file__).with_name("rowgemm.c")
-TILE = 32  # columns per packed tile (rowgemm.c's TILE)
+TILE = 32  # columns per tile, the unit threads split (rowgemm.c's TILE)
+PANEL = 16  # columns per packed panel, two to a tile (rowgemm.c's PANEL)
 FLAGS = ["-O2", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None
@@ -92,14 +93,15 @@ def _load() -> ctypes.CDLL:
 
 
 class Packed:
-    """A float32 weight [in, out] in rowgemm's layout: tiles of TILE columns, [ceil(out / TILE), in, TILE]."""
+    """A float32 weight [in, out] in rowgemm's layout: panels of PANEL columns, zero-padded to whole tiles,
+    [2 * ceil(out / TILE), in, PANEL]."""
 
     def __init__(self, weight: torch.Tensor):
         k, n = weight.shape
-        tiles = -(-n // TILE)
-        padded = torch.zeros(k, tiles * TILE, dtype=torch.float32)
+        panels = -(-n // TILE) * (TILE // PANEL)
+        padded = torch.zeros(k, panels * PANEL, dtype=torch.float32)
         padded[:, :n] = weight
-        self.data = padded.view(k, tiles, TILE).transpose(0, 1).contiguous()
+        self.data = padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
         self.shape = (k, n)
 
     def unpacked(self) -> torch.Tensor:
@@ -118,7 +120,7 @@ def mm(x: torch.Tensor, weight: Packed) -> torch.Tensor:
     rows = x.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
     w = weight.data
-    _library.rowgemm(x.data_ptr(), rows, k, w.data_ptr(), TILE, k * TILE, n, out.data_ptr(), 1, 0, 0, 0)
+    _library.rowgemm(x.data_ptr(), rows, k, w.data_ptr(), PANEL, k * PANEL, n, out.data_ptr(), 1, 0, 0, 0)
     return out
 
 
@@ -137,6 +139,6 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     batch = x3.shape[0]
     out = torch.empty(batch, m, n, dtype=torch.float32)
     _library.rowgemm(
-        x3.data_ptr(), m, k, w3.data_ptr(), w3.stride(1), TILE, n, out.data_ptr(), batch, m * k, w3.stride(0), m * n
+        x3.data_ptr(), m, k, w3.data_ptr(), w3.stride(1), PANEL, n, out.data_ptr(), batch, m * k, w3.stride(0), m * n
     )
     return out.view(*x.shape[:-1], n)
