@@ -68,10 +68,15 @@ def _load() -> ctypes.CDLL:
         raise _Unavailable("SPECPILOT_ROWGEMM=0")
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
         raise _Unavailable("needs an x86-64 CPU with AVX2 and FMA")
+    return build(SOURCE)
+
+
+def build(path: Path) -> ctypes.CDLL:
+    """The library compiled from `path` (rowgemm.c, or an older revision of it that a benchmark compares)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise _Unavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-    source = SOURCE.read_bytes()
+    source = path.read_bytes()
     digest = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specpilot_runtime"
     target = cache / f"rowgemm-{digest}.so"
@@ -80,10 +85,10 @@ def _load() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / target.name
             run = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=False
+                [compiler, *FLAGS, str(path), "-o", str(built)], capture_output=True, text=True, check=False
             )
             if run.returncode != 0:
-                raise _Unavailable(f"{compiler} failed on {SOURCE}: {run.stderr.strip().splitlines()[-1:]}")
+                raise _Unavailable(f"{compiler} failed on {path}: {run.stderr.strip().splitlines()[-1:]}")
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.rowgemm.restype = None
