@@ -10,8 +10,8 @@ of M rows (median of `--repeats`, process CPU time, which a shared machine disto
 GFLOP/s, and whether each row of it equals, bit for bit, the same row in a 64-row product (the batch invariance the
 runtime needs; `≠` where it differs). Then one step's products summed (layers x per-layer products + lm_head), in
 ms, GFLOP/s, and as a multiple of the same kernel's 1-row step: what a verify of M rows costs in decode steps.
-`--against REV` builds runtimes/reference/specpilot_runtime/rowgemm.c as it was at REV (one with 32-column tiles,
-before 16-column panels) and times it in the same run, arm after arm per shape. The FMA peak of one core (a loop
+`--against REV` builds runtimes/reference/specpilot_runtime/rowgemm.c as it was at REV and times it in the same
+run, the arms taking turns per shape and row count. The FMA peak of one core (a loop
 of independent AVX2 FMAs, compiled here) is printed for scale. Weights are random (scaled as trained ones): the
 timings and the invariance depend on shapes, not values.
 """
@@ -92,7 +92,7 @@ def _timed(fn) -> float:
 
 
 def older_rowgemm(rev: str):
-    """rowgemm.c at `rev`, built, with its 32-column tiles: (pack, mm) for that layout."""
+    """rowgemm.c at `rev`, built: (pack, mm) for its layout (16-column panels, or 32-column tiles before them)."""
     source = subprocess.run(
         ["git", "show", f"{rev}:runtimes/reference/specpilot_runtime/rowgemm.c"],
         cwd=REPO,
@@ -103,7 +103,7 @@ def older_rowgemm(rev: str):
         path = Path(tmp) / "rowgemm.c"
         path.write_bytes(source)
         library = rowgemm.build(path)
-    width = 32
+    width = 16 if b"#define PANEL 16" in source else 32
 
     def pack(w: torch.Tensor) -> torch.Tensor:
         k, n = w.shape

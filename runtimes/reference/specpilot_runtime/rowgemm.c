@@ -8,10 +8,9 @@
  *
  * W is packed in panels of 16 columns, [2 * ceil(N / 32), K, 16] (rowgemm.py packs it), two panels to a tile. From
  * a few rows on (a verify step, a prefill) a product is compute-bound, so each microkernel keeps 8-12 accumulators
- * in ymm registers, enough independent FMA chains to keep both FMA pipes busy: up to 3 rows read both panels of a
- * tile in one pass (3 x 32 outputs: 4 weight loads, 3 broadcasts per 12 FMAs); more rows go panel by panel in
- * blocks of up to 6 rows (6 x 16 outputs: 2 weight loads, 6 broadcasts), so a panel comes from memory once and
- * from cache for the other blocks.
+ * in ymm registers, enough independent FMA chains to keep both FMA pipes busy: 3 x 32 outputs (4 weight loads and
+ * 3 broadcasts per 12 FMAs) or 6 x 16 (2 weight loads, 6 broadcasts), and the smaller blocks a row count leaves
+ * (see `tile`). Measured in benchmarks/reference_runtime.md: ~100 of the 117 GFLOP/s an EPYC core's FMAs give.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -66,7 +65,7 @@ static inline __attribute__((always_inline)) void block(const float *x, long ldx
     }
 }
 
-/* Rows [0, rows) (rows <= 6) of one 16-column panel (cols <= 16 of them real). */
+/* Rows [0, rows) (rows <= 6; tile() gives 4-6) of one 16-column panel (cols <= 16 of them real). */
 static void panel_rows(const float *x, long K, const float *w, long ldw, float *out, long N, long cols, long rows) {
     switch (rows) {
     case 1: block(x, K, w, w, K, ldw, out, N, cols, 1, 2); return;
@@ -78,24 +77,25 @@ static void panel_rows(const float *x, long K, const float *w, long ldw, float *
     }
 }
 
-/* All M rows of one 32-column tile (panels w0 and w1, cols <= 32 of them real). Up to 3 rows: one pass over both
- * panels together. More: panel by panel, in blocks of up to 6 rows, so a panel is read from memory once and from
- * cache by the other blocks. */
+/* All M rows of one 32-column tile (panels w0 and w1, cols <= 32 of them real). Blocks of up to 3 rows read both
+ * panels in one pass; blocks of 4-6 rows go panel by panel, so a panel comes from memory once and from cache for
+ * the other blocks. Any M but 1-3 and 7 splits into blocks of 4-6 (as even as may be: 13 = 4 + 4 + 5); 7 = 3 + 4.
+ * Every block keeps 8-12 accumulators, but a lone row's 4. */
 static void tile(const float *x, long M, long K, const float *w0, const float *w1, long ldw, float *out, long N,
                  long cols) {
-    switch (M) {
-    case 1: block(x, K, w0, w1, K, ldw, out, N, cols, 1, 4); return;
-    case 2: block(x, K, w0, w1, K, ldw, out, N, cols, 2, 4); return;
-    case 3: block(x, K, w0, w1, K, ldw, out, N, cols, 3, 4); return;
+    long wide = M <= 3 ? M : M == 7 ? 3 : 0;
+    switch (wide) {
+    case 1: block(x, K, w0, w1, K, ldw, out, N, cols, 1, 4); break;
+    case 2: block(x, K, w0, w1, K, ldw, out, N, cols, 2, 4); break;
+    case 3: block(x, K, w0, w1, K, ldw, out, N, cols, 3, 4); break;
     }
     long lo = cols < PANEL ? cols : PANEL;
     for (int half = 0; half < 2; half++) {
         long c = half ? cols - lo : lo;
         if (c <= 0) break;
-        for (long m = 0, rows; m < M; m += rows) {
-            /* blocks of 6; a remainder of 7-11 rows in two blocks of 3-6, so none is left with few FMA chains */
+        for (long m = wide, rows; m < M; m += rows) {
             long left = M - m;
-            rows = left <= MAX_ROWS ? left : left < 2 * MAX_ROWS ? left / 2 : MAX_ROWS;
+            rows = left / ((left + MAX_ROWS - 1) / MAX_ROWS);
             panel_rows(x + m * K, K, half ? w1 : w0, ldw, out + m * N + half * PANEL, N, c, rows);
         }
     }
