@@ -1,12 +1,12 @@
 """Benchmark: the reference runtime's arms against transformers' own generate, on CPU, in one run.
 
     python benchmarks/reference_runtime.py [--rounds 3] [--max-new-tokens 300] [--threads 1] [--sweep] [--c16]
-        [--model DIR] [--prompts N] [--mkl]
+        [--model DIR] [--prompts N] [--mkl] [--ks 4,6,16]
 
 `--model`: another converted Llama directory (default: stories260K from the mirror), e.g. SmolLM2-135M-Instruct
 as `make models SETTING=cpu_c1_smollm2-135m_ngram` prints it; `--prompts N`: the first N openings only; `--mkl`
 adds the arm `ar mkl`: ar on MKL's products padded to MIN_ROWS rows instead of rowgemm's (the runtime before
-rowgemm, and what it falls back to where rowgemm cannot be built).
+rowgemm, and what it falls back to where rowgemm cannot be built); `--ks`: final's mechanism at other draft lengths k.
 
 For each round, every arm decodes the same story openings one request after another (the c1 setting):
 `ar` (no drafter), `stock` (per-request prompt lookup, the setting's default n/k), `final` (the n-gram cache
@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=MODEL_DIR, help="a converted Llama directory")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N openings")
     parser.add_argument("--mkl", action="store_true", help="also `ar mkl`: MKL's products with padded rows")
+    parser.add_argument("--ks", default="", help="also final (shared cache, n=8) at these k, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -170,6 +171,9 @@ def main() -> None:
     }
     if args.mkl:
         arms["ar mkl"] = lambda: engine_arm(hf, tokenizer, DrafterConfig(), {}, use_rowgemm=False)
+    for k in (int(k) for k in args.ks.split(",") if k):
+        cfg = DrafterConfig("ngram", num_draft_tokens=k, ngram_max_n=FINAL.ngram_max_n, ngram_min_n=1)
+        arms[f"final k={k}"] = lambda cfg=cfg: engine_arm(hf, tokenizer, cfg, {"shared_ngram_cache": True})
     if args.sweep:
         for k in (6, 8, 10, 12, 16):
             for n in (4, 8, 16):
