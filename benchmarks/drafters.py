@@ -2,13 +2,16 @@
 
     python benchmarks/drafters.py --setting cpu_c1_stories260k_standalone \
         --drafters stories260k-standalone,stories260k-truncated [--limit 2] [--max-new-tokens 96] [--k 4] [--threads 1]
+        [--ngram-ks 4,6,10]
 
 The target is the setting's model (fetched and proven); each drafter is the one lockfiles/drafters.toml pins,
 re-hashed in the store. Arms, one reference-runtime engine each, take turns prompt by prompt (machine noise hits
 them alike): `ar` (no drafter), `stock` (per-request prompt lookup with conf/drafter/ngram.yaml's defaults: n 1..3,
-k 4), and each drafter with k proposals per step. Prompts: the first `--limit` dev items of every dataset, rendered
-as bench renders them. Reported per arm: tokens/s (wall), tokens per CPU-second of this process, the mean
-acceptance length (tokens per target forward) and whether every output equals ar's token for token."""
+k 4), each drafter with k proposals per step, and with `--ngram-ks` the n-gram final's drafter (one n-gram cache
+shared by all requests, n 1..8, as conf/mechanism/shared-ngram-cache.yaml) at each k given. Prompts: the first
+`--limit` dev items of every dataset, rendered as bench renders them. Reported per arm: tokens/s (wall), tokens
+per CPU-second of this process, the mean acceptance length (tokens per target forward) and whether every output
+equals ar's token for token."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from specpilot_build.draft.target import setting_target
 from specpilot_build.measure.datasets import BENCHMARKS, load_split
 from specpilot_build.measure.prompts import PromptRenderer
 from specpilot_build.models.drafters import locked_drafter
-from specpilot_runtime.drafters import DraftModelDrafter, NoDrafter, PromptLookup
+from specpilot_runtime.drafters import DraftModelDrafter, NoDrafter, PromptLookup, SharedNgramCache
 from specpilot_runtime.engine import Engine
 from specpilot_runtime.model import LeanLlama, load_hf_model
 from specpilot_runtime.runtime import _draft_vocab, _eos_ids
@@ -34,7 +37,12 @@ from specpilot_runtime.runtime import _draft_vocab, _eos_ids
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--setting", required=True)
-    parser.add_argument("--drafters", required=True, help="lock keys in lockfiles/drafters.toml, comma-separated")
+    parser.add_argument("--drafters", default="", help="lock keys in lockfiles/drafters.toml, comma-separated")
+    parser.add_argument(
+        "--ngram-ks",
+        default="",
+        help="also the n-gram final's drafter (shared cache, n 1..8) at these k, comma-separated",
+    )
     parser.add_argument("--limit", type=int, default=2, help="dev items per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4)
@@ -49,7 +57,9 @@ def main() -> None:
     eos = _eos_ids(str(target.directory), renderer.tokenizer)
     hf = load_hf_model(target.directory, target.dtype, "cpu")
     arms = {"ar": (NoDrafter(), 0), "stock": (PromptLookup(1, 3), 4)}
-    for name in args.drafters.split(","):
+    for k in (int(k) for k in args.ngram_ks.split(",") if k):
+        arms[f"shared n-gram cache, n 1..8, k {k}"] = (SharedNgramCache(1, 8, 1_000_000), k)
+    for name in (name for name in args.drafters.split(",") if name):
         recipe = name.removeprefix(target.name + "-")
         directory = locked_drafter(name, args.setting, recipe)
         draft = LeanLlama(load_hf_model(directory, target.dtype, "cpu"), 1, args.k + 1, "cpu")

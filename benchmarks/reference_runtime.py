@@ -1,12 +1,14 @@
 """Benchmark: the reference runtime's arms against transformers' own generate, on CPU, in one run.
 
     python benchmarks/reference_runtime.py [--rounds 3] [--max-new-tokens 300] [--threads 1] [--sweep] [--c16]
-        [--model DIR] [--prompts N] [--mkl]
+        [--model DIR] [--prompts N] [--mkl] [--ks 4,6,16] [--step-cost]
 
 `--model`: another converted Llama directory (default: stories260K from the mirror), e.g. SmolLM2-135M-Instruct
 as `make models SETTING=cpu_c1_smollm2-135m_ngram` prints it; `--prompts N`: the first N openings only; `--mkl`
 adds the arm `ar mkl`: ar on MKL's products padded to MIN_ROWS rows instead of rowgemm's (the runtime before
-rowgemm, and what it falls back to where rowgemm cannot be built).
+rowgemm, and what it falls back to where rowgemm cannot be built); `--ks`: final's mechanism at other draft lengths
+k. `--step-cost` only times one forward step of M rows (a decode step, a verify step, a prefill) and prints its cost
+in one-row steps.
 
 For each round, every arm decodes the same story openings one request after another (the c1 setting):
 `ar` (no drafter), `stock` (per-request prompt lookup, the setting's default n/k), `final` (the n-gram cache
@@ -153,6 +155,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=MODEL_DIR, help="a converted Llama directory")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N openings")
     parser.add_argument("--mkl", action="store_true", help="also `ar mkl`: MKL's products with padded rows")
+    parser.add_argument("--step-cost", action="store_true", help="only time one forward step of M rows (M = 1..64)")
+    parser.add_argument("--ks", default="", help="also final (shared cache, n=8) at these k, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -162,6 +166,9 @@ def main() -> None:
     hf = load_hf_model(args.model, "float32", "cpu")
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[: args.prompts]]
     max_new = args.max_new_tokens
+    if args.step_cost:
+        step_cost_table(hf, args)
+        return
 
     arms = {
         "ar": lambda: engine_arm(hf, tokenizer, DrafterConfig(), {}),
@@ -170,6 +177,9 @@ def main() -> None:
     }
     if args.mkl:
         arms["ar mkl"] = lambda: engine_arm(hf, tokenizer, DrafterConfig(), {}, use_rowgemm=False)
+    for k in (int(k) for k in args.ks.split(",") if k):
+        cfg = DrafterConfig("ngram", num_draft_tokens=k, ngram_max_n=FINAL.ngram_max_n, ngram_min_n=1)
+        arms[f"final k={k}"] = lambda cfg=cfg: engine_arm(hf, tokenizer, cfg, {"shared_ngram_cache": True})
     if args.sweep:
         for k in (6, 8, 10, 12, 16):
             for n in (4, 8, 16):
@@ -247,6 +257,42 @@ def main() -> None:
         )
     if args.c16:
         c16_table(hf, tokenizer, prompts[:16], max_new, args.rounds)
+
+
+STEP_ROWS = (1, 2, 3, 5, 7, 9, 11, 13, 17, 32, 64)
+
+
+def step_cost_table(hf, args) -> None:
+    """CPU ms of one forward step of M tokens (logits for all M, as verify takes them) after a 128-token prefill:
+    what a decode step (M = 1), a verify step of k drafts (M = k + 1) and a prefill cost, arms taking turns per M."""
+    kernels = {"rowgemm": True, **({"mkl (padded)": False} if args.mkl else {})}
+    models = {
+        name: LeanLlama(hf, num_slots=1, max_tokens_per_step=64, device="cpu", use_rowgemm=use)
+        for name, use in kernels.items()
+    }
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, hf.config.vocab_size, (1, 128), generator=gen)
+    for model in models.values():
+        model.forward(prefix, [0], [0])
+    ms: dict[str, dict[int, float]] = {name: {} for name in models}
+    for m in STEP_ROWS:
+        tokens = torch.randint(0, hf.config.vocab_size, (1, m), generator=gen)
+        for name, model in models.items():
+            times = []
+            for _ in range(max(3, args.rounds)):
+                t = time.process_time()
+                model.forward(tokens, [0], [128])
+                times.append(time.process_time() - t)
+            ms[name][m] = statistics.median(times) * 1e3
+    print(
+        f"# one forward step of M rows — {args.model.name}, {platform.node()}, {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; "
+        f"CPU ms (median of {max(3, args.rounds)}) after 128 tokens of context, and in one-row steps\n"
+    )
+    print("| M | " + " | ".join(f"{name} ms | x 1-row" for name in models) + " |")
+    print("|---:|" + "---:|---:|" * len(models))
+    for m in STEP_ROWS:
+        print(f"| {m} | " + " | ".join(f"{ms[n][m]:.1f} | {ms[n][m] / ms[n][1]:.2f}" for n in models) + " |")
 
 
 def c16_table(hf, tokenizer, prompts, max_new: int, rounds: int) -> None:

@@ -28,7 +28,8 @@ import torch
 
 log = logging.getLogger("specpilot_runtime")
 SOURCE = Path(__file__).with_name("rowgemm.c")
-TILE = 32  # columns per packed tile (rowgemm.c's TILE)
+TILE = 32  # columns per tile, the unit threads split (rowgemm.c's TILE)
+PANEL = 16  # columns per packed panel, two to a tile (rowgemm.c's PANEL)
 FLAGS = ["-O2", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None
@@ -67,10 +68,15 @@ def _load() -> ctypes.CDLL:
         raise _Unavailable("SPECPILOT_ROWGEMM=0")
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
         raise _Unavailable("needs an x86-64 CPU with AVX2 and FMA")
+    return build(SOURCE)
+
+
+def build(path: Path) -> ctypes.CDLL:
+    """The library compiled from `path` (rowgemm.c, or an older revision of it that a benchmark compares)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise _Unavailable(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
-    source = SOURCE.read_bytes()
+    source = path.read_bytes()
     digest = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specpilot_runtime"
     target = cache / f"rowgemm-{digest}.so"
@@ -79,10 +85,10 @@ def _load() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / target.name
             run = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=False
+                [compiler, *FLAGS, str(path), "-o", str(built)], capture_output=True, text=True, check=False
             )
             if run.returncode != 0:
-                raise _Unavailable(f"{compiler} failed on {SOURCE}: {run.stderr.strip().splitlines()[-1:]}")
+                raise _Unavailable(f"{compiler} failed on {path}: {run.stderr.strip().splitlines()[-1:]}")
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.rowgemm.restype = None
@@ -92,14 +98,15 @@ def _load() -> ctypes.CDLL:
 
 
 class Packed:
-    """A float32 weight [in, out] in rowgemm's layout: tiles of TILE columns, [ceil(out / TILE), in, TILE]."""
+    """A float32 weight [in, out] in rowgemm's layout: panels of PANEL columns, zero-padded to whole tiles,
+    [2 * ceil(out / TILE), in, PANEL]."""
 
     def __init__(self, weight: torch.Tensor):
         k, n = weight.shape
-        tiles = -(-n // TILE)
-        padded = torch.zeros(k, tiles * TILE, dtype=torch.float32)
+        panels = -(-n // TILE) * (TILE // PANEL)
+        padded = torch.zeros(k, panels * PANEL, dtype=torch.float32)
         padded[:, :n] = weight
-        self.data = padded.view(k, tiles, TILE).transpose(0, 1).contiguous()
+        self.data = padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
         self.shape = (k, n)
 
     def unpacked(self) -> torch.Tensor:
@@ -118,7 +125,7 @@ def mm(x: torch.Tensor, weight: Packed) -> torch.Tensor:
     rows = x.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
     w = weight.data
-    _library.rowgemm(x.data_ptr(), rows, k, w.data_ptr(), TILE, k * TILE, n, out.data_ptr(), 1, 0, 0, 0)
+    _library.rowgemm(x.data_ptr(), rows, k, w.data_ptr(), PANEL, k * PANEL, n, out.data_ptr(), 1, 0, 0, 0)
     return out
 
 
@@ -137,6 +144,6 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     batch = x3.shape[0]
     out = torch.empty(batch, m, n, dtype=torch.float32)
     _library.rowgemm(
-        x3.data_ptr(), m, k, w3.data_ptr(), w3.stride(1), TILE, n, out.data_ptr(), batch, m * k, w3.stride(0), m * n
+        x3.data_ptr(), m, k, w3.data_ptr(), w3.stride(1), PANEL, n, out.data_ptr(), batch, m * k, w3.stride(0), m * n
     )
     return out.view(*x.shape[:-1], n)
