@@ -189,3 +189,12 @@ def tokenizer(stories_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(stories_dir))
+
+
+@pytest.fixture
+def conf(tmp_path, monkeypatch):
+    """A scratch copy of the repo's conf/ (SPECPILOT_CONF) that a test may edit, damage or add spaces and winners to."""
+    root = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", root)
+    monkeypatch.setenv("SPECPILOT_CONF", str(root))
+    return root

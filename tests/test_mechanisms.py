@@ -29,15 +29,6 @@ def listed(setting: str) -> list[tuple[str, str]]:
     return [m.groups() for m in map(ENTRY.match, text.splitlines()) if m]
 
 
-@pytest.fixture
-def conf(tmp_path, monkeypatch):
-    """A scratch copy of conf/ that a test may damage."""
-    path = tmp_path / "conf"
-    shutil.copytree(conf_dir(), path)
-    monkeypatch.setenv("SPECPILOT_CONF", str(path))
-    return path
-
-
 def edit(path, old, new):
     text = path.read_text()
     assert old in text, (path, old)

@@ -18,15 +18,6 @@ DATASETS = ["gsm8k", "mbpp"]
 
 
 @pytest.fixture
-def conf(tmp_path, monkeypatch):
-    """A copy of the repo's conf/ that a test may add spaces and winners to (SPECPILOT_CONF)."""
-    root = tmp_path / "conf"
-    shutil.copytree(REPO_ROOT / "conf", root)
-    monkeypatch.setenv("SPECPILOT_CONF", str(root))
-    return root
-
-
-@pytest.fixture
 def test_overlays(monkeypatch):
     """The builder reads overlays from tests/overlays/ (lossy-accept, slow-steps: test-only, see its README)."""
     from specpilot_build import locations
@@ -322,7 +313,6 @@ def test_a_point_proposed_again_reuses_its_result_and_the_leaders_are_distinct_p
 @pytest.mark.slow
 def test_trials_through_submitit_local_serve_on_free_ports_and_their_results_are_checked(conf):
     import os
-    import shutil
 
     import optuna
 
@@ -521,7 +511,6 @@ def test_promote_that_does_not_clear_1_changes_nothing_in_conf(conf, capsys):
 def test_each_test_overlay_still_applies_to_the_reference_runtime(test_overlays, tmp_path, name):
     """The test overlays patch exact lines of the runtime's engine.py (no fuzz): an edit there that moves those
     lines must fail here, in the fast tier, rather than as a failed build inside a slow tune test."""
-    import shutil
 
     from specpilot_build.assemble.overlays import apply_overlays, overlay_inputs
 

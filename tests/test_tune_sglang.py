@@ -5,23 +5,12 @@ that GPU is refused in one line before anything is written."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from specpilot_build.cli.main import main
 from specpilot_build.errors import ConfigError
-from specpilot_build.locations import REPO_ROOT
 
 EAGLE = "h100_c1_qwen3-8b_eagle3"  # SGLang 0.5.23
-
-
-@pytest.fixture
-def conf(tmp_path, monkeypatch):
-    root = tmp_path / "conf"
-    shutil.copytree(REPO_ROOT / "conf", root)
-    monkeypatch.setenv("SPECPILOT_CONF", str(root))
-    return root
 
 
 @pytest.mark.sglang
