@@ -488,12 +488,13 @@ def test_a_lossy_candidate_is_recorded_failed_not_lossless_and_cannot_win(conf, 
 
 
 @pytest.mark.slow
-def test_promote_that_does_not_clear_1_changes_nothing_in_conf(conf, capsys):
-    # the space's one point is weaker than today's hand-written final (no shared n-gram index)
+def test_promote_that_does_not_clear_1_changes_nothing_in_conf(conf, capsys, test_overlays):
+    # the space's one point is made slower than today's hand-written final on purpose (every step sleeps 5 ms:
+    # tests/overlays/slow-steps): a weaker n-gram point alone once beat it on two prompts, after the runtime changed
     space = _space(
         conf,
         "weak",
-        "params:\n  drafter:\n    num_draft_tokens: [2]\n  runtime_options:\n    shared_ngram_cache: [false]\n",
+        "params:\n  overlay: [slow-steps]\n  drafter:\n    num_draft_tokens: [2]\n",
     )
     _tune(space, 1, "grid", "promote-weak")  # the study and its winner file, as `make tune` leaves them
     before = _conf_bytes(conf)
