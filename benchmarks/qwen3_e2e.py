@@ -395,11 +395,12 @@ def layer_plan(rows: str) -> dict:
     from pathlib import Path
 
     import w12.gemm
-    from specpilot_build.assemble.w12_plan import choose, measured_classes, speedups
+    from specpilot_build.assemble.w12_plan import choose, read_table
 
     table = Path(w12.gemm.__file__).with_name(w12.gemm.TABLES["fallback"])
     rows_per_forward = None if rows == "all" else int(rows)
-    return choose(speedups(table), w12.gemm.TABLE_GPU, rows_per_forward, measured_classes(table))
+    speedups, classes = read_table(table)
+    return choose(speedups, w12.gemm.TABLE_GPU, rows_per_forward, classes)
 
 
 def _w12_size(model: Qwen3) -> tuple[int, int, int]:

@@ -12,7 +12,7 @@ import torch
 import w12
 import w12.plan
 from specpilot_build.assemble.builder import build_engine
-from specpilot_build.assemble.w12_plan import RATE_SLACK, choose, measured_classes, plan_for, rows_per_forward
+from specpilot_build.assemble.w12_plan import RATE_SLACK, choose, plan_for, read_table, rows_per_forward
 from specpilot_build.config.compose import compose_setting
 from specpilot_build.config.effective import effective_config
 from specpilot_build.locations import KERNELS_DIR
@@ -76,7 +76,7 @@ def test_a_module_under_a_plan_keeps_the_bf16_linears_as_they_are():
 
 
 def test_the_tables_classes_bound_the_escape_rate_a_plan_trusts():
-    classes = measured_classes(KERNELS_DIR / "w12" / "fallback_h100.json")
+    _, classes = read_table(KERNELS_DIR / "w12" / "fallback_h100.json")
     assert classes["light"]["families"] == ["normal"]
     assert classes["heavy"]["max_escape_rate"] == pytest.approx(2.0e-3 * RATE_SLACK)
 

@@ -284,10 +284,17 @@ def _ws_plan(packed: W12Tensor, bucket: int, cfg: Config):
     return plan
 
 
-def decode_on_device(packed: W12Tensor, first: int = 0, end: int | None = None, out: torch.Tensor | None = None):
+def decode_on_device(
+    packed: W12Tensor,
+    first: int = 0,
+    end: int | None = None,
+    out: torch.Tensor | None = None,
+    escape_rows: torch.Tensor | None = None,
+):
     """decode(packed)[first:end] in one Triton pass over those rows' planes plus an escape scatter, into `out` (rows
     end - first, or one more: escapes of other rows are written to that last row, so no escape count is read
-    back to the host and the call is CUDA-graph safe) or a new tensor."""
+    back to the host and the call is CUDA-graph safe) or a new tensor. `escape_rows` (_escape_rows) saves a caller
+    decoding several slabs of one weight from making it per slab."""
     end = packed.rows if end is None else end
     count = end - first
     if out is None:
@@ -313,7 +320,7 @@ def decode_on_device(packed: W12Tensor, first: int = 0, end: int | None = None, 
         num_warps=4,
     )
     if packed.escapes:
-        rows = _escape_rows(packed)
+        rows = _escape_rows(packed) if escape_rows is None else escape_rows
         if whole:
             out.view(torch.int16)[rows, packed.esc_col.long()] = packed.esc_bits
         else:
@@ -361,9 +368,10 @@ def decoded_linear(x2: torch.Tensor, packed: W12Tensor, bias: torch.Tensor | Non
         )
     out = buf[:need].view(slab + 1, packed.cols)
     y = torch.empty((x2.shape[0], packed.rows), dtype=x2.dtype, device=x2.device)
+    rows = _escape_rows(packed) if packed.escapes else None
     for first in range(0, packed.rows, slab):
         end = min(first + slab, packed.rows)
-        weight = decode_on_device(packed, first, end, out[: end - first + 1])
+        weight = decode_on_device(packed, first, end, out[: end - first + 1], rows)
         y[:, first:end] = torch.nn.functional.linear(x2, weight)
     return y if bias is None else y + bias
 

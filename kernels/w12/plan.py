@@ -62,10 +62,11 @@ def keep_bf16(packed, plan: dict | None = None) -> bool:
     return measured is not None and packed.escapes > measured * packed.rows * packed.cols
 
 
-def encode_planned(weight, plan: dict | None = None):
-    """The W12 form of the bf16 `weight` [out, in], or None where the plan keeps it bf16."""
-    from .format import encode
-
+def encode_planned(weight, plan: dict | None = None, encode=None):
+    """The W12 form of the bf16 `weight` [out, in] (made by `encode`, default format.encode), or None where the plan
+    keeps it bf16: its shape before encoding, its escape class and rate after."""
+    if encode is None:
+        from .format import encode
     if stored_as(*weight.shape, plan=plan) == "bf16":
         return None
     packed = encode(weight)

@@ -45,37 +45,36 @@ def served_buckets(rows: int | None) -> tuple[int, ...]:
     return tuple(b for b in BUCKETS if b < rows) + tuple(b for b in BUCKETS if b >= rows)[:1]
 
 
-def speedups(table_path: Path) -> dict[tuple[int, int], dict[tuple[int, bool], float]]:
-    """fallback_<gpu>.json -> {(N, K): {(bucket, heavy): W12 / cuBLAS}} ("_" keys are comments)."""
-    out: dict[tuple[int, int], dict[tuple[int, bool], float]] = {}
-    for key, entry in json.loads(table_path.read_text()).items():
+Table = dict[tuple[int, int], dict[tuple[int, bool], float]]
+
+
+def read_table(table_path: Path) -> tuple[Table, dict]:
+    """fallback_<gpu>.json -> ({(N, K): {(bucket, heavy): W12 / cuBLAS}}, its "_classes": per escape class, the
+    families measured and the most escapes per weight among them, times RATE_SLACK). Other "_" keys are comments."""
+    entries = json.loads(table_path.read_text())
+    table: Table = {}
+    for key, entry in entries.items():
         if key.startswith("_"):
             continue
         parts = key.split(",")
         n, k, bucket = int(parts[0]), int(parts[1]), int(parts[2])
-        out.setdefault((n, k), {})[(bucket, len(parts) == 4)] = float(entry["speedup"])
-    return out
-
-
-def measured_classes(table_path: Path) -> dict:
-    """The table's "_classes": per escape class, the families measured and the most escapes per weight among them;
-    the plan allows RATE_SLACK times that."""
-    classes = json.loads(table_path.read_text()).get("_classes", {})
-    return {
+        table.setdefault((n, k), {})[(bucket, len(parts) == 4)] = float(entry["speedup"])
+    classes = {
         cls: {"families": info["families"], "max_escape_rate": info["max_escape_rate"] * RATE_SLACK}
-        for cls, info in classes.items()
+        for cls, info in entries.get("_classes", {}).items()
         if not cls.startswith("_")
     }
+    return table, classes
 
 
 def choose(
-    table: dict[tuple[int, int], dict[tuple[int, bool], float]] | None,
+    table: Table | None,
     gpu: str,
     rows: int | None,
     classes: dict | None = None,
 ) -> dict:
     """The plan (plan.json's content) for a device's table (None: no tables), the rows per forward and the escape
-    rates the table's classes were measured up to (measured_classes)."""
+    rates the table's classes were measured up to (read_table)."""
     plan: dict = {"gpu": gpu, "rows_per_forward": rows, "threshold": THRESHOLD, "classes": classes or {}}
     if table is None:
         return {**plan, "tables": None, "shapes": {}, "unlisted": "w12", "why": f"no W12 tables for {gpu}: untuned"}
@@ -114,4 +113,5 @@ def plan_for(cfg: dict, kernel_dir: Path) -> dict:
     table_path = kernel_dir / f"fallback_{gpu}.json"
     if cfg["hardware"].get("device") != "cuda" or not table_path.exists():
         return choose(None, gpu, rows_per_forward(cfg))
-    return choose(speedups(table_path), gpu, rows_per_forward(cfg), measured_classes(table_path))
+    table, classes = read_table(table_path)
+    return choose(table, gpu, rows_per_forward(cfg), classes)

@@ -22,6 +22,13 @@ from sglang.srt.utils import set_weight_attrs
 ENCODE_ROWS = 2048
 
 
+def _encode_in_chunks(weight: torch.Tensor):
+    import w12
+
+    parts = [w12.encode(weight[row:row + ENCODE_ROWS]) for row in range(0, weight.shape[0], ENCODE_ROWS)]
+    return parts[0] if len(parts) == 1 else w12.cat(parts)
+
+
 class W12Config(QuantizationConfig):
     """Online W12: nothing to read from the checkpoint."""
 
@@ -74,17 +81,11 @@ class W12LinearMethod(LinearMethodBase):
         if weight.dtype != torch.bfloat16:
             raise TypeError(f"--quantization w12 stores bf16 weights; this layer's weight is {weight.dtype} "
                             "(serve with --dtype bfloat16)")
-        if w12.plan.stored_as(*weight.shape) == "bf16":
-            layer.w12_weight = None
+        layer.w12_weight = w12.plan.encode_planned(weight, encode=_encode_in_chunks)
+        if layer.w12_weight is None:  # the plan keeps this weight bf16 (as loaded, no second copy)
             return
-        parts = [w12.encode(weight[row:row + ENCODE_ROWS]) for row in range(0, weight.shape[0], ENCODE_ROWS)]
-        packed = parts[0] if len(parts) == 1 else w12.cat(parts)
-        if w12.plan.keep_bf16(packed):  # its escape class or rate: W12 not shown to win on this weight
-            layer.w12_weight = None
-            return
-        layer.w12_weight = packed
         on_gpu = weight.is_cuda
-        del layer.weight, weight, parts
+        del layer.weight, weight
         if on_gpu:
             torch.cuda.empty_cache()  # hand the bf16 copy back before SGLang sizes its KV cache
         self._linear = w12.linear
