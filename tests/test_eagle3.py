@@ -147,7 +147,10 @@ def _sglang_stubs(config, loads: list) -> dict[str, types.ModuleType]:
     known = {
         "sglang.srt.layers.linear": {"QKVParallelLinear": QKVParallelLinear},
         "sglang.srt.layers.layernorm": {"RMSNorm": RMSNorm},
-        "sglang.srt.layers.vocab_parallel_embedding": {"ParallelLMHead": Embedding, "VocabParallelEmbedding": Embedding},
+        "sglang.srt.layers.vocab_parallel_embedding": {
+            "ParallelLMHead": Embedding,
+            "VocabParallelEmbedding": Embedding,
+        },
         "sglang.srt.models.llama": {
             "LlamaDecoderLayer": LlamaDecoderLayer,
             "LlamaMLP": LlamaMLP,
@@ -163,8 +166,11 @@ def _sglang_stubs(config, loads: list) -> dict[str, types.ModuleType]:
         },
         "sglang.srt.distributed": {"get_pp_group": lambda: Inert()},
     }
-    for name in ("sglang.srt.configs.draft_parallel", "sglang.srt.layers.quantization.base_config",
-                 "sglang.srt.model_executor.forward_batch_info"):
+    for name in (
+        "sglang.srt.configs.draft_parallel",
+        "sglang.srt.layers.quantization.base_config",
+        "sglang.srt.model_executor.forward_batch_info",
+    ):
         known[name] = {}
     modules = {}
     for name, attrs in known.items():
@@ -190,9 +196,15 @@ def test_the_saved_head_is_what_sglang_0517_loads(head, sglang_0517, monkeypatch
         source = wheel.read(EAGLE3_PY).decode()
         llama = wheel.read(LLAMA_PY).decode()
     # the base classes stubbed above carry llama.py's own attribute names
-    for attribute in ("self.o_proj = RowParallelLinear(", "self.gate_up_proj = MergedColumnParallelLinear(",
-                      "self.down_proj = RowParallelLinear(", "self.input_layernorm = RMSNorm(",
-                      "self.post_attention_layernorm = RMSNorm(", "self.total_num_kv_heads", "self.head_dim"):
+    for attribute in (
+        "self.o_proj = RowParallelLinear(",
+        "self.gate_up_proj = MergedColumnParallelLinear(",
+        "self.down_proj = RowParallelLinear(",
+        "self.input_layernorm = RMSNorm(",
+        "self.post_attention_layernorm = RMSNorm(",
+        "self.total_num_kv_heads",
+        "self.head_dim",
+    ):
         assert attribute in llama, attribute
     config = json.loads((head.directory / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -130,11 +130,16 @@ class Eagle3Head(nn.Module):
     """The head's trainable tensors, named as SpecForge saves them and SGLang's loader maps them (`midlayer` ->
     `layers.0`, q/k/v and gate/up stacked on load, the rest under `model.`)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, c: dict[str, Any]):
         super().__init__()
         self.c = c
         h = c["hidden_size"]
-        self.fc = nn.Linear(len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * c["target_hidden_size"], h, bias=False)
+        self.fc = nn.Linear(
+            len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * c["target_hidden_size"], h, bias=False
+        )
         self.midlayer = _Layer(c)
         self.norm = _Norm(h, c["rms_norm_eps"])
         self.lm_head = nn.Linear(h, c["draft_vocab_size"], bias=False)
@@ -158,7 +163,7 @@ class Eagle3Head(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out_logits = []
-        for j in range(steps):
+        for _ in range(steps):
             x = torch.cat([emb, layer.hidden_norm(feature)], dim=-1)
             att = layer.self_attn
             q = _rope(att.q_proj(x).view(batch, length, nh, d), cos, sin)
@@ -217,7 +222,11 @@ def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
 
 
 def features(
-    target_dir: Path, identity: dict[str, Any], dtype: str, rows: list[dict[str, Any]], layers: list[int],
+    target_dir: Path,
+    identity: dict[str, Any],
+    dtype: str,
+    rows: list[dict[str, Any]],
+    layers: list[int],
     vocab: torch.Tensor,
 ) -> list[dict[str, torch.Tensor]]:
     """Per sequence {aux [L-1, 3h] float32, next [L-1] int64, logp [L-1, N] float16}: row t's features at
@@ -240,7 +249,9 @@ def features(
     out = []
     for row in tqdm(rows, desc="target features (one prefill each)", unit="seq"):
         key = hashlib.sha256(
-            json.dumps({**common, "prompt": row["prompt_digest"], "output": row["output_digest"]}, sort_keys=True).encode()
+            json.dumps(
+                {**common, "prompt": row["prompt_digest"], "output": row["output_digest"]}, sort_keys=True
+            ).encode()
         ).hexdigest()
         path = folder / f"{key}.safetensors"
         length = len(row["prompt"]) + len(row["output"]) - 1
@@ -328,8 +339,8 @@ def train_head(
     vocab_size = target["vocab_size"]
     vocab = train.draft_vocabulary(rows, recipe["draft_vocab"] or vocab_size, vocab_size)
     layers = aux_layers(recipe, target["num_hidden_layers"])
-    cached = features(target_dir, identity, dtype, rows, layers, vocab)
     train._deterministic(tcfg["threads"])
+    cached = features(target_dir, identity, dtype, rows, layers, vocab)
     config = head_config(target_dir, layers, len(vocab))
     head = Eagle3Head(config)
     _init(head, recipe["seed"], load_file(str(target_dir / "model.safetensors")), vocab)

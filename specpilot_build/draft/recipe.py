@@ -164,7 +164,9 @@ def _check(recipe: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: num_layers {recipe['num_layers']}: an EAGLE-3 head has 1 decoder layer here")
         layers = recipe["eagle3"]["aux_layers"]
         if layers is not None and (len(layers) != 3 or min(layers) < 0):
-            raise ConfigError(f"{where}: eagle3.aux_layers must be 3 target layer indices (low, mid, high), got {layers}")
+            raise ConfigError(
+                f"{where}: eagle3.aux_layers must be 3 target layer indices (low, mid, high), got {layers}"
+            )
     elif recipe["eagle3"] is not None:
         raise ConfigError(f"{where}: key 'eagle3' does nothing for kind {kind}; drop it")
     for key, low in POSITIVE.items():

@@ -28,7 +28,9 @@ class Eagle3Head:
         config = _config(directory)
         s = target.shape
         if ARCHITECTURE not in (config.get("architectures") or []):
-            raise RuntimeConfigError(f"--draft-model {directory}: not an EAGLE-3 head (architectures lacks {ARCHITECTURE})")
+            raise RuntimeConfigError(
+                f"--draft-model {directory}: not an EAGLE-3 head (architectures lacks {ARCHITECTURE})"
+            )
         layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         mismatch = [
             (key, got, want)
