@@ -308,3 +308,59 @@ def test_a_head_for_another_target_is_refused_in_one_line(head, stories_dir, tmp
     with pytest.raises(RuntimeConfigError) as exc:
         load_runtime(str(engine_dir), "id", str(stories_dir), str(other), None)
     assert words in str(exc.value) and str(other) in str(exc.value) and "\n" not in str(exc.value)
+
+
+# --- the recipe and the build ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["eagle3.aux_layers=[1,2]"], "eagle3.aux_layers must be 3 target layer indices"),
+        (["num_layers=2"], "num_layers 2: an EAGLE-3 head has 1 decoder layer"),
+        (["eagle3.ttt_step=2"], "unknown key 'eagle3.ttt_step'"),
+        (["eagle3.ttt_steps=0"], "eagle3.ttt_steps must be >= 1"),
+    ],
+)
+def test_a_bad_eagle3_recipe_is_one_line_naming_the_key(overrides, words):
+    from specpilot_build.draft.recipe import load_recipe
+    from specpilot_build.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        load_recipe("eagle3-135m", overrides)
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_eagle3_section_does_nothing_for_other_kinds_and_is_refused():
+    from specpilot_build.draft.recipe import load_recipe
+    from specpilot_build.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="key 'eagle3' does nothing for kind standalone"):
+        load_recipe("standalone", ["eagle3.ttt_steps=2"])
+
+
+@pytest.mark.slow
+def test_made_twice_or_resumed_after_an_interruption_the_head_has_the_same_id_and_bytes(
+    head, tmp_path, monkeypatch, repo
+):
+    """A second make in a fresh store and data dir (features computed again) gives the same id and every file's
+    bytes; so does one interrupted after its checkpoint and run again (it resumes)."""
+    from specpilot_build.draft.make import make_drafter
+    from specpilot_build.models.proof import sha256_of
+
+    def hashes(directory: Path) -> dict[str, str]:
+        return {p.name: sha256_of(p) for p in sorted(directory.iterdir())}
+
+    shutil.copytree(repo / "lockfiles", tmp_path / "lockfiles")
+    monkeypatch.setenv("SPECPILOT_LOCKFILES", str(tmp_path / "lockfiles"))
+    monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
+
+    def interrupt(step: int, loss: float) -> None:
+        if step == 4:  # after the checkpoint at step 3
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        make_drafter(SETTING, "eagle3-135m", SMALL, on_step=interrupt)
+    resumed = make_drafter(SETTING, "eagle3-135m", SMALL)
+    assert resumed.id == head.id
+    assert hashes(resumed.directory) == hashes(head.directory)
