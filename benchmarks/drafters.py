@@ -7,7 +7,8 @@
 The target is the setting's model (fetched and proven); each drafter is the one lockfiles/drafters.toml pins,
 re-hashed in the store. Arms, one reference-runtime engine each, take turns prompt by prompt (machine noise hits
 them alike): `ar` (no drafter), `stock` (per-request prompt lookup with conf/drafter/ngram.yaml's defaults: n 1..3,
-k 4), each drafter with k proposals per step, and with `--ngram-ks` the n-gram final's drafter (one n-gram cache
+k 4), each drafter with k proposals per step (an EAGLE-3 head, recipe eagle3, drafts on its arm's target's hidden
+states: k chained steps), and with `--ngram-ks` the n-gram final's drafter (one n-gram cache
 shared by all requests, n 1..8, as conf/mechanism/shared-ngram-cache.yaml) at each k given. Prompts: the first
 `--limit` dev items of every dataset, rendered as bench renders them. Reported per arm: tokens/s (wall), tokens
 per CPU-second of this process, the mean acceptance length (tokens per target forward) and whether every output
@@ -16,6 +17,7 @@ equals ar's token for token."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -28,7 +30,8 @@ from specpilot_build.draft.target import setting_target
 from specpilot_build.measure.datasets import BENCHMARKS, load_split
 from specpilot_build.measure.prompts import PromptRenderer
 from specpilot_build.models.drafters import locked_drafter
-from specpilot_runtime.drafters import DraftModelDrafter, NoDrafter, PromptLookup, SharedNgramCache
+from specpilot_runtime.drafters import DraftModelDrafter, Eagle3Drafter, NoDrafter, PromptLookup, SharedNgramCache
+from specpilot_runtime.eagle3 import ARCHITECTURE, Eagle3Head
 from specpilot_runtime.engine import Engine
 from specpilot_runtime.model import LeanLlama, load_hf_model
 from specpilot_runtime.runtime import _draft_vocab, _eos_ids
@@ -59,14 +62,24 @@ def main() -> None:
     arms = {"ar": (NoDrafter(), 0), "stock": (PromptLookup(1, 3), 4)}
     for k in (int(k) for k in args.ngram_ks.split(",") if k):
         arms[f"shared n-gram cache, n 1..8, k {k}"] = (SharedNgramCache(1, 8, 1_000_000), k)
+    heads = {}
     for name in (name for name in args.drafters.split(",") if name):
         recipe = name.removeprefix(target.name + "-")
         directory = locked_drafter(name, args.setting, recipe)
+        if ARCHITECTURE in json.loads((directory / "config.json").read_text()).get("architectures", []):
+            heads[name] = directory  # an EAGLE-3 head: made below, on its arm's target (it shares the embedding)
+            arms[name] = (None, args.k)
+            continue
         draft = LeanLlama(load_hf_model(directory, target.dtype, "cpu"), 1, args.k + 1, "cpu")
         arms[name] = (DraftModelDrafter(draft, _draft_vocab(str(directory), hf.config.vocab_size)), args.k)
     engines = {}
     for arm, (drafter, k) in arms.items():
-        engines[arm] = Engine(LeanLlama(hf, 1, k + 1, "cpu"), renderer.tokenizer, drafter, k, 1)
+        model = LeanLlama(hf, 1, k + 1, "cpu")
+        if arm in heads:
+            head = Eagle3Head(heads[arm], model, 1)
+            model.capture = head.aux_layers
+            drafter = Eagle3Drafter(head)
+        engines[arm] = Engine(model, renderer.tokenizer, drafter, k, 1)
         engines[arm].start()
     stats = {arm: {"tokens": 0, "wall": 0.0, "cpu": 0.0, "forwards": 0, "same": 0} for arm in arms}
     reference = {}

@@ -62,7 +62,7 @@ class Model:
 @dataclass
 class Drafter:
     name: str = MISSING
-    algorithm: str = MISSING  # none | ngram | draft_model (reference); NGRAM | EAGLE3 | DFLASH | DSPARK (SGLang)
+    algorithm: str = MISSING  # none | ngram | draft_model | eagle3 (reference); NGRAM | EAGLE3 | DFLASH | DSPARK
     repo: Optional[str] = None  # draft checkpoint; None for model-free drafters
     files: List[str] = field(default_factory=list)
     num_draft_tokens: Optional[int] = field(default=None, metadata=AT_LEAST_1)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from specpilot_build.draft import data as data_step
-from specpilot_build.draft import store, train
-from specpilot_build.draft.recipe import load_recipe
+from specpilot_build.draft import eagle3, store, train
+from specpilot_build.draft.recipe import TRAINED, load_recipe
 from specpilot_build.draft.target import WEIGHTS, Target, setting_target, tokenizer_files
 from specpilot_build.errors import ConfigError
 
@@ -52,14 +52,14 @@ def make_drafter(
     target = setting_target(setting)
     rows: list[dict[str, Any]] = []
     data_digest = None
-    if recipe["kind"] == "standalone":
+    if recipe["kind"] in TRAINED:
         record = data_step.distillation_set(target, recipe["data"], recipe["train"]["threads"])
         rows, data_digest = record["rows"], record["digest"]
     material = {
         "recipe": recipe,
         "target": target.identity,
         "data": data_digest,
-        "trainer": store.source_digest(Path(train.__file__), Path(__file__)),
+        "trainer": store.source_digest(*_trainer_sources(recipe["kind"])),
     }
     drafter = store.drafter_id(material)
     name = store.lock_key(target.name, recipe["name"])
@@ -86,6 +86,12 @@ def make_drafter(
     return Made(name, drafter, directory, built, time.monotonic() - started, losses[-1] if losses else None)
 
 
+def _trainer_sources(kind: str) -> tuple[Path, ...]:
+    """The modules whose source makes a drafter of this kind (part of its id)."""
+    sources = (Path(train.__file__), Path(__file__))
+    return (*sources, Path(eagle3.__file__)) if kind == "eagle3" else sources
+
+
 def _write(
     out: Path,
     work: Path,
@@ -100,15 +106,21 @@ def _write(
     import torch
     from safetensors.torch import save_file
 
-    config = train.draft_config(target.directory, recipe["num_layers"])
+    if recipe["kind"] == "eagle3":
+        config, weights, trained = eagle3.train_head(
+            target.directory, target.identity, target.dtype, recipe, rows, work, on_step=on_step
+        )
+        losses += trained
+    else:
+        config = train.draft_config(target.directory, recipe["num_layers"])
     if recipe["kind"] == "truncated":
         weights = train.target_weights(target.directory, recipe["num_layers"])
-    else:
+    elif recipe["kind"] == "standalone":
         weights, vocab, trained = train.standalone(target.directory, recipe, rows, work, on_step=on_step)
         losses += trained
         save_file({"draft_to_target": vocab}, str(out / store.DRAFT_VOCAB), metadata={"format": "pt"})
     save_file(
-        {k: v.to(torch.float32).contiguous() for k, v in weights.items()},
+        {k: v.to(torch.float32).contiguous() if v.is_floating_point() else v for k, v in weights.items()},
         str(out / "model.safetensors"),
         metadata={"format": "pt"},
     )

@@ -15,7 +15,8 @@ from omegaconf import MISSING
 from specpilot_build.errors import ConfigError
 from specpilot_build.locations import conf_dir
 
-KINDS = ("truncated", "standalone")
+KINDS = ("truncated", "standalone", "eagle3")
+TRAINED = ("standalone", "eagle3")  # kinds distilled on the self-distillation set (data: and train: sections)
 GROUP = "recipe"
 
 
@@ -41,16 +42,27 @@ class RecipeTrain:
 
 
 @dataclass
+class RecipeEagle3:
+    """An EAGLE-3 head on the target's hidden states (specpilot_build/draft/eagle3.py)."""
+
+    # the target layers whose outputs feed the head (low, mid, high); None: SGLang's default for an N-layer
+    # target, the outputs of layers 1, N//2 - 1 and N - 4
+    aux_layers: Optional[List[int]] = None  # noqa: UP006, UP045
+    ttt_steps: int = 1  # training-time test: steps unrolled on the head's own output feature (1: none)
+
+
+@dataclass
 class Recipe:
     name: str = MISSING
-    kind: str = MISSING  # truncated | standalone
-    num_layers: int = 1  # the target's first layers the drafter keeps
+    kind: str = MISSING  # truncated | standalone | eagle3
+    num_layers: int = 1  # the target's first layers the drafter keeps (eagle3: the head's decoder layers, 1)
     # standalone: the head scores only the N tokens most frequent in the training outputs (draft_vocab.safetensors
     # maps them to the target's ids); None: the full vocabulary
     draft_vocab: Optional[int] = None  # noqa: UP006, UP045
     seed: int = 0
     data: Optional[RecipeData] = None  # noqa: UP006, UP045  standalone only
-    train: Optional[RecipeTrain] = None  # noqa: UP006, UP045  standalone only
+    train: Optional[RecipeTrain] = None  # noqa: UP006, UP045  standalone and eagle3 only
+    eagle3: Optional[RecipeEagle3] = None  # noqa: UP006, UP045  eagle3 only
 
 
 POSITIVE = {
@@ -65,6 +77,7 @@ POSITIVE = {
     "train.threads": 1,
     "train.warmup_steps": 0,
     "seed": 0,
+    "eagle3.ttt_steps": 1,
 }
 
 
@@ -119,7 +132,7 @@ def _valid_keys(full_key: str) -> str:
     from dataclasses import fields
 
     parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
-    schema = {"": Recipe, "data": RecipeData, "train": RecipeTrain}.get(parent)
+    schema = {"": Recipe, "data": RecipeData, "train": RecipeTrain, "eagle3": RecipeEagle3}.get(parent)
     if schema is None:
         return ""
     return f" (valid keys{' of ' + parent if parent else ''}: {', '.join(f.name for f in fields(schema))})"
@@ -130,13 +143,13 @@ def _check(recipe: dict[str, Any], where: str) -> None:
     if kind not in KINDS:
         raise ConfigError(f"{where}: kind '{kind}' is not one of {', '.join(KINDS)}")
     if kind == "truncated":
-        for key in ("draft_vocab", "data", "train"):
+        for key in ("draft_vocab", "data", "train", "eagle3"):
             if recipe[key] is not None:
                 raise ConfigError(f"{where}: key '{key}' does nothing for kind truncated (no training); drop it")
     else:
         for key in ("data", "train"):
             if recipe[key] is None:
-                raise ConfigError(f"{where}: kind standalone needs a `{key}:` section")
+                raise ConfigError(f"{where}: kind {kind} needs a `{key}:` section")
         from specpilot_build.measure.datasets import BENCHMARKS
 
         for name in recipe["data"]["datasets"]:
@@ -144,6 +157,18 @@ def _check(recipe: dict[str, Any], where: str) -> None:
                 raise ConfigError(f"{where}: data.datasets names {name!r}; known: {', '.join(BENCHMARKS)}")
         if recipe["train"]["lr"] <= 0:
             raise ConfigError(f"{where}: train.lr must be > 0, got {recipe['train']['lr']}")
+    if kind == "eagle3":
+        if recipe["eagle3"] is None:
+            raise ConfigError(f"{where}: kind eagle3 needs an `eagle3:` section")
+        if recipe["num_layers"] != 1:
+            raise ConfigError(f"{where}: num_layers {recipe['num_layers']}: an EAGLE-3 head has 1 decoder layer here")
+        layers = recipe["eagle3"]["aux_layers"]
+        if layers is not None and (len(layers) != 3 or min(layers) < 0):
+            raise ConfigError(
+                f"{where}: eagle3.aux_layers must be 3 target layer indices (low, mid, high), got {layers}"
+            )
+    elif recipe["eagle3"] is not None:
+        raise ConfigError(f"{where}: key 'eagle3' does nothing for kind {kind}; drop it")
     for key, low in POSITIVE.items():
         value = _lookup(recipe, key)
         if value is not None and value < low:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ARMS = ("ar", "stock", "final")
 DTYPES = ("float32", "bfloat16", "float16")
-ALGORITHMS = ("none", "ngram", "draft_model")
+ALGORITHMS = ("none", "ngram", "draft_model", "eagle3")
 
 # Mechanisms a `final` arm may switch on, with their value types.
 RUNTIME_OPTIONS = {

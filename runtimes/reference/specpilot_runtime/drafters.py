@@ -10,6 +10,9 @@ appended to it; verification decides what is kept, so a drafter only affects spe
 - `DraftModelDrafter` (`draft_model`): a small model sharing the tokenizer proposes k tokens greedily; with a
   reduced draft vocabulary (`draft_to_target`, a drafter's draft_vocab.safetensors) its head scores only those
   tokens and the argmax is mapped back to the target's id.
+- `Eagle3Drafter` (`eagle3`): an EAGLE-3 head (eagle3.py) on the target's hidden states from its last forward
+  (prefill or verify: the engine keeps them in `seq.aux` when the drafter names `aux_layers`), its own KV cache,
+  k chained steps, each proposal mapped back to a target id by d2t.
 """
 
 from __future__ import annotations
@@ -144,6 +147,37 @@ class DraftModelDrafter(NoDrafter):
         seq.draft_fed = []
 
 
+class Eagle3Drafter(NoDrafter):
+    """k chained steps of an EAGLE-3 head. `seq.eagle_len`: positions whose head KV entries were made from the
+    target's features (valid for good); `seq.aux`: the target's features of the positions after those, as the
+    engine collected them from its forwards. The target knows features up to the second-to-last token (the last
+    is scored by the next verify), so step 0 runs those new rows at once, pairing position p with token p + 1;
+    steps 1..k-1 feed the head's own output feature and its proposal, writing KV entries past eagle_len that the
+    next step 0 overwrites."""
+
+    def __init__(self, head):
+        self.head = head
+        self.aux_layers = head.aux_layers
+
+    def start(self, seq) -> None:
+        seq.eagle_len = 0
+
+    def propose(self, seq, k: int) -> list[int]:
+        aux, tokens = seq.aux, seq.tokens
+        start = seq.eagle_len
+        if k <= 0 or aux is None or start + len(aux) != len(tokens) - 1:
+            return []  # features missing (nothing to pair): no proposal this step
+        seq.aux = None
+        token, feature = self.head.step(seq.slot, start, tokens[start + 1 :], aux, from_target=True)
+        seq.eagle_len = position = len(tokens) - 1
+        proposals = [token]
+        for _ in range(k - 1):
+            position += 1
+            token, feature = self.head.step(seq.slot, position, [token], feature, from_target=False)
+            proposals.append(token)
+        return proposals
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -166,4 +200,6 @@ def make_drafter(drafter_config, runtime_options: dict, draft_model=None, draft_
         return PromptLookup(drafter_config.ngram_min_n, drafter_config.ngram_max_n)
     if algorithm == "draft_model":
         return DraftModelDrafter(draft_model, draft_to_target)
+    if algorithm == "eagle3":
+        return Eagle3Drafter(draft_model)
     raise ValueError(f"unknown drafter algorithm {algorithm!r}")

@@ -76,6 +76,7 @@ class Sequence:
     input_top_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
+    aux: torch.Tensor | None = None  # the target's features of new positions, for an EAGLE-3 drafter
 
     @property
     def output_ids(self) -> list[int]:
@@ -187,6 +188,7 @@ class Engine:
         rows = torch.arange(first_row, len(prompt), device=model.device)
         logits = model.forward(torch.tensor([prompt], device=model.device), [seq.slot], [0], logit_rows=rows)[0]
         seq.cache_len = len(prompt)
+        self._keep_aux(seq, model.last_aux, 0, len(prompt))
         if want_input:
             self._input_logprobs(seq, logits[:-1], first_row)
         self.drafter.start(seq)
@@ -240,12 +242,30 @@ class Engine:
             seq.cpu_s += share
             self._charge(seq, "draft", (forwarding - drafting) / len(running))
             self._charge(seq, "target", (done - forwarding) / len(running))
-            self._own_work(seq, lambda seq: self._accept(seq, proposal, targets[b], logits[b]), "bookkeeping")
+            self._own_work(
+                seq, lambda seq: self._accept(seq, proposal, targets[b], logits[b], model.last_aux, b), "bookkeeping"
+            )
 
-    def _accept(self, seq: Sequence, proposal: list[int], targets: list[int], logits: torch.Tensor) -> None:
+    def _keep_aux(self, seq: Sequence, aux: torch.Tensor | None, row: int, count: int) -> None:
+        """The target's features (model.capture) of `count` positions now known, appended for the drafter."""
+        if aux is None:
+            return
+        new = aux[row, :count]
+        seq.aux = new if seq.aux is None else torch.cat([seq.aux, new])
+
+    def _accept(
+        self,
+        seq: Sequence,
+        proposal: list[int],
+        targets: list[int],
+        logits: torch.Tensor,
+        aux: torch.Tensor | None = None,
+        row: int = 0,
+    ) -> None:
         accepted = 0
         while accepted < len(proposal) and proposal[accepted] == targets[accepted]:
             accepted += 1
+        self._keep_aux(seq, aux, row, accepted + 1)  # the last token's and the accepted proposals' positions
         new_tokens = proposal[:accepted] + [targets[accepted]]
         seq.cache_len += accepted + 1
         seq.verify_ct += 1

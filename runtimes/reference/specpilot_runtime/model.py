@@ -126,6 +126,10 @@ class LeanLlama:
             s.num_layers, num_slots, s.num_kv_heads, self.cache_length, s.head_dim, dtype=self.dtype, device=self.device
         )
         self.cos, self.sin = self._rope_tables()
+        # EAGLE-3 drafting: the outputs of these layers (the residual stream after each), concatenated, are kept
+        # as `last_aux` ([B, T, len * hidden]) by every forward; empty (the default) keeps nothing.
+        self.capture: tuple[int, ...] = ()
+        self.last_aux: torch.Tensor | None = None
         # Per layer and slot views, so a single-sequence step does no indexing to find its cache.
         self.slot_views = [
             [(self.k_cache[i, slot], self.v_cache[i, slot]) for i in range(s.num_layers)] for slot in range(num_slots)
@@ -281,6 +285,7 @@ class LeanLlama:
             )
         caches = self.slot_views[slot]
         x = F.embedding(tokens, self.embed)
+        caught = []
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
             qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(steps, 2 * nh + 3 * nkv, hd)
@@ -298,6 +303,9 @@ class LeanLlama:
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
             x = x + self.mm(F.silu(gate) * up, w_down)
+            if i in self.capture:
+                caught.append(x)
+        self.last_aux = torch.cat(caught, dim=-1)[None] if caught else None
         return x
 
     def _layers_batch(self, tokens: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:
@@ -318,6 +326,7 @@ class LeanLlama:
         lo = min(slots)
         contiguous = slots == list(range(lo, lo + batch))
         x = F.embedding(tokens.reshape(-1), self.embed)
+        caught = []
         for i, (weights, (attn_norm, mlp_norm)) in enumerate(zip(self.layers, self.norms)):
             wqkv, wo, w_gate_up, w_down = weights
             qkv = self.mm(self._normalise(x, attn_norm), wqkv).view(batch * steps, 2 * nh + 3 * nkv, hd)
@@ -341,6 +350,9 @@ class LeanLlama:
             x = x + self.mm(o, wo)
             gate, up = self.mm(self._normalise(x, mlp_norm), w_gate_up).chunk(2, dim=-1)
             x = x + self.mm(F.silu(gate) * up, w_down)
+            if i in self.capture:
+                caught.append(x)
+        self.last_aux = torch.cat(caught, dim=-1).view(batch, steps, -1) if caught else None
         return x.view(batch, steps, -1)
 
 

@@ -20,6 +20,7 @@ import torch
 from . import __version__
 from .config import EngineConfig, RuntimeConfigError, load_engine_config
 from .drafters import make_drafter
+from .eagle3 import Eagle3Head
 from .engine import Engine
 from .model import LeanLlama, load_hf_model
 from .protocol import ModelLimits
@@ -162,6 +163,12 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
         _check_same_tokenizer(draft_model, tokenizer)
         draft = LeanLlama(draft_hf, num_slots=slots, max_tokens_per_step=k + 1, device=device)
         draft_to_target = _draft_vocab(draft_model, hf_model.config.vocab_size)
+    if config.drafter.algorithm == "eagle3":
+        if not draft_model:
+            raise RuntimeConfigError("drafter.algorithm is eagle3: pass --draft-model <EAGLE-3 head directory>")
+        _check_same_tokenizer(draft_model, tokenizer)
+        draft = Eagle3Head(draft_model, target, slots)
+        target.capture = draft.aux_layers  # the target keeps those layers' outputs only now
     drafter = make_drafter(config.drafter, config.runtime_options, draft, draft_to_target)
     limits = ModelLimits(
         vocab_size=target.shape.vocab_size,
