@@ -232,6 +232,13 @@ class Engine:
         for seq in running:
             budget = min(self.num_draft_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1)
             proposals.append(self.drafter.propose(seq, budget)[:budget] if budget > 0 else [])
+        self._verify(running, proposals, shared_since, drafting)
+
+    def _verify(
+        self, running: list[Sequence], proposals: list[list[int]], shared_since: float, drafting: float
+    ) -> None:
+        """Score each sequence's last token and its proposed chain in one forward and accept; the engine-thread CPU
+        time since `shared_since` and the wall time since `drafting` (when proposing began) are shared out."""
         forwarding = time.perf_counter()
         width = 1 + max(len(p) for p in proposals)
         rows = [[seq.tokens[-1]] + p + [0] * (width - 1 - len(p)) for seq, p in zip(running, proposals)]

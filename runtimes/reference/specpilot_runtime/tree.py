@@ -33,6 +33,8 @@ from .drafters import PromptLookup, SharedNgramCache
 
 LONGEST_MATCH = 0.8  # a continuation of the longest indexed suffix, scaled by its share of that suffix's counts
 SHORTER_MATCH = 0.2  # one that only a shorter suffix was followed by
+BRANCH_FLOOR = 0.1  # a branch (one more root-to-leaf path: a copy of the cache for the verify) needs this score;
+# a tree with none left is a chain, verified as the chain drafters' proposals are
 
 
 class ContinuationIndex:
@@ -126,19 +128,23 @@ class DraftTree:
 
     def accepted(self, targets: list[int]) -> list[int]:
         """The rows of the longest path from the root whose every token is the target's greedy token after its
-        parent (targets[row]: the target's token after that row)."""
-        children: dict[tuple[int, int], int] = {}
+        parent (targets[row]: the target's token after that row); of equally long ones, the first."""
+        children: dict[tuple[int, int], list[int]] = {}
         for i, (token, parent) in enumerate(zip(self.tokens, self.parents)):
-            children.setdefault((parent + 1, token), i + 1)
-        path = [0]
-        while (child := children.get((path[-1], targets[path[-1]]))) is not None:
-            path.append(child)
-        return path
+            children.setdefault((parent + 1, token), []).append(i + 1)
+        longest = [0]
+        paths = [[0]]  # depth first; siblings with the same token (a drafter repeating itself) are all followed
+        while paths:
+            path = paths.pop()
+            if len(path) > len(longest):
+                longest = path
+            paths += [path + [child] for child in reversed(children.get((path[-1], targets[path[-1]]), []))]
+        return longest
 
 
 def build_tree(index: ContinuationIndex, tokens: list[int], budget: int, breadth: int) -> DraftTree:
-    """At most `budget` nodes and `breadth` leaves (each root-to-leaf path costs the verify a copy of the cache),
-    best first by the product of the continuation scores along each node's path."""
+    """At most `budget` nodes and `breadth` leaves (each root-to-leaf path costs the verify a copy of the cache; a new
+    one needs a score of BRANCH_FLOOR), best first by the product of the continuation scores along each node's path."""
     tree = DraftTree()
     contexts: list[list[int]] = []
     frontier: list[tuple[float, int, int, int]] = []  # (-score, order, parent, token): ties go to the earlier
@@ -158,7 +164,7 @@ def build_tree(index: ContinuationIndex, tokens: list[int], budget: int, breadth
     while frontier and len(tree) < budget:
         negative, _, parent, token = heapq.heappop(frontier)
         if has_child[parent + 1]:  # a new leaf
-            if leaves == breadth:
+            if leaves == breadth or -negative < BRANCH_FLOOR:
                 continue
             leaves += 1
         has_child[parent + 1] = True
@@ -339,6 +345,9 @@ def step(engine, running: list) -> None:
     for seq in running:
         budget = min(engine.num_draft_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1)
         trees.append(engine.drafter.propose_tree(seq, budget) if budget > 0 else DraftTree())
+    if all(tree.parents == list(range(-1, len(tree) - 1)) for tree in trees):  # chains: the chain's own verify
+        engine._verify(running, [tree.tokens for tree in trees], shared_since, drafting)
+        return
     forwarding = time.perf_counter()
     model = engine.model
     batch = tree_batch(model, [(s.slot, s.cache_len, s.tokens[-1], t) for s, t in zip(running, trees)])
