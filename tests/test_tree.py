@@ -223,7 +223,7 @@ def test_continuations_rank_by_count_then_recency_and_trees_respect_budget_and_b
     index = ContinuationIndex(1, 2)
     index.add([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2, 5, 1, 2, 5], 0)
     # after (1, 2): 3 twice, 5 twice (more recently), 4 once
-    assert [t for t, _ in index.continuations([7, 1, 2], 3)] == [5, 3, 4]
+    assert [t for t, _ in index.continuations([7, 1, 2], 3)[0]] == [5, 3, 4]
     tree = build_tree(index, [9, 1, 2], budget=6, breadth=2)
     assert len(tree) == 6 and tree.tokens[:2] == [5, 3] and tree.parents[:2] == [-1, -1]
     assert len(tree.rows()[1]) <= 2  # at most `breadth` root-to-leaf paths

@@ -81,22 +81,27 @@ class ContinuationIndex:
             best = self.ranked[key] = [(token, count / total) for token, (count, _) in top]
         return best
 
-    def continuations(self, context: list[int], breadth: int) -> list[tuple[int, float]]:
-        """Up to `breadth` distinct (token, score) that followed the longest indexed suffix of `context`, best
-        first; shorter suffixes fill the rest at a lower score."""
+    def continuations(self, context: list[int], breadth: int, longest: int | None = None) -> tuple[list, int]:
+        """Up to `breadth` distinct (token, score) that followed the longest indexed suffix of `context` (of at most
+        `longest` tokens), best first, shorter suffixes filling the rest at a lower score; and that suffix's length
+        (0: none). A context one token longer than one whose longest was n >= min_n - 1 has one of at most n + 1 (its
+        suffix minus the new token was followed by that token, so it is indexed)."""
         out: list[tuple[int, float]] = []
         scale = LONGEST_MATCH
-        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+        matched = 0
+        top = min(self.max_n, len(context), self.max_n if longest is None else longest)
+        for n in range(top, self.min_n - 1, -1):
             best = self._ranked(tuple(context[len(context) - n :]))
             if best is None:
                 continue
+            matched = matched or n
             for token, share in best:
                 if all(token != t for t, _ in out):
                     out.append((token, scale * share))
                     if len(out) == breadth:
-                        return out
+                        return out, matched
             scale = SHORTER_MATCH
-        return out
+        return out, matched
 
 
 @dataclass
@@ -152,15 +157,19 @@ def build_tree(index: ContinuationIndex, tokens: list[int], budget: int, breadth
     leaves = 1
     has_child = [False] * (budget + 1)  # by row: 0 the root, 1 + i node i
 
-    def expand(parent: int, context: list[int], score: float) -> None:
+    matched: list[int] = []  # per node, the length of its context's longest indexed suffix
+
+    def expand(parent: int, context: list[int], score: float, longest: int | None) -> int:
         nonlocal order
         # once the tree has all its leaves, a node can only be extended: its best continuation is enough
-        for token, p in index.continuations(context, breadth if leaves < breadth else 1):
+        found, n = index.continuations(context, breadth if leaves < breadth else 1, longest)
+        for token, p in found:
             heapq.heappush(frontier, (-score * p, order, parent, token))
             order += 1
+        return n
 
     root = tokens[len(tokens) - index.max_n :]
-    expand(-1, root, 1.0)
+    root_matched = expand(-1, root, 1.0, None)
     while frontier and len(tree) < budget:
         negative, _, parent, token = heapq.heappop(frontier)
         if has_child[parent + 1]:  # a new leaf
@@ -172,7 +181,8 @@ def build_tree(index: ContinuationIndex, tokens: list[int], budget: int, breadth
         tree.tokens.append(token)
         tree.parents.append(parent)
         contexts.append(context)
-        expand(len(tree) - 1, context, -negative)
+        longest = max(root_matched if parent < 0 else matched[parent], index.min_n - 1) + 1
+        matched.append(expand(len(tree) - 1, context, -negative, longest))
     return tree
 
 
