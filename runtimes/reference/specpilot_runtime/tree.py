@@ -1,22 +1,23 @@
 """N-gram trees: several continuations per branch point, every node verified in one target forward.
 
 On a model as small as stories260K a verify row costs little next to a step's per-op overhead, so more candidate
-tokens per forward pay off where a longer chain does not (most of its tail is rejected). With `drafter.tree_breadth`
-b > 1 the n-gram drafters propose a tree instead of a chain:
+tokens per forward might pay off where a longer chain does not. With `drafter.tree_breadth` b > 1 the n-gram
+drafters propose a tree instead of a chain (measured against the chain: benchmarks/tune.md, n-gram trees):
 - `ContinuationIndex` keeps, per n-gram, every token seen after it with its count and when it was last seen;
-- `build_tree` grows a tree of at most k nodes best first: a node's children are the top-b continuations of the
-  longest indexed suffix of its context (by count, ties to the most recent), scored LONGEST_MATCH x their share of
-  its count, and shorter suffixes fill up to b (scored SHORTER_MATCH x share); the tree takes the node whose path
-  has the highest product of scores next, so a suffix seen once grows a chain and alternatives branch off it;
+- `build_tree` grows a tree of at most k nodes and b root-to-leaf paths best first: a node's children are the
+  top-b continuations of the longest indexed suffix of its context (by count, ties to the most recent), scored
+  LONGEST_MATCH x their share of its count, and shorter suffixes fill up to b (scored SHORTER_MATCH x share); the
+  tree takes the node whose path has the highest product of scores next, so a suffix seen once grows a chain and
+  alternatives branch off it (a branch only from a score of BRANCH_FLOOR);
 - `forward_trees` scores the root (the sequence's last token) and every node in one forward; a row attends to the
   KV prefix and to its ancestors in depth order at positions start .. start + depth, exactly the keys a chain
   verify of that path would give it, at the same key indices, so its logits are those of the chain (and of ar) bit
-  for bit: the tree is cut into root-to-leaf paths, each row is scored on the first path through it, and each path
-  gets its own copy of its slot's keys and values with the path's new ones written at the positions a chain's
-  would take (rowgemm's and the padded BLAS products give a row the same result whatever rows are beside it);
+  for bit: the tree is cut into root-to-leaf paths, each row is scored on one path through it, and each path gets
+  its own copy of its slot's keys and values with the path's new ones written at the positions a chain's would take
+  (rowgemm's and the padded BLAS products give a row the same result whatever rows are beside it);
 - `step` accepts the longest path whose tokens the target's greedy tokens follow and writes only that path's keys
   and values into the cache, at consecutive positions; everything after (logprobs, stop checks, streaming) is the
-  engine's own.
+  engine's own. A step whose trees are all chains is verified as the chain drafters' proposals are.
 """
 
 from __future__ import annotations
