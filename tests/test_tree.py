@@ -22,7 +22,7 @@ from specpilot_build.errors import ConfigError
 from specpilot_runtime import tree as tree_module
 from specpilot_runtime.config import RuntimeConfigError, parse_engine_config
 from specpilot_runtime.drafters import NoDrafter, make_drafter
-from specpilot_runtime.engine import Engine
+from specpilot_runtime.engine import Engine, GenerationRequest
 from specpilot_runtime.model import LeanLlama
 from specpilot_runtime.tree import (
     ContinuationIndex,
@@ -275,3 +275,38 @@ def test_the_runtime_refuses_a_bad_breadth_and_builds_tree_drafters():
     assert isinstance(make_drafter(config.drafter, {"shared_ngram_cache": True}), TreeSharedNgramCache)
     assert isinstance(make_drafter(config.drafter, {}), TreePromptLookup)
     assert not hasattr(make_drafter(parsed(None).drafter, {}), "propose_tree")  # absent: today's chain
+
+
+def _streamed(engine: Engine, prompt: list[int], **options) -> tuple[dict, list[str]]:
+    """A streamed request's result and the texts it streamed on the way."""
+    done = threading.Event()
+    box: dict = {}
+    texts: list[str] = []
+
+    def emit(kind, payload):
+        if kind == "text":
+            texts.append(payload)
+        elif kind in ("done", "error"):
+            box[kind] = payload
+            done.set()
+
+    engine.submit(GenerationRequest(prompt, NEW, emit=emit, stream=True, **options))
+    assert done.wait(300) and "error" not in box, box
+    return box["done"], texts
+
+
+@pytest.mark.slow
+def test_streaming_and_stop_strings_of_a_tree_engine_match_ar(hf, tokenizer, ar, prompts, reference):
+    engine = _engine(hf, tokenizer, _drafter("shared", 3))
+    for prompt, (output_ids, _, _) in zip(prompts, reference):
+        engine.generate(prompt, NEW, timeout=300)  # the shared index now holds the answer: trees are accepted deep
+        text = tokenizer.decode(output_ids, skip_special_tokens=True)
+        stop = text[len(text) // 2 : len(text) // 2 + 6]  # a stop string in the middle of ar's answer
+        for options in ({}, {"stop_strings": (stop,)}):
+            got, streamed = _streamed(engine, prompt, **options)
+            want, _ = _streamed(ar, prompt, **options)
+            assert got["text"] == want["text"] and got["output_ids"] == want["output_ids"]
+            # streamed in growing pieces (several tokens a step), each a prefix of the answer
+            assert streamed and all(want["text"].startswith(t) for t in streamed)
+            assert all(len(a) < len(b) for a, b in zip(streamed, streamed[1:]))
+        assert stop not in want["text"] and len(want["text"]) < len(text)
