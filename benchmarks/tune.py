@@ -33,6 +33,8 @@ def hand_written(setting: str, space_name: str) -> dict[str, Any]:
         section, name = key.split(".", 1)
         base = config["drafter"].get(name) if section == "drafter" else False
         point[key] = merged.get(section, {}).get(name, base)
+        if key == "drafter.tree_breadth" and point[key] is None:  # unset: the chain
+            point[key] = 1
     return point
 
 

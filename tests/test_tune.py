@@ -50,6 +50,15 @@ def test_the_shipped_space_composes_into_the_embedded_default():
     space = load_space("ngram")
     assert check_space(space, SETTING) == ["shared-ngram-cache", "tuned-ngram"]
     assert space.grid()["drafter.num_draft_tokens"] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert "drafter.tree_breadth" not in space.grid()
+
+
+def test_the_tree_space_composes_and_searches_tree_breadth():
+    from specpilot_build.tune.space import check_space, load_space
+
+    space = load_space("ngram_tree")
+    assert check_space(space, SETTING) == ["shared-ngram-cache", "tuned-ngram"]
+    assert space.grid()["drafter.tree_breadth"] == [1, 2, 3, 4]
 
 
 def test_a_misspelt_key_is_refused_naming_file_key_and_the_nearest(conf):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from specpilot_build.errors import ConfigError
+
 NO_DRAFTER = {"name": "none", "algorithm": "none"}
 
 
@@ -31,6 +33,15 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
         launch_args.update(mech.get("launch_args", {}))
     if cfg["drafter"].get("recipe", "absent") is None:  # no recipe drafter: left out, so no engine id moves
         del cfg["drafter"]["recipe"]
+    breadth = cfg["drafter"].pop("tree_breadth", None)
+    if breadth is not None:
+        if cfg["runtime"]["name"] != "reference" or cfg["drafter"]["algorithm"] != "ngram":
+            raise ConfigError(
+                f"drafter.tree_breadth {breadth}: only the reference runtime's ngram drafter proposes trees "
+                f"(runtime {cfg['runtime']['name']}, drafter.algorithm {cfg['drafter']['algorithm']})"
+            )
+        if breadth > 1:  # 1 is the chain, as absent: left out, so that engine is the chain's, id and all
+            cfg["drafter"]["tree_breadth"] = breadth
     if cfg["runtime"].get("flag_check", "absent") is None:  # undeclared: not part of any engine id
         del cfg["runtime"]["flag_check"]
     runtime = cfg["runtime"]["name"]

@@ -71,6 +71,9 @@ class Drafter:
     block_size: Optional[int] = field(default=None, metadata=AT_LEAST_1)  # DFlash block size / DSpark gamma
     num_steps: Optional[int] = field(default=None, metadata=AT_LEAST_1)
     eagle_topk: Optional[int] = field(default=None, metadata=AT_LEAST_1)
+    # reference runtime, n-gram drafters: continuations per branch point (and root-to-leaf paths) of a proposed tree;
+    # None or 1 a chain, as before (None is left out of the effective config, so no engine id moves)
+    tree_breadth: Optional[int] = field(default=None, metadata={"min": 1, "max": 8})
     # a drafter SpecPilot makes (conf/recipe/<name>.yaml, `make draft`), found by the id that lockfiles/drafters.toml
     # pins under <model name>-<recipe>; instead of `repo`. None (every other drafter) is left out of the effective config
     recipe: Optional[str] = None
@@ -404,6 +407,8 @@ def _check_bounds(bounds: dict[str, Any], value: Any, path: str, where: str) -> 
             continue
         if "min" in bounds and v < bounds["min"]:
             raise ConfigError(f"{path} is {value!r} ({where}); it must be >= {bounds['min']}")
+        if "max" in bounds and v > bounds["max"]:
+            raise ConfigError(f"{path} is {value!r} ({where}); it must be <= {bounds['max']}")
         if "gt" in bounds and not v > bounds["gt"]:
             raise ConfigError(f"{path} is {value!r} ({where}); it must be > {bounds['gt']}")
 
@@ -457,6 +462,12 @@ def _check_mechanism(name: str, mech: dict[str, Any], runtime: str, src: _Source
             if not _type_ok(value, hints[key]):
                 raise ConfigError(f"{path} is {value!r} ({where}); {section}.{key} takes {_type_name(hints[key])}")
             _check_range(schema, key, value, path, where)
+    breadth = (mech.get("drafter") or {}).get("tree_breadth")
+    if breadth is not None and runtime != "reference":
+        raise ConfigError(
+            f"{at}.drafter.tree_breadth ({where_of(at + '.drafter.tree_breadth')}): n-gram trees are the reference "
+            f"runtime's; this setting runs {runtime}"
+        )
     options = mech.get("runtime_options") or {}
     if options and runtime != "reference":
         raise ConfigError(

@@ -9,6 +9,7 @@ from pathlib import Path
 ARMS = ("ar", "stock", "final")
 DTYPES = ("float32", "bfloat16", "float16")
 ALGORITHMS = ("none", "ngram", "draft_model", "eagle3")
+MAX_TREE_BREADTH = 8  # tree.py keeps this many continuations per n-gram
 
 # Mechanisms a `final` arm may switch on, with their value types.
 RUNTIME_OPTIONS = {
@@ -30,6 +31,7 @@ class DrafterConfig:
     num_draft_tokens: int = 0
     ngram_max_n: int = 4
     ngram_min_n: int = 1
+    tree_breadth: int = 1  # > 1: the n-gram drafters propose trees of this breadth (tree.py)
 
 
 @dataclass(frozen=True)
@@ -86,11 +88,18 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
         min_n = positive_int(get("drafter", "ngram_min_n", default=1), "drafter.ngram_min_n")
         if min_n > max_n:
             raise RuntimeConfigError(f"{where}: drafter.ngram_min_n {min_n} > drafter.ngram_max_n {max_n}")
+        breadth = get("drafter", "tree_breadth", default=None)
+        breadth = 1 if breadth is None else positive_int(breadth, "drafter.tree_breadth")
+        if breadth > MAX_TREE_BREADTH:
+            raise RuntimeConfigError(f"{where}: drafter.tree_breadth is {breadth}; expected at most {MAX_TREE_BREADTH}")
+        if breadth > 1 and algorithm != "ngram":
+            raise RuntimeConfigError(f"{where}: drafter.tree_breadth {breadth} needs drafter.algorithm ngram")
         drafter = DrafterConfig(
             algorithm=algorithm,
             num_draft_tokens=positive_int(get("drafter", "num_draft_tokens"), "drafter.num_draft_tokens"),
             ngram_max_n=max_n,
             ngram_min_n=min_n,
+            tree_breadth=breadth,
         )
     options = get("runtime_options", default={}) or {}
     if not isinstance(options, dict):

@@ -191,6 +191,10 @@ def make_drafter(drafter_config, runtime_options: dict, draft_model=None, draft_
     if algorithm == "none":
         return NoDrafter()
     if algorithm == "ngram":
+        if drafter_config.tree_breadth > 1:
+            from .tree import make_tree_drafter  # tree.py imports this module
+
+            return make_tree_drafter(drafter_config, runtime_options)
         if runtime_options.get("shared_ngram_cache"):
             return SharedNgramCache(
                 drafter_config.ngram_min_n,

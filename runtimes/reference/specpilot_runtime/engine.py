@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import tree
+
 log = logging.getLogger("specpilot_runtime")
 TIMED_PARTS = ("queue", "prefill", "draft", "target", "bookkeeping")
 
@@ -87,6 +89,7 @@ class Engine:
     def __init__(self, model, tokenizer, drafter, num_draft_tokens: int, max_running_requests: int):
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.num_draft_tokens = num_draft_tokens
+        self.trees = hasattr(drafter, "propose_tree")
         self.max_running = max_running_requests
         self.free_slots = list(range(model.num_slots))  # a heap: the lowest free slot is taken first, so
         # running sequences tend to hold slots 0..n-1, which the batched forward reads without a gather
@@ -223,11 +226,21 @@ class Engine:
         running = sorted(self.running, key=lambda s: s.slot)
         if not running:
             return
+        if self.trees:  # the drafter proposes trees: every node verified in one forward (tree.py)
+            tree.step(self, running)
+            return
         shared_since, drafting = time.thread_time(), time.perf_counter()
         proposals = []
         for seq in running:
             budget = min(self.num_draft_tokens, seq.request.max_new_tokens - len(seq.output_ids) - 1)
             proposals.append(self.drafter.propose(seq, budget)[:budget] if budget > 0 else [])
+        self._verify(running, proposals, shared_since, drafting)
+
+    def _verify(
+        self, running: list[Sequence], proposals: list[list[int]], shared_since: float, drafting: float
+    ) -> None:
+        """Score each sequence's last token and its proposed chain in one forward and accept; the engine-thread CPU
+        time since `shared_since` and the wall time since `drafting` (when proposing began) are shared out."""
         forwarding = time.perf_counter()
         width = 1 + max(len(p) for p in proposals)
         rows = [[seq.tokens[-1]] + p + [0] * (width - 1 - len(p)) for seq, p in zip(running, proposals)]
@@ -266,15 +279,19 @@ class Engine:
         while accepted < len(proposal) and proposal[accepted] == targets[accepted]:
             accepted += 1
         self._keep_aux(seq, aux, row, accepted + 1)  # the last token's and the accepted proposals' positions
-        new_tokens = proposal[:accepted] + [targets[accepted]]
+        self._commit(seq, len(proposal), accepted, proposal[:accepted] + [targets[accepted]], logits[: accepted + 1])
+
+    def _commit(self, seq: Sequence, drafted: int, accepted: int, new_tokens: list[int], logits: torch.Tensor) -> None:
+        """Count a verify step of `drafted` proposed tokens, `accepted` of them kept, and append `new_tokens` (the
+        accepted ones and the target's next, their logits rows in order)."""
         seq.cache_len += accepted + 1
         seq.verify_ct += 1
-        seq.draft_tokens += len(proposal)
+        seq.draft_tokens += drafted
         seq.accepted_tokens += accepted
         self.verify_steps += 1
-        self.draft_tokens += len(proposal)
+        self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        self._append(seq, new_tokens, logits[: accepted + 1], decoded=True)
+        self._append(seq, new_tokens, logits, decoded=True)
 
     def _append(self, seq: Sequence, new_tokens: list[int], logits: torch.Tensor, decoded: bool = False) -> None:
         """Append tokens one by one until a stop condition (`decoded`: they come from a decode step)."""

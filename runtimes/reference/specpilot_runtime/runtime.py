@@ -102,6 +102,7 @@ class Runtime:
             "speculative_num_draft_tokens": cfg.drafter.num_draft_tokens,
             "ngram_max_n": cfg.drafter.ngram_max_n,
             "ngram_min_n": cfg.drafter.ngram_min_n,
+            "tree_breadth": cfg.drafter.tree_breadth,
             "runtime_options": cfg.runtime_options,
             "concurrency": cfg.concurrency,
             "max_running_requests": cfg.max_running_requests,
