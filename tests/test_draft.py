@@ -279,13 +279,13 @@ def test_the_trained_drafter_setting_serves_and_verifies_lossless(scratch_lock, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change", ["tokenizer", "vocab_size"])
+@pytest.mark.parametrize("change", ["tokenizer", "config", "vocab_size"])
 def test_the_server_refuses_a_draft_model_of_another_vocabulary_in_one_line(
     scratch_lock, stories_dir, tmp_path, change
 ):
     """`specpilot_runtime.server --draft-model` (what serve runs) on a drafter whose tokenizer maps two tokens the
-    other way, or whose config says another vocabulary size: exit 2, one error line naming the flag and what
-    differs (after the weights' loading bars), no traceback."""
+    other way, or whose config says another vocabulary size (with or without weights to match): exit 2, one error
+    line naming the flag and what differs (after the weights' loading bars), no traceback."""
     import subprocess
     import sys
 
@@ -302,6 +302,10 @@ def test_the_server_refuses_a_draft_model_of_another_vocabulary_in_one_line(
         vocab[first], vocab[second] = vocab[second], vocab[first]
         (other / "tokenizer.json").write_text(json.dumps(tokenizer))
         words = "its tokenizer's vocabulary differs from the target's"
+    elif change == "config":  # config.json says 1024 tokens, the weights hold 512 (transformers: a traceback)
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+        words = "holds model.embed_tokens.weight of shape [512, 64], but config.json says vocab_size 1024"
     else:  # a consistent drafter of a 1024-token vocabulary (embedding, head and config), the same tokenizer file
         from safetensors.torch import save_file
 

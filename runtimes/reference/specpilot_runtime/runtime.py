@@ -201,7 +201,26 @@ def _load_checked(model_dir: str, dtype: str, device: str, flag: str):
             f"{flag} {model_dir}: model_type {config.get('model_type')!r}; the reference "
             "runtime serves Llama-architecture checkpoints only"
         )
+    _check_vocab_shapes(Path(model_dir), config, flag)
     return load_hf_model(model_dir, dtype, device)
+
+
+def _check_vocab_shapes(model_dir: Path, config: dict, flag: str) -> None:
+    """The embedding and head in the weights have the rows and width config.json says (transformers would stop
+    with a traceback); read from the safetensors headers, no tensor loaded."""
+    from safetensors import safe_open
+
+    expected = [config.get("vocab_size"), config.get("hidden_size")]
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in weights.keys():
+                    shape = list(weights.get_slice(name).get_shape())
+                    if shape != expected:
+                        raise RuntimeConfigError(
+                            f"{flag} {model_dir}: {path.name} holds {name} of shape {shape}, but config.json "
+                            f"says vocab_size {expected[0]}, hidden_size {expected[1]}"
+                        )
 
 
 def _read_json(path: Path, flag: str) -> dict:
