@@ -62,7 +62,9 @@ def load(tmp_path, config, stories_dir, head_dir):
 
 
 @pytest.mark.parametrize("shared_cache", [True, False], ids=["shared-cache", "prompt-lookup"])
-def test_the_hybrid_serves_the_targets_exact_tokens_and_both_sides_draft(head, stories_dir, golden, tmp_path, shared_cache):
+def test_the_hybrid_serves_the_targets_exact_tokens_and_both_sides_draft(
+    head, stories_dir, golden, tmp_path, shared_cache
+):
     """Matches of >= 2 tokens go to the n-grams, the rest to the head (k 2); llama2.c's golden token for token."""
     runtime = load(tmp_path, hybrid_config(shared=shared_cache), stories_dir, head.directory)
     assert runtime.engine.model.capture == (0, 2, 4)

@@ -114,7 +114,9 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
                 )
             fallback_k = k if fallback_k is None else positive_int(fallback_k, "drafter.fallback_num_draft_tokens")
         elif fallback_k is not None:
-            raise RuntimeConfigError(f"{where}: drafter.fallback_num_draft_tokens does nothing without drafter.fallback")
+            raise RuntimeConfigError(
+                f"{where}: drafter.fallback_num_draft_tokens does nothing without drafter.fallback"
+            )
         drafter = DrafterConfig(
             algorithm=algorithm,
             num_draft_tokens=k,
