@@ -2,17 +2,22 @@
 
     python benchmarks/drafters.py --setting cpu_c1_stories260k_standalone \
         --drafters stories260k-standalone,stories260k-truncated [--limit 2] [--max-new-tokens 96] [--k 4] [--threads 1]
-        [--ngram-ks 4,6,10]
+        [--ngram-ks 4,6,10] [--hybrids 4:2:1,4:2:2] [--seed 0]
 
 The target is the setting's model (fetched and proven); each drafter is the one lockfiles/drafters.toml pins,
 re-hashed in the store. Arms, one reference-runtime engine each, take turns prompt by prompt (machine noise hits
 them alike): `ar` (no drafter), `stock` (per-request prompt lookup with conf/drafter/ngram.yaml's defaults: n 1..3,
 k 4), each drafter with k proposals per step (an EAGLE-3 head, recipe eagle3, drafts on its arm's target's hidden
 states: k chained steps), and with `--ngram-ks` the n-gram final's drafter (one n-gram cache
-shared by all requests, n 1..8, as conf/mechanism/shared-ngram-cache.yaml) at each k given. Prompts: the first
+shared by all requests, n 1..8, as conf/mechanism/shared-ngram-cache.yaml) at each k given; with `--hybrids`
+the hybrid drafter (`drafter.fallback: eagle3`) for each NGRAM_K:HEAD_K:M given: the shared cache's proposal
+(matches of m..8 tokens, at most NGRAM_K) where it has one, else the chain of the first EAGLE-3 head of
+`--drafters` (HEAD_K steps). Prompts: the first
 `--limit` dev items of every dataset, rendered as bench renders them. Reported per arm: tokens/s (wall), tokens
 per CPU-second of this process, the mean acceptance length (tokens per target forward) and whether every output
-equals ar's token for token."""
+equals ar's token for token; then each arm's speed (tokens per CPU-second) over ar's, stock's and the first
+`--ngram-ks` arm's with a 95% bootstrap interval over prompts (paired: each resample draws the same prompts for
+every arm), and how many steps each hybrid's sides drafted."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import subprocess
 import time
 from datetime import UTC, datetime
@@ -30,7 +36,14 @@ from specpilot_build.draft.target import setting_target
 from specpilot_build.measure.datasets import BENCHMARKS, load_split
 from specpilot_build.measure.prompts import PromptRenderer
 from specpilot_build.models.drafters import locked_drafter
-from specpilot_runtime.drafters import DraftModelDrafter, Eagle3Drafter, NoDrafter, PromptLookup, SharedNgramCache
+from specpilot_runtime.drafters import (
+    DraftModelDrafter,
+    Eagle3Drafter,
+    HybridDrafter,
+    NoDrafter,
+    PromptLookup,
+    SharedNgramCache,
+)
 from specpilot_runtime.eagle3 import ARCHITECTURE, Eagle3Head
 from specpilot_runtime.engine import Engine
 from specpilot_runtime.model import LeanLlama, load_hf_model
@@ -46,6 +59,12 @@ def main() -> None:
         default="",
         help="also the n-gram final's drafter (shared cache, n 1..8) at these k, comma-separated",
     )
+    parser.add_argument(
+        "--hybrids",
+        default="",
+        help="also the hybrid drafter at these NGRAM_K:HEAD_K:M (comma-separated); the head: --drafters' EAGLE-3 head",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's")
     parser.add_argument("--limit", type=int, default=2, help="dev items per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4)
@@ -72,6 +91,14 @@ def main() -> None:
             continue
         draft = LeanLlama(load_hf_model(directory, target.dtype, "cpu"), 1, args.k + 1, "cpu")
         arms[name] = (DraftModelDrafter(draft, _draft_vocab(str(directory), hf.config.vocab_size)), args.k)
+    hybrids = {}
+    for spec in (spec for spec in args.hybrids.split(",") if spec):
+        if not heads:
+            parser.error("--hybrids needs an EAGLE-3 head in --drafters")
+        ngram_k, head_k, m = (int(x) for x in spec.split(":"))
+        name = f"hybrid: shared cache n {m}..8 k {ngram_k}, else {next(iter(heads))} k {head_k}"
+        hybrids[name] = (next(iter(heads.values())), ngram_k, head_k, m)
+        arms[name] = (None, max(ngram_k, head_k))
     engines = {}
     for arm, (drafter, k) in arms.items():
         model = LeanLlama(hf, 1, k + 1, "cpu")
@@ -79,9 +106,15 @@ def main() -> None:
             head = Eagle3Head(heads[arm], model, 1)
             model.capture = head.aux_layers
             drafter = Eagle3Drafter(head)
+        if arm in hybrids:
+            directory, ngram_k, head_k, m = hybrids[arm]
+            head = Eagle3Head(directory, model, 1)
+            model.capture = head.aux_layers
+            drafter = HybridDrafter(SharedNgramCache(m, 8, 1_000_000), Eagle3Drafter(head), ngram_k, head_k)
         engines[arm] = Engine(model, renderer.tokenizer, drafter, k, 1)
         engines[arm].start()
     stats = {arm: {"tokens": 0, "wall": 0.0, "cpu": 0.0, "forwards": 0, "same": 0} for arm in arms}
+    per_prompt: dict[str, list[tuple[int, float]]] = {arm: [] for arm in arms}  # (tokens, CPU-s) per prompt
     reference = {}
     for i, prompt in enumerate(prompts):
         for arm, engine in engines.items():
@@ -91,6 +124,7 @@ def main() -> None:
             s["wall"] += time.perf_counter() - wall
             s["cpu"] += time.process_time() - cpu
             ids = out["output_ids"]
+            per_prompt[arm].append((len(ids), time.process_time() - cpu))
             s["tokens"] += len(ids)
             s["forwards"] += len(ids) / max(out["meta_info"].get("spec_accept_length") or 1.0, 1e-9)
             reference.setdefault(i, ids)
@@ -114,6 +148,35 @@ def main() -> None:
             f"| {arm} | {s['tokens']} | {s['tokens'] / s['wall']:.1f} | {rate:.1f} | {rate / ar_rate:.2f}x | "
             f"{s['tokens'] / s['forwards']:.2f} | {s['same']}/{len(prompts)} |"
         )
+
+    print_intervals(per_prompt, args.seed, [k for k in arms if k.startswith("shared n-gram")][:1])
+    for arm in hybrids:
+        steps = engines[arm].drafter.steps
+        print(
+            f"\n{arm}: steps drafted by the n-grams {steps['ngram']}, by the head {steps['eagle3']}, none {steps['none']}"
+        )
+
+
+def print_intervals(per_prompt: dict[str, list[tuple[int, float]]], seed: int, extra: list[str]) -> None:
+    """Each arm's tokens per CPU-second over each baseline's, with a paired 95% bootstrap interval over prompts."""
+    baselines = ["ar", "stock", *extra]
+    n = len(per_prompt["ar"])
+    rng = random.Random(seed)
+    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(2000)]
+
+    def rate(arm: str, picks) -> float:
+        rows = [per_prompt[arm][i] for i in picks]
+        return sum(t for t, _ in rows) / sum(c for _, c in rows)
+
+    print(f"\n| arm | {' | '.join(f'vs {b} (CPU, 95% CI)' for b in baselines)} |")
+    print("|---|" + "---|" * len(baselines))
+    for arm in per_prompt:
+        cells = []
+        for base in baselines:
+            ratios = sorted(rate(arm, d) / rate(base, d) for d in draws)
+            point = rate(arm, range(n)) / rate(base, range(n))
+            cells.append(f"{point:.2f}x [{ratios[49]:.2f}, {ratios[1949]:.2f}]")
+        print(f"| {arm} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
             )
         if breadth > 1:  # 1 is the chain, as absent: left out, so that engine is the chain's, id and all
             cfg["drafter"]["tree_breadth"] = breadth
+    _fallback(cfg["drafter"], cfg["runtime"]["name"])
     if cfg["runtime"].get("flag_check", "absent") is None:  # undeclared: not part of any engine id
         del cfg["runtime"]["flag_check"]
     runtime = cfg["runtime"]["name"]
@@ -52,6 +53,27 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
     cfg["kernels"] = kernels
     cfg["runtime"]["launch_args"] = launch_args
     return cfg
+
+
+def _fallback(drafter: dict[str, Any], runtime: str) -> None:
+    """`drafter.fallback` (the hybrid drafter) where it does something, else an error; unset, both keys are left out."""
+    fallback, k = drafter.pop("fallback", None), drafter.pop("fallback_num_draft_tokens", None)
+    if fallback is None:
+        if k is not None:
+            raise ConfigError(f"drafter.fallback_num_draft_tokens {k} does nothing without drafter.fallback")
+        return
+    if fallback != "eagle3":
+        raise ConfigError(f"drafter.fallback is {fallback!r}; the only fallback is eagle3")
+    if runtime != "reference" or drafter["algorithm"] != "ngram" or drafter.get("tree_breadth"):
+        raise ConfigError(
+            f"drafter.fallback eagle3: only the reference runtime's ngram chain drafter hands steps to a head "
+            f"(runtime {runtime}, drafter.algorithm {drafter['algorithm']}, tree_breadth {drafter.get('tree_breadth')})"
+        )
+    if not drafter.get("recipe"):
+        raise ConfigError("drafter.fallback eagle3 needs drafter.recipe, the EAGLE-3 head's recipe (e.g. eagle3-135m)")
+    drafter["fallback"] = fallback
+    if k is not None:
+        drafter["fallback_num_draft_tokens"] = k
 
 
 # Where overlays come from, in application order: later layers see (and may patch) earlier layers' output.

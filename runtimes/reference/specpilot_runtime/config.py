@@ -9,6 +9,7 @@ from pathlib import Path
 ARMS = ("ar", "stock", "final")
 DTYPES = ("float32", "bfloat16", "float16")
 ALGORITHMS = ("none", "ngram", "draft_model", "eagle3")
+FALLBACKS = ("eagle3",)  # drafters the ngram drafter may hand a step to when it has no proposal
 MAX_TREE_BREADTH = 8  # tree.py keeps this many continuations per n-gram
 
 # Mechanisms a `final` arm may switch on, with their value types.
@@ -32,6 +33,13 @@ class DrafterConfig:
     ngram_max_n: int = 4
     ngram_min_n: int = 1
     tree_breadth: int = 1  # > 1: the n-gram drafters propose trees of this breadth (tree.py)
+    fallback: str | None = None  # eagle3: the head drafts the steps where the n-grams propose nothing
+    fallback_num_draft_tokens: int = 0  # the fallback's own k (default: num_draft_tokens)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens one step may propose (what a verify forward must fit)."""
+        return max(self.num_draft_tokens, self.fallback_num_draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -94,12 +102,29 @@ def parse_engine_config(raw: dict, where: str = "config.json") -> EngineConfig:
             raise RuntimeConfigError(f"{where}: drafter.tree_breadth is {breadth}; expected at most {MAX_TREE_BREADTH}")
         if breadth > 1 and algorithm != "ngram":
             raise RuntimeConfigError(f"{where}: drafter.tree_breadth {breadth} needs drafter.algorithm ngram")
+        k = positive_int(get("drafter", "num_draft_tokens"), "drafter.num_draft_tokens")
+        fallback = get("drafter", "fallback", default=None)
+        fallback_k = get("drafter", "fallback_num_draft_tokens", default=None)
+        if fallback is not None:
+            choice(fallback, FALLBACKS, "drafter.fallback")
+            if algorithm != "ngram" or breadth > 1:
+                raise RuntimeConfigError(
+                    f"{where}: drafter.fallback {fallback} needs drafter.algorithm ngram drafting chains "
+                    f"(it is {algorithm}, tree_breadth {breadth})"
+                )
+            fallback_k = k if fallback_k is None else positive_int(fallback_k, "drafter.fallback_num_draft_tokens")
+        elif fallback_k is not None:
+            raise RuntimeConfigError(
+                f"{where}: drafter.fallback_num_draft_tokens does nothing without drafter.fallback"
+            )
         drafter = DrafterConfig(
             algorithm=algorithm,
-            num_draft_tokens=positive_int(get("drafter", "num_draft_tokens"), "drafter.num_draft_tokens"),
+            num_draft_tokens=k,
             ngram_max_n=max_n,
             ngram_min_n=min_n,
             tree_breadth=breadth,
+            fallback=fallback,
+            fallback_num_draft_tokens=fallback_k or 0,
         )
     options = get("runtime_options", default={}) or {}
     if not isinstance(options, dict):

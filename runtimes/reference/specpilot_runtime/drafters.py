@@ -13,9 +13,15 @@ appended to it; verification decides what is kept, so a drafter only affects spe
 - `Eagle3Drafter` (`eagle3`): an EAGLE-3 head (eagle3.py) on the target's hidden states from its last forward
   (prefill or verify: the engine keeps them in `seq.aux` when the drafter names `aux_layers`), its own KV cache,
   k chained steps, each proposal mapped back to a target id by d2t.
+- `HybridDrafter` (`ngram` with `fallback: eagle3`): each step the n-gram drafter's proposal (prompt lookup or the
+  shared cache, matches of at least ngram_min_n tokens) when it has one, else the EAGLE-3 head's chain (its own k).
+  The head is not run on n-gram steps; the target's features of every position those steps settled wait in
+  `seq.aux`, and its next step 0 feeds them all at once, so its KV cache holds every accepted position either way.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -178,6 +184,37 @@ class Eagle3Drafter(NoDrafter):
         return proposals
 
 
+class HybridDrafter(NoDrafter):
+    """The n-gram proposal (at most ngram_k tokens) when there is one, else the head's chain (at most head_k).
+    `steps` counts the steps each side drafted (and "none": neither proposed anything)."""
+
+    def __init__(self, ngram: NoDrafter, head: Eagle3Drafter, ngram_k: int, head_k: int):
+        self.ngram, self.head = ngram, head
+        self.ngram_k, self.head_k = ngram_k, head_k
+        self.aux_layers = head.aux_layers
+        self.steps = {"ngram": 0, "eagle3": 0, "none": 0}
+
+    def start(self, seq) -> None:
+        self.ngram.start(seq)
+        self.head.start(seq)
+
+    def observe(self, seq, first_new: int) -> None:
+        self.ngram.observe(seq, first_new)
+
+    def propose(self, seq, k: int) -> list[int]:
+        proposal = self.ngram.propose(seq, min(k, self.ngram_k))
+        side = "ngram"
+        if not proposal:
+            proposal = self.head.propose(seq, min(k, self.head_k))
+            side = "eagle3" if proposal else "none"
+        self.steps[side] += 1
+        return proposal
+
+    def finish(self, seq) -> None:
+        self.ngram.finish(seq)
+        self.head.finish(seq)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -187,6 +224,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def make_drafter(drafter_config, runtime_options: dict, draft_model=None, draft_to_target=None):
+    if drafter_config.fallback == "eagle3":  # config.py allows it with the ngram chain drafter only
+        plain = dataclasses.replace(drafter_config, fallback=None)
+        return HybridDrafter(
+            make_drafter(plain, runtime_options),
+            Eagle3Drafter(draft_model),
+            drafter_config.num_draft_tokens,
+            drafter_config.fallback_num_draft_tokens,
+        )
     algorithm = drafter_config.algorithm
     if algorithm == "none":
         return NoDrafter()

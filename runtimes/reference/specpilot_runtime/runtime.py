@@ -103,6 +103,10 @@ class Runtime:
             "ngram_max_n": cfg.drafter.ngram_max_n,
             "ngram_min_n": cfg.drafter.ngram_min_n,
             "tree_breadth": cfg.drafter.tree_breadth,
+            "drafter_fallback": cfg.drafter.fallback,
+            "fallback_num_draft_tokens": cfg.drafter.fallback_num_draft_tokens or None,
+            # hybrid drafter: steps the n-grams drafted, the fallback drafted, neither proposed anything
+            "drafted_steps": getattr(engine.drafter, "steps", None),
             "runtime_options": cfg.runtime_options,
             "concurrency": cfg.concurrency,
             "max_running_requests": cfg.max_running_requests,
@@ -141,7 +145,7 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
     if config.quantization == "w12":
         _check_w12(dense_fallback)
     tokenizer = _load_tokenizer(model)
-    k = config.drafter.num_draft_tokens
+    k = config.drafter.max_draft_tokens
     slots = config.max_running_requests
     target = LeanLlama(
         hf_model,
@@ -164,9 +168,9 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
         _check_same_tokenizer(draft_model, tokenizer)
         draft = LeanLlama(draft_hf, num_slots=slots, max_tokens_per_step=k + 1, device=device)
         draft_to_target = _draft_vocab(draft_model, hf_model.config.vocab_size)
-    if config.drafter.algorithm == "eagle3":
+    if "eagle3" in (config.drafter.algorithm, config.drafter.fallback):
         if not draft_model:
-            raise RuntimeConfigError("drafter.algorithm is eagle3: pass --draft-model <EAGLE-3 head directory>")
+            raise RuntimeConfigError("the drafter runs an EAGLE-3 head: pass --draft-model <EAGLE-3 head directory>")
         _check_same_tokenizer(draft_model, tokenizer)
         draft = Eagle3Head(draft_model, target, slots)
         target.capture = draft.aux_layers  # the target keeps those layers' outputs only now
