@@ -197,6 +197,7 @@ def test_the_hybrid_setting_runs_the_ngram_final_with_the_head_as_fallback():
     ("overrides", "words"),
     [
         (["drafter.fallback_num_draft_tokens=2"], "drafter.fallback_num_draft_tokens 2 does nothing without"),
+        (["drafter.recipe=eagle3-135m"], "drafter.recipe eagle3-135m does nothing for drafter.algorithm ngram"),
         (["drafter.fallback=eagle3"], "drafter.fallback eagle3 needs drafter.recipe"),
         (["drafter.fallback=medusa", "drafter.recipe=eagle3-135m"], "drafter.fallback is 'medusa'"),
         (

@@ -61,6 +61,11 @@ def _fallback(drafter: dict[str, Any], runtime: str) -> None:
     if fallback is None:
         if k is not None:
             raise ConfigError(f"drafter.fallback_num_draft_tokens {k} does nothing without drafter.fallback")
+        if drafter.get("recipe") and drafter["algorithm"] in ("none", "ngram"):
+            raise ConfigError(
+                f"drafter.recipe {drafter['recipe']} does nothing for drafter.algorithm {drafter['algorithm']} "
+                "without drafter.fallback"
+            )
         return
     if fallback != "eagle3":
         raise ConfigError(f"drafter.fallback is {fallback!r}; the only fallback is eagle3")
