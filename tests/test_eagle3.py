@@ -310,6 +310,54 @@ def test_a_head_for_another_target_is_refused_in_one_line(head, stories_dir, tmp
     assert words in str(exc.value) and str(other) in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_the_output_only_loss_reads_the_output_rows_and_chains_starting_there(stories_dir):
+    """eagle3.output_only: the target's distribution on a prompt row moves the loss only where a chain from an
+    output row reaches it (never: the chains run forward); on an output row it moves it; without the key the
+    prompt's rows count too. Step j's rows are those j after a chain start, inside the sequence."""
+    from specpilot_build.draft import eagle3
+
+    config = eagle3.head_config(stories_dir, [0, 2, 4], 16)
+    head = eagle3.Eagle3Head(config)
+    generator = torch.Generator().manual_seed(0)
+    hidden = config["hidden_size"]
+
+    def record(length: int, first: int) -> dict[str, torch.Tensor]:
+        logp = torch.log_softmax(torch.randn(length, 16, generator=generator), -1).half()
+        aux = torch.randn(length, 3 * hidden, generator=generator)
+        return {
+            "aux": aux,
+            "next": torch.randint(0, 512, (length,), generator=generator),
+            "logp": logp,
+            "first": torch.tensor(first),
+        }
+
+    cached = [record(9, 4), record(6, 2)]  # padded to 9 in one batch of 2
+
+    def loss(records, output_only: bool) -> float:
+        aux, nxt, logp, valid, starts = eagle3._batch(records, 0, 0, 2, output_only)
+        rows = eagle3._step_rows(starts, valid, 3)
+        embeds = torch.randn(*nxt.shape, hidden, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            return eagle3._loss(head.unroll(aux, embeds, 3, rows), logp, rows).item()
+
+    aux, nxt, logp, valid, starts = eagle3._batch(cached, 0, 0, 2, True)
+    rows = eagle3._step_rows(starts, valid, 3)
+    b = [int(c["first"]) for c in cached].index(4)  # the batch's order is the seeded permutation's
+    assert rows[0][b].nonzero().flatten().tolist() == [4, 5, 6, 7, 8]
+    assert rows[2][b].nonzero().flatten().tolist() == [6, 7, 8]
+    assert rows[2][1 - b].nonzero().flatten().tolist() == [4, 5]
+
+    def changed(row: int) -> list[dict[str, torch.Tensor]]:
+        other = [dict(c) for c in cached]
+        other[0]["logp"] = other[0]["logp"].clone()
+        other[0]["logp"][row] = torch.log_softmax(torch.randn(16, generator=generator), -1).half()
+        return other
+
+    assert loss(changed(2), True) == loss(cached, True)  # a prompt row (the sequence's first output row is 4)
+    assert loss(changed(6), True) != loss(cached, True)
+    assert loss(changed(2), False) != loss(cached, False)
+
+
 # --- the recipe and the build ---------------------------------------------------------------------------------------
 
 
@@ -320,6 +368,7 @@ def test_a_head_for_another_target_is_refused_in_one_line(head, stories_dir, tmp
         (["num_layers=2"], "num_layers 2: an EAGLE-3 head has 1 decoder layer"),
         (["eagle3.ttt_step=2"], "unknown key 'eagle3.ttt_step'"),
         (["eagle3.ttt_steps=0"], "eagle3.ttt_steps must be >= 1"),
+        (["eagle3.output_only=maybe"], "eagle3.output_only"),
     ],
 )
 def test_a_bad_eagle3_recipe_is_one_line_naming_the_key(overrides, words):

@@ -14,7 +14,9 @@ reference runtime's LeanLlama, capturing the layers) over prompt + greedy output
 next position: the loss is the cross-entropy to that distribution (KL up to a constant), not the greedy token
 alone. Training-time test (EAGLE-3): with `eagle3.ttt_steps` = n > 1 the head is unrolled n steps, step j feeding
 at position t its own output feature of step j - 1 at t - 1 and attending to step 0's keys up to t - j plus the
-chain's own keys (the diagonal), as chained drafting does; step j's loss weighs 0.8^j.
+chain's own keys (the diagonal), as chained drafting does; step j's loss weighs 0.8^j. With `eagle3.output_only`
+the loss is on the rows that predict the target's output (and chains starting there) only: the prompt's rows still
+feed attention, and the head's product is computed on the loss rows alone.
 
 Determinism, checkpoints and batches are as recipe (b)'s (train.py): the head starts from a seeded init, the data
 order depends on (seed, step) alone, and a run resumed from work/checkpoint.pt gives the same bytes."""
@@ -150,10 +152,13 @@ class Eagle3Head(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def unroll(self, aux: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unroll(
+        self, aux: torch.Tensor, embeds: torch.Tensor, steps: int, rows: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """Logits [B, T, draft_vocab] of each of `steps` unrolled steps, for features aux [B, T, 3h] and next-token
         embeddings [B, T, h]. Step j at row t: feature = step j-1's output at t-1 (step 0: fc(aux[t])), keys =
-        step 0's up to t - j and steps 1..j's on the chain's diagonal."""
+        step 0's up to t - j and steps 1..j's on the chain's diagonal. With `rows` (a [B, T] mask per step), step
+        j's logits are those of its rows only, [N_j, draft_vocab] (the head's product is most of a step's cost)."""
         c, layer = self.c, self.midlayer
         batch, length, _ = embeds.shape
         nh, nkv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
@@ -163,7 +168,7 @@ class Eagle3Head(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out_logits = []
-        for _ in range(steps):
+        for j in range(steps):
             x = torch.cat([emb, layer.hidden_norm(feature)], dim=-1)
             att = layer.self_attn
             q = _rope(att.q_proj(x).view(batch, length, nh, d), cos, sin)
@@ -175,7 +180,7 @@ class Eagle3Head(nn.Module):
             mlp = layer.mlp
             normed = layer.post_attention_layernorm(hidden)
             out = mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed)) + hidden
-            out_logits.append(self.lm_head(self.norm(out)))
+            out_logits.append(self.lm_head(self.norm(out if rows is None else out[rows[j]])))
             feature = torch.cat([out.new_zeros(batch, 1, out.shape[-1]), out[:, :-1]], dim=1)
         return out_logits
 
@@ -258,7 +263,7 @@ def features(
         if path.is_file():
             record = load_file(str(path))
             if _feature_ok(record, length, len(layers), vocab, row):
-                out.append(record)
+                out.append({**record, "first": torch.tensor(len(row["prompt"]) - 1)})
                 continue
         if model is None:
             model = _target(target_dir, dtype, max(len(r["prompt"]) + len(r["output"]) for r in rows), layers)
@@ -266,7 +271,7 @@ def features(
         tmp = folder / f".{key}.{os.getpid()}.tmp"
         save_file(record, str(tmp), metadata={"key": key})
         os.replace(tmp, path)
-        out.append(record)
+        out.append({**record, "first": torch.tensor(len(row["prompt"]) - 1)})
     return out
 
 
@@ -348,14 +353,15 @@ def train_head(
     optimizer = torch.optim.AdamW(head.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
     step, losses = _resume(work, head, optimizer)
     steps, ttt = tcfg["steps"], recipe["eagle3"]["ttt_steps"]
+    output_only = recipe["eagle3"]["output_only"]
     head.train()
     bar = tqdm(total=steps, initial=step, desc=f"train {recipe['name']}", unit="step")
     while step < steps:
-        aux, nxt, logp, valid = _batch(cached, recipe["seed"], step, tcfg["batch_size"])
+        aux, nxt, logp, valid, starts = _batch(cached, recipe["seed"], step, tcfg["batch_size"], output_only)
         for group in optimizer.param_groups:
             group["lr"] = train._lr(tcfg, step)
-        logits = head.unroll(aux, F.embedding(nxt, embed), ttt)
-        loss = _loss(logits, logp, valid)
+        loss_rows = _step_rows(starts, valid, ttt)
+        loss = _loss(head.unroll(aux, F.embedding(nxt, embed), ttt, loss_rows), logp, loss_rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -396,23 +402,27 @@ def _init(head: Eagle3Head, seed: int, target: dict[str, torch.Tensor], vocab: t
         head.lm_head.weight.copy_(full[vocab])
 
 
-def _loss(logits: list[torch.Tensor], logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each step's draft distribution to the target's (over the draft vocabulary), rows where the
-    step's chain starts inside the sequence, steps weighted 0.8^j."""
-    target = logp.float().exp()
+def _step_rows(starts: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Step j's loss rows: t inside the sequence where a chain starting at row t - j (a row of `starts`) is."""
+    return [_shift(starts, j) & valid for j in range(steps)]
+
+
+def _loss(logits: list[torch.Tensor], logp: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of each step's draft distribution (logits of its `rows`) to the target's over the draft
+    vocabulary, steps weighted 0.8^j."""
     total = logits[0].new_zeros(())
     weights = 0.0
-    for j, step_logits in enumerate(logits):
-        rows = valid.clone()
-        rows[:, :j] = False
+    for j, (step_logits, mask) in enumerate(zip(logits, rows)):
+        target = logp[mask].float().exp()
         ce = -(target * torch.log_softmax(step_logits, dim=-1)).sum(-1)
-        total = total + STEP_WEIGHT**j * ce[rows].mean()
+        total = total + STEP_WEIGHT**j * ce.mean()
         weights += STEP_WEIGHT**j
     return total / weights
 
 
-def _batch(cached: list[dict[str, torch.Tensor]], seed: int, step: int, size: int):
-    """The batch of `step` (a seeded permutation per epoch, as train._batch): right-padded, with a validity mask."""
+def _batch(cached: list[dict[str, torch.Tensor]], seed: int, step: int, size: int, output_only: bool = False):
+    """The batch of `step` (a seeded permutation per epoch, as train._batch): right-padded, with a validity mask and
+    the mask of the rows a chain may start at (every valid row, or with `output_only` those predicting the output)."""
     per_epoch = max(1, len(cached) // size)
     epoch, at = divmod(step, per_epoch)
     order = torch.randperm(len(cached), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
@@ -423,10 +433,12 @@ def _batch(cached: list[dict[str, torch.Tensor]], seed: int, step: int, size: in
     nxt = torch.zeros(len(chosen), length, dtype=torch.int64)
     logp = torch.zeros(len(chosen), length, vocab, dtype=torch.float16)
     valid = torch.zeros(len(chosen), length, dtype=torch.bool)
+    starts = torch.zeros(len(chosen), length, dtype=torch.bool)
     for b, c in enumerate(chosen):
         n = len(c["next"])
         aux[b, :n], nxt[b, :n], logp[b, :n], valid[b, :n] = c["aux"], c["next"], c["logp"], True
-    return aux, nxt, logp, valid
+        starts[b, int(c["first"]) if output_only else 0 : n] = True
+    return aux, nxt, logp, valid, starts
 
 
 def _checkpoint(work: Path, step: int, head: Eagle3Head, optimizer, losses: list[float]) -> None:

@@ -49,6 +49,9 @@ class RecipeEagle3:
     # target, the outputs of layers 1, N//2 - 1 and N - 4
     aux_layers: Optional[List[int]] = None  # noqa: UP006, UP045
     ttt_steps: int = 1  # training-time test: steps unrolled on the head's own output feature (1: none)
+    # the loss on the rows that predict the target's output only (chains starting there); the prompt's rows still
+    # feed attention. False: every row, the prompt's too
+    output_only: bool = False
 
 
 @dataclass
