@@ -198,3 +198,22 @@ def conf(tmp_path, monkeypatch):
     shutil.copytree(REPO / "conf", root)
     monkeypatch.setenv("SPECPILOT_CONF", str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def eagle3_head(tmp_path_factory, stories_dir, repo):
+    """The small EAGLE-3 head for stories260K made once by `make draft` (recipe eagle3-135m with EAGLE3_SMALL) in a
+    scratch lock and data dir; the environment is restored as soon as it is made."""
+    from reference_runtime_helpers import EAGLE3_SMALL
+
+    from specpilot_build.draft.make import make_drafter
+
+    base = tmp_path_factory.mktemp("eagle3")
+    shutil.copytree(repo / "lockfiles", base / "lockfiles")
+    saved = {k: os.environ.get(k) for k in ("SPECPILOT_LOCKFILES", "SPECPILOT_DATA")}
+    os.environ.update(SPECPILOT_LOCKFILES=str(base / "lockfiles"), SPECPILOT_DATA=str(base / "data"))
+    try:
+        return make_drafter("cpu_c1_stories260k_ngram", "eagle3-135m", EAGLE3_SMALL)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)

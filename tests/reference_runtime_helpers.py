@@ -145,3 +145,14 @@ STORY_PROMPTS = [
     "A fish swam in the pond",
     "It was a cold night",
 ]
+
+
+EAGLE3_SMALL = [  # recipe eagle3-135m cut to seconds for stories260K (tests/conftest.py's eagle3_head)
+    "data.limit=3",
+    "data.max_new_tokens=24",
+    "draft_vocab=64",
+    "eagle3.aux_layers=[0,2,4]",
+    "train.steps=6",
+    "train.checkpoint_every=3",
+    "train.batch_size=4",
+]

@@ -16,39 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_runtime_helpers import EAGLE3_SMALL as SMALL
 from safetensors.torch import load_file
 
 SETTING = "cpu_c1_stories260k_ngram"
 # (c) cut to seconds for stories260K (5 layers): 3 prompts per dataset, 24 new tokens, 6 steps unrolled twice
-SMALL = [
-    "data.limit=3",
-    "data.max_new_tokens=24",
-    "draft_vocab=64",
-    "eagle3.aux_layers=[0,2,4]",
-    "train.steps=6",
-    "train.checkpoint_every=3",
-    "train.batch_size=4",
-]
 EAGLE3_PY = "sglang/srt/models/llama_eagle3.py"
 LLAMA_PY = "sglang/srt/models/llama.py"
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory, stories_dir, repo):
-    """The small head made once by `make draft` (recipe eagle3-135m with SMALL) in a scratch lock and data dir."""
-    import os
-
-    from specpilot_build.draft.make import make_drafter
-
-    base = tmp_path_factory.mktemp("eagle3")
-    shutil.copytree(repo / "lockfiles", base / "lockfiles")
-    saved = {k: os.environ.get(k) for k in ("SPECPILOT_LOCKFILES", "SPECPILOT_DATA")}
-    os.environ.update(SPECPILOT_LOCKFILES=str(base / "lockfiles"), SPECPILOT_DATA=str(base / "data"))
-    try:
-        yield make_drafter(SETTING, "eagle3-135m", SMALL)
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+def head(eagle3_head):
+    """The small head made once for the session (tests/conftest.py)."""
+    return eagle3_head
 
 
 @pytest.fixture(scope="module")

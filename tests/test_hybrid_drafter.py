@@ -5,38 +5,16 @@ n-gram steps are what a fresh head computes from the whole sequence's features, 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 SETTING = "cpu_c1_stories260k_ngram"
-SMALL = [  # recipe eagle3-135m cut to seconds for stories260K, as tests/test_eagle3.py cuts it
-    "data.limit=3",
-    "data.max_new_tokens=24",
-    "draft_vocab=64",
-    "eagle3.aux_layers=[0,2,4]",
-    "train.steps=6",
-    "train.checkpoint_every=3",
-    "train.batch_size=4",
-]
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory, stories_dir, repo):
-    import os
-
-    from specpilot_build.draft.make import make_drafter
-
-    base = tmp_path_factory.mktemp("hybrid")
-    shutil.copytree(repo / "lockfiles", base / "lockfiles")
-    saved = {k: os.environ.get(k) for k in ("SPECPILOT_LOCKFILES", "SPECPILOT_DATA")}
-    os.environ.update(SPECPILOT_LOCKFILES=str(base / "lockfiles"), SPECPILOT_DATA=str(base / "data"))
-    try:
-        yield make_drafter(SETTING, "eagle3-135m", SMALL)
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+def head(eagle3_head):
+    """The small head made once for the session (tests/conftest.py)."""
+    return eagle3_head
 
 
 def hybrid_config(k=3, fallback_k=2, min_n=2, max_running=1, shared=True, **drafter):
