@@ -106,6 +106,15 @@ def test_an_h200_w12_final_plans_from_the_h200_tables():
     assert plan["shapes"]["34816,5120"]["heavy"] == "bf16"  # smollm2-135m's 1.015 at 16
 
 
+def test_an_h100_w12_final_plans_from_the_h100_tables():
+    cfg = effective_config(compose_setting("h100_c1_stories260k-padded-bf16_ngram", "final").config)
+    plan = plan_for(cfg, KERNELS_DIR / "w12")
+    assert (plan["gpu"], plan["tables"], plan["buckets"]) == ("h100", "fallback_h100.json", [8, 16])
+    assert plan["shapes"]["34816,5120"]["heavy"] == "w12"  # 1.362 and 1.267 at 8 and 16 on the H100 (H200: bf16)
+    assert plan["shapes"]["10240,5120"]["light"] == "w12"  # 1.233 and 1.174
+    assert plan["shapes"]["10240,5120"]["heavy"] == "bf16"  # 0.881 at 16
+
+
 @pytest.mark.slow
 def test_a_w12_engine_ships_its_plan_and_the_plan_is_in_its_id(session_data):
     engine = build_engine("cpu_c1_stories260k-bf16_ngram", "final").engine
