@@ -87,6 +87,8 @@ def test_ar_is_plain_stock_is_sglangs_ngram_with_its_defaults_and_final_the_trai
         "--speculative-num-draft-tokens": "4",
     }
     assert flags(argvs["final"])["--cuda-graph-max-bs-decode"] == str(concurrency)
+    # SGLang admits 48 running requests under speculative decoding unless told: the c16 final admits its 16
+    assert flags(argvs["final"]).get("--max-running-requests") == (str(concurrency) if concurrency > 1 else None)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
