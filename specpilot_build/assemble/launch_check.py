@@ -86,17 +86,20 @@ def _values(engine: Engine, model_dir: Path, draft_dir: Path | None) -> dict:
     }
 
 
-def check_launch_args(engines: list[Engine], model_dir: Path, timeout: float = 900) -> dict[str, str | None]:
+def check_launch_args(
+    engines: list[Engine], model_dir: Path, timeout: float = 900, draft_dirs: dict[str, Path] | None = None
+) -> dict[str, str | None]:
     """{engine id: None when its SGLang accepts its argv, else the error line}. One subprocess per flag-check
     environment: a runtime whose SGLang this interpreter cannot import (runtime.flag_check, as for the build's
-    flag table) is checked with its pinned packages first on the path and its stand-ins."""
+    flag table) is checked with its pinned packages first on the path and its stand-ins. `draft_dirs` (engine id →
+    directory) fills an engine's {draft_model}, as serve does; otherwise the model directory stands in for it."""
     groups: dict[str, list[Engine]] = {}
     for engine in engines:
         spec = _flag_check_of(engine)
         groups.setdefault(json.dumps(spec, sort_keys=True), []).append(engine)
     results: dict[str, str | None] = {}
     for key, members in groups.items():
-        results.update(_check_group(members, json.loads(key), model_dir, timeout))
+        results.update(_check_group(members, json.loads(key), model_dir, timeout, draft_dirs or {}))
     return results
 
 
@@ -108,7 +111,9 @@ def _flag_check_of(engine: Engine) -> dict:
         return {}
 
 
-def _check_group(engines: list[Engine], flag_check: dict, model_dir: Path, timeout: float) -> dict[str, str | None]:
+def _check_group(
+    engines: list[Engine], flag_check: dict, model_dir: Path, timeout: float, draft_dirs: dict[str, Path]
+) -> dict[str, str | None]:
     paths = [python_path(e) for e in engines]
     everyone = sorted({entry for path in paths for entry in path})
     jobs = [
@@ -117,7 +122,7 @@ def _check_group(engines: list[Engine], flag_check: dict, model_dir: Path, timeo
             "python": str(e.path / "python"),
             "path": path,
             "others": everyone,
-            "argv": server_argv(e, model_dir),
+            "argv": server_argv(e, model_dir, draft_dirs.get(e.id)),
         }
         for e, path in zip(engines, paths)
     ]

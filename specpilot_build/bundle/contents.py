@@ -8,6 +8,7 @@ The layout is the installed prefix's:
     data/converted/<repo>/<revision>/<name>[-padded]/...
                                         llama2.c checkpoints as serve loads them (converted, checked)
     data/synthetic/<repo>/<revision>/...  checkpoints SpecPilot writes itself (and their tokenizer source)
+    data/drafters/<id hex>/...          drafters `make draft` made, as serve finds them by their pinned id
     data/datasets/<file>                the pinned benchmark files bench reads
     env/...                             the engine's environment, first on the engine's PYTHONPATH after its tree
     specpilot/specpilot_build/, specpilot/lockfiles/, specpilot/conf/
@@ -120,6 +121,9 @@ def model_members(engine: Engine) -> list[Member]:
         if record is None:
             continue
         section = config[role]
+        if role == "drafter" and section.get("recipe"):  # a drafter `make draft` made: its store directory
+            members += _directory_members(dirs[role], data, {f["path"]: f["sha256"] for f in record["converted"]})
+            continue
         if is_synthetic(record["repo"]):
             members += _synthetic_members(record, dirs[role], cache, data)
             continue

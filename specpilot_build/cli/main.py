@@ -848,7 +848,8 @@ def _models(args) -> int:
     for role, path in materialize_setting(config, pins, mirror=args.mirror).items():
         repo = config[role].get("repo")
         if repo is None:  # a drafter `make draft` made: named by its lock key, found by its id
-            print(f"{role:8} {config['model']['name']}-{config[role]['recipe']}  {path}")
+            made_for = config[role].get("made_for") or config["model"]["name"]
+            print(f"{role:8} {made_for}-{config[role]['recipe']}  {path}")
             continue
         print(f"{role:8} {repo}@{pins[repo].revision[:12]}  {path}")
     return 0

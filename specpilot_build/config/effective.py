@@ -33,6 +33,11 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
         launch_args.update(mech.get("launch_args", {}))
     if cfg["drafter"].get("recipe", "absent") is None:  # no recipe drafter: left out, so no engine id moves
         del cfg["drafter"]["recipe"]
+    made_for = cfg["drafter"].pop("made_for", None)
+    if made_for is not None:
+        if not cfg["drafter"].get("recipe"):
+            raise ConfigError(f"drafter.made_for {made_for} does nothing without drafter.recipe")
+        cfg["drafter"]["made_for"] = made_for
     breadth = cfg["drafter"].pop("tree_breadth", None)
     if breadth is not None:
         if cfg["runtime"]["name"] != "reference" or cfg["drafter"]["algorithm"] != "ngram":

@@ -77,6 +77,11 @@ class Drafter:
     # a drafter SpecPilot makes (conf/recipe/<name>.yaml, `make draft`), found by the id that lockfiles/drafters.toml
     # pins under <model name>-<recipe>; instead of `repo`. None (every other drafter) is left out of the effective config
     recipe: Optional[str] = None
+    # the model (conf/model/<name>) the `recipe` drafter was made for, where the served model is that checkpoint in
+    # another dtype (SGLang serves smollm2-135m-bf16 the drafter made for smollm2-135m): the lock key becomes
+    # <made_for>-<recipe>, and the pin's target must be the served model's repo. None (the setting's own model) is
+    # left out of the effective config, so no engine id moves
+    made_for: Optional[str] = None
     # reference runtime, ngram chain drafter: `eagle3` hands each step where the n-grams propose nothing (no match of
     # at least ngram_min_n tokens) to the EAGLE-3 head `recipe` names, drafting fallback_num_draft_tokens (default
     # num_draft_tokens). None (every other drafter) is left out of the effective config, so no engine id moves

@@ -38,6 +38,12 @@ def recipe_of_setting(setting: str) -> str:
     drafter = effective_config(compose_setting(setting, "final").config)["drafter"]
     if not drafter.get("recipe"):
         raise ConfigError(f"setting {setting}: its final arm's drafter has no recipe; name one with RECIPE=<name>")
+    if drafter.get("made_for"):  # this setting serves a drafter made with another model's settings
+        raise ConfigError(
+            f"setting {setting}: its final arm serves the drafter made for model {drafter['made_for']}; make it with "
+            f"a setting whose model is {drafter['made_for']} (RECIPE={drafter['recipe']}), or name RECIPE=<name> "
+            f"to make one for this setting's model"
+        )
     return str(drafter["recipe"])
 
 

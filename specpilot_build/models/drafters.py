@@ -7,6 +7,7 @@ records the locked id and files as its drafter checkpoint (repo specpilot-drafte
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,15 +66,18 @@ def load_drafter_pins(path: Path | None = None) -> dict[str, DrafterPin]:
 
 
 def drafter_checkpoint_pin(config: dict, setting: str, lockfiles: Path | None = None) -> CheckpointPin:
-    """The pin an engine records for its recipe drafter (`drafter.recipe`). Not locked: one line naming the
-    `make draft` to run."""
-    recipe = config["drafter"]["recipe"]
-    name = lock_key(config["model"]["name"], recipe)
+    """The pin an engine records for its recipe drafter (`drafter.recipe`; the lock key is the model's name, or
+    `drafter.made_for`, and the recipe's). Not locked, or made for another checkpoint than the model's: one line."""
+    recipe, made_for = config["drafter"]["recipe"], config["drafter"].get("made_for")
+    name = lock_key(made_for or config["model"]["name"], recipe)
     path = (lockfiles or lockfiles_dir()) / LOCKFILE
     pin = load_drafter_pins(path).get(name)
     if pin is None:
+        raise PinError(f"drafter {name} ({setting}): not in {path.name}; {_make_hint(config, setting)}")
+    if pin.target != config["model"]["repo"]:
         raise PinError(
-            f"drafter {name} ({setting}): not in {path.name}; run `make draft SETTING={setting} RECIPE={recipe}`"
+            f'drafter {name} ({setting}): {path.name} ["{name}"] was made for {pin.target}, '
+            f"but the model is {config['model']['repo']}"
         )
     return CheckpointPin(repo=REPO_PREFIX + name, revision=pin.id.removeprefix("blake3:"), converted=pin.files)
 
@@ -100,7 +104,7 @@ def stored_drafter(record: dict, config: dict) -> Path:
     from specpilot_build.models.proof import verified
 
     name = record["repo"].removeprefix(REPO_PREFIX)
-    hint = f"run `make draft SETTING={config.get('setting', '<setting>')} RECIPE={config['drafter']['recipe']}`"
+    hint = _make_hint(config, config.get("setting", "<setting>"))
     directory = drafter_dir(record["revision"])
     if not directory.is_dir():
         raise PinError(f"drafter {name} (blake3:{record['revision'][:12]}…): not in the store ({directory}); {hint}")
@@ -114,4 +118,25 @@ def stored_drafter(record: dict, config: dict) -> Path:
                 f"{directory / f.path}: differs from the pinned drafter {name} (sha256 {f.sha256[:16]}…); "
                 f"delete {directory} and {hint}"
             )
+    made_as = _recorded_id(directory / RECORD)
+    if made_as != "blake3:" + record["revision"]:  # hashes match a lock entry whose id names another drafter
+        raise IntegrityError(
+            f"{directory / RECORD}: the drafter's id is {made_as}, not the pinned blake3:{record['revision'][:12]}… "
+            f"of {name}; {hint}"
+        )
     return directory
+
+
+def _recorded_id(path: Path) -> str | None:
+    try:
+        made = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return made.get("id") if isinstance(made, dict) else None
+
+
+def _make_hint(config: dict, setting: str) -> str:
+    drafter = config["drafter"]
+    made_for = drafter.get("made_for")
+    where = f"SETTING={setting}" if not made_for else f"SETTING=<a setting whose model is {made_for}>"
+    return f"run `make draft {where} RECIPE={drafter['recipe']}`"

@@ -197,7 +197,7 @@ def write_placeholder_lock(directory: Path, repos: list[str]) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     real = lockfiles_dir()
-    for name in ("runtimes.toml", "datasets.toml"):
+    for name in ("runtimes.toml", "datasets.toml", "drafters.toml"):  # drafters: pins of `make draft`
         if (real / name).is_file():
             shutil.copyfile(real / name, directory / name)
     for name in ("hosts", "envs"):  # host profiles and environment locks (hosts/profiles.py)
