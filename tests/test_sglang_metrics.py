@@ -17,7 +17,7 @@ from reference_runtime_helpers import free_port
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.measure import gaps, sglang_metrics
-from specpilot_build.measure.bench import metrics_probes
+from specpilot_build.measure.bench import attach_metrics, metrics_probes, request_record
 from specpilot_build.measure.results import SCHEMA
 from specpilot_build.serve import client
 
@@ -252,21 +252,9 @@ def probed_requests(server: CountingServer, *tokens: int) -> tuple[list[dict], c
     probes = metrics_probes(server.url, SGLANG_CONFIG, 1)
     assert probes is not None
     done = client.post_all(server.url, bodies(*tokens), 1, probe=probes())
-    requests = []
-    for index, answer in enumerate(done.answers):
-        delta = sglang_metrics.difference(done.probes[index], done.probes[index + 1], "test")
-        requests.append(
-            {
-                "dataset": "gsm8k",
-                "item_id": str(index),
-                "completion_tokens": answer.body["meta_info"]["completion_tokens"],
-                "latency_s": answer.latency,
-                "accept_length": answer.body["meta_info"]["completion_tokens"]
-                / answer.body["meta_info"]["spec_verify_ct"],
-                "timing_s": None,
-                "sglang_metrics": delta,
-            }
-        )
+    entries = [{"dataset": "gsm8k", "item_id": str(i), "prompt_ids": [1, 2, 3]} for i in range(len(tokens))]
+    requests = [request_record(entry, answer) for entry, answer in zip(entries, done.answers)]
+    attach_metrics(requests, done.probes, server.url)
     return requests, done
 
 

@@ -103,13 +103,10 @@ def bench(
                 continue
             bodies = [generate_body(e["prompt_ids"], e["max_new_tokens"]) for e in entries]
             done = client.post_all(url, bodies, concurrency, on_answer=advance, probe=probes and probes())
-            for index, (entry, answer) in enumerate(zip(entries, done.answers)):
+            for entry, answer in zip(entries, done.answers):
                 requests.append(request_record(entry, answer))
-                if done.probes is not None:
-                    where = f"{url}/metrics around {entry['dataset']} item {entry['item_id']}"
-                    requests[-1]["sglang_metrics"] = sglang_metrics.difference(
-                        done.probes[index], done.probes[index + 1], where
-                    )
+            if done.probes is not None:
+                attach_metrics(requests[-len(entries) :], done.probes, url)
             per_dataset[dataset] = {
                 "requests": len(entries),
                 "wall_s": done.wall_s,
@@ -339,6 +336,13 @@ def metrics_probes(url: str, config: dict, concurrency: int, settle_s: float = 1
         return probe
 
     return new_probe
+
+
+def attach_metrics(records: list[dict], probes: list[dict[str, float]], url: str) -> None:
+    """Each request's SGLang counter differences (the reads before and after it) as its `sglang_metrics`."""
+    for index, record in enumerate(records):
+        where = f"{url}/metrics around {record['dataset']} item {record['item_id']}"
+        record["sglang_metrics"] = sglang_metrics.difference(probes[index], probes[index + 1], where)
 
 
 def _warm_up(url: str, plan: dict, concurrency: int) -> dict:
