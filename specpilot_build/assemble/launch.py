@@ -46,7 +46,9 @@ def sglang_flags(cfg: dict) -> dict:
     """SGLang server arguments (flag without `--` → value; without model path, host and port). Stock arms keep
     SGLang's defaults (max running requests, CUDA-graph sizes, block sizes); `final` mechanisms add tuned values."""
     model, drafter = cfg["model"], cfg["drafter"]
-    args: dict = {"dtype": model["dtype"]}
+    # SGLang's Prometheus counters: where a c1 bench reads each request's time by part (measure/sglang_metrics.py);
+    # they change no token, and being in the launch spec they are part of the engine id that serve runs exactly
+    args: dict = {"enable-metrics": True, "dtype": model["dtype"]}
     if is_synthetic(model["repo"]):  # a config without weights (models/synthetic.py): SGLang's seeded dummy weights
         args["load-format"] = "dummy"
     if model.get("quantization"):
@@ -81,6 +83,7 @@ def sglang_args(cfg: dict) -> list[str]:
 def flag_origins(cfg: dict, composed_final: dict | None) -> dict[str, str]:
     """Where each SGLang flag of `sglang_flags(cfg)` was set: a config field or a final-arm mechanism."""
     where = {
+        "enable-metrics": "every SGLang engine (assemble/launch.py: the counters gaps reads)",
         "dtype": "model.dtype",
         "quantization": "model.quantization",
         "speculative-algorithm": "drafter.algorithm",
@@ -114,5 +117,7 @@ def _sglang(cfg: dict) -> dict:
         "PYTHONPATH": "{engine}/python:{engine}/kernels",
         "PYTHONDONTWRITEBYTECODE": "1",
         "SPECPILOT_ENGINE_ID": "{engine_id}",
+        # the device timer behind sglang:forward_execution_seconds_total{category} (target and draft runners)
+        "SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1",
     }
     return {"runtime": "sglang", "argv": argv, "env": env}

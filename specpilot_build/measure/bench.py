@@ -9,6 +9,10 @@ another, each with the setting's concurrency, so each has its own wall time (the
 dataset). One results JSON holds everything compare, score and verify need, and what binds it to its inputs:
 the server's /server_info as served, the engine's manifest (whose blake3 digest is the engine id) and the
 oracle's engine id and manifest (the setting's `ar` engine, built from the same pins when the run was benched).
+
+Where the time goes: the reference runtime answers each request with `meta_info.timing_s`; SGLang does not, so a
+c1 bench of an SGLang engine reads its /metrics before the first request and after each answer (outside the
+timed wall) and keeps each request's counter differences as `sglang_metrics` (measure/sglang_metrics.py).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import importlib.metadata
 import platform
 import subprocess
 import sys
+import time
 
 from specpilot_build.defaults import DEFAULT_PORT
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.measure import sglang_metrics
 from specpilot_build.measure.datasets import BENCHMARKS, dataset_pin, load_split
 from specpilot_build.measure.prompts import PromptRenderer, prompts_digest
 from specpilot_build.measure.results import SCHEMA, manifest_record, results_path, write_json
@@ -89,15 +95,18 @@ def bench(
 
     date = dt.datetime.now(dt.UTC)
     warmup = _warm_up(url, plan, concurrency)
+    probes = metrics_probes(url, engine.config, concurrency)
     requests, per_dataset, totals = [], {}, {"wall_s": 0.0, "client_gap_s": 0.0, "client_cpu_s": 0.0}
     with client.progress_bar(progress, sum(len(v) for v in plan.values())) as advance:
         for dataset, entries in plan.items():
             if not entries:
                 continue
             bodies = [generate_body(e["prompt_ids"], e["max_new_tokens"]) for e in entries]
-            done = client.post_all(url, bodies, concurrency, on_answer=advance)
+            done = client.post_all(url, bodies, concurrency, on_answer=advance, probe=probes and probes())
             for entry, answer in zip(entries, done.answers):
                 requests.append(request_record(entry, answer))
+            if done.probes is not None:
+                attach_metrics(requests[-len(entries) :], done.probes, url)
             per_dataset[dataset] = {
                 "requests": len(entries),
                 "wall_s": done.wall_s,
@@ -298,6 +307,42 @@ def accept_length(meta: dict, completion_tokens: int) -> float | None:
 def finish_reason(meta: dict) -> str | None:
     reason = meta.get("finish_reason")
     return reason.get("type") if isinstance(reason, dict) else reason
+
+
+def metrics_probes(url: str, config: dict, concurrency: int, settle_s: float = 1.0):
+    """Makes, per pass, a read of an SGLang engine's /metrics for a c1 bench (None for the reference runtime,
+    whose answers carry their timing, and above c1). After an answer it reads again until SGLang has counted
+    that request finished (it counts it just after answering). A server without the metrics is benched all the
+    same, with a note."""
+    if config["runtime"]["name"] == "reference" or concurrency != 1:
+        return None
+    try:
+        sglang_metrics.scrape(url)
+    except SpecPilotError as exc:
+        print(f"note: no per-part timing recorded, `make gaps` will refuse this run: {exc}", file=sys.stderr)
+        return None
+
+    def new_probe():
+        finished: list[float] = []  # the finished-requests counter at each read
+
+        def probe() -> dict[str, float]:
+            snapshot, deadline = sglang_metrics.scrape(url), time.perf_counter() + settle_s
+            while finished and snapshot[sglang_metrics.REQUESTS] <= finished[-1] and time.perf_counter() < deadline:
+                time.sleep(0.002)
+                snapshot = sglang_metrics.scrape(url)
+            finished.append(snapshot[sglang_metrics.REQUESTS])
+            return snapshot
+
+        return probe
+
+    return new_probe
+
+
+def attach_metrics(records: list[dict], probes: list[dict[str, float]], url: str) -> None:
+    """Each request's SGLang counter differences (the reads before and after it) as its `sglang_metrics`."""
+    for index, record in enumerate(records):
+        where = f"{url}/metrics around {record['dataset']} item {record['item_id']}"
+        record["sglang_metrics"] = sglang_metrics.difference(probes[index], probes[index + 1], where)
 
 
 def _warm_up(url: str, plan: dict, concurrency: int) -> dict:

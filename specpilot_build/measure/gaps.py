@@ -1,7 +1,8 @@
 """The cost model: where each emitted token's time goes, against the ceilings the hardware sets.
 
-From a bench run of an engine (per request: latency, tokens, acceptance and the server's wall time per part,
-`meta_info.timing_s` of the reference runtime) and the hardware's peak memory bandwidth, per dataset:
+From a bench run of an engine (per request: latency, tokens, acceptance and the server's wall time per part:
+`meta_info.timing_s` of the reference runtime, or for an SGLang engine the differences of its own /metrics
+counters around the request, measure/sglang_metrics.py) and the hardware's peak memory bandwidth, per dataset:
 
 - the ar ceiling: one target forward reads the weights once, so tokens/s <= bandwidth / weight bytes;
 - the speculative ceiling at the measured acceptance length (tokens per target forward), drafting free;
@@ -29,6 +30,7 @@ import numpy as np
 
 from specpilot_build.errors import SpecPilotError
 from specpilot_build.locations import REPO_ROOT
+from specpilot_build.measure import sglang_metrics
 from specpilot_build.measure.results import load_results, write_json
 
 SCHEMA = "specpilot.gaps/1"
@@ -105,12 +107,13 @@ def gaps_report(engine, run: str | Path, bandwidth: Bandwidth | None = None) -> 
     config = engine.config
     if int(data.get("concurrency") or 1) != 1:
         raise SpecPilotError(f"{path}: gaps models one request at a time (c1); this run is c{data['concurrency']}")
-    requests = data["requests"]
+    requests = [_with_timing(r, path) for r in data["requests"]]
     missing = [f"{r['dataset']}/{r['item_id']}" for r in requests if not r.get("timing_s")]
     if missing:
         raise SpecPilotError(
-            f"{path}: requests {', '.join(missing[:3])} carry no server timing (meta_info.timing_s); "
-            "bench an engine whose runtime records it"
+            f"{path}: requests {', '.join(missing[:3])} carry no server timing (the reference runtime's "
+            "meta_info.timing_s, or an SGLang engine's /metrics around each request); bench at c1 an engine "
+            "built since SGLang launch specs carry --enable-metrics (rebuild it: its id moved)"
         )
     bandwidth = bandwidth or hardware_bandwidth(config["hardware"]["name"])
     per_forward_ceiling_s = weight_bytes(config["model"]) / bandwidth.bytes_per_s
@@ -132,6 +135,18 @@ def gaps_report(engine, run: str | Path, bandwidth: Bandwidth | None = None) -> 
         "datasets": rows,
     }
     return report
+
+
+def _with_timing(request: dict, path: Path) -> dict:
+    """The request with its timing_s: its own, or made from the SGLang counters' differences bench recorded."""
+    delta = request.get("sglang_metrics")
+    if request.get("timing_s") or not delta:
+        return request
+    where = f"{path}: {request['dataset']}/{request['item_id']}"
+    if not isinstance(delta, dict) or not all(isinstance(v, (int, float)) for v in delta.values()):
+        raise SpecPilotError(f"{where}: sglang_metrics is not a mapping of counter names to numbers")
+    sglang_metrics.check_one_request(delta, int(request["completion_tokens"]), where)
+    return {**request, "timing_s": sglang_metrics.timing(delta, where)}
 
 
 def _dataset_row(requests: list[dict], per_forward_ceiling_s: float, width: int) -> dict[str, Any]:

@@ -4,6 +4,10 @@
 sent and answered. A worker's *gap* is the time between getting one answer and sending its next request: the
 client-side time a slot sits empty while the client works (parsing, recording, progress). The sum of gaps over
 all slots, divided by slots x wall time, is the client overhead that bench reports.
+
+At one request in flight a `probe` (a callable, e.g. a read of the server's /metrics) can run before the first
+request and after each answer; its results come back in `Pass.probes` (one more than the answers) and its time
+is kept out of the wall time and the gaps, so a probed pass times the server as an unprobed one does.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Pass:
     client_gap_s: float  # summed over slots
     client_cpu_s: float  # this process's CPU time during the pass
     concurrency: int
+    probes: list | None = None  # probe() before the first request, then after each answer
 
     @property
     def overhead_fraction(self) -> float:
@@ -59,16 +64,32 @@ def served_engine_id(info: dict) -> str | None:
     return None
 
 
-def post_all(url: str, bodies: list[dict], concurrency: int, on_answer=None, timeout: float = 3600.0) -> Pass:
+def post_all(
+    url: str, bodies: list[dict], concurrency: int, on_answer=None, timeout: float = 3600.0, probe=None
+) -> Pass:
     """POST every body to url/generate with `concurrency` in flight; answers keep the order of bodies."""
-    return asyncio.run(_post_all(url, bodies, concurrency, on_answer, timeout))
+    if probe is not None and concurrency != 1:
+        raise SpecPilotError(f"a probe between requests needs one request in flight, not {concurrency}")
+    return asyncio.run(_post_all(url, bodies, concurrency, on_answer, timeout, probe))
 
 
-async def _post_all(url, bodies, concurrency, on_answer, timeout) -> Pass:
+async def _post_all(url, bodies, concurrency, on_answer, timeout, probe=None) -> Pass:
     concurrency = max(1, min(concurrency, len(bodies) or 1))
     answers: list[Answer | None] = [None] * len(bodies)
     gaps = [0.0] * concurrency
     next_index = 0
+    probes: list = []
+    probed_s = 0.0
+
+    def run_probe() -> float:
+        """Runs the probe; returns when it finished, so the time it took counts nowhere."""
+        nonlocal probed_s
+        started = time.perf_counter()
+        probes.append(probe())
+        finished = time.perf_counter()
+        probed_s += finished - started
+        return finished
+
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
@@ -89,18 +110,22 @@ async def _post_all(url, bodies, concurrency, on_answer, timeout) -> Pass:
                 if on_answer is not None:
                     on_answer(index, answers[index])
                 free_since = time.perf_counter()
+                if probe is not None:
+                    free_since = run_probe()
 
+        if probe is not None:
+            probes.append(probe())  # before the clock starts
         cpu0, start = time.process_time(), time.perf_counter()
         try:
             await asyncio.gather(*(worker(slot, start) for slot in range(concurrency)))
         except httpx.HTTPError as exc:
             raise SpecPilotError(f"request to {url}/generate failed: {exc!r}") from None
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - start - probed_s
         cpu = time.process_time() - cpu0
     received = [a for a in answers if a is not None]
     if len(received) != len(answers):  # every worker ends only when the queue is empty: a gap is a bug, not data
         raise SpecPilotError(f"{url}/generate: {len(answers) - len(received)} of {len(answers)} requests got no answer")
-    return Pass(received, wall, sum(gaps), cpu, concurrency)
+    return Pass(received, wall, sum(gaps), cpu, concurrency, probes if probe is not None else None)
 
 
 class progress_bar:
