@@ -96,6 +96,29 @@ def test_the_pair_space_searches_the_hybrids_head_keys_only_where_a_fallback_is_
     assert seen == {True, False}
 
 
+def test_the_grid_over_a_conditional_space_reaches_every_candidate():
+    import optuna
+
+    from specpilot_build.tune.run import suggest_point
+    from specpilot_build.tune.space import load_space
+    from specpilot_build.tune.study import make_sampler
+
+    space = load_space("pair")
+    study = optuna.create_study(sampler=make_sampler("grid", 0, space.grid()), direction="maximize")
+    candidates: list[tuple] = []
+
+    def objective(trial) -> float:
+        candidates.append(tuple(sorted(suggest_point(trial, space, space.distributions()).items(), key=str)))
+        return 1.0
+
+    study.optimize(objective, n_trials=1000)
+    # k 2..8 x ngram_max_n 4 x ngram_min_n 2 x (no fallback, or eagle3 with k 1..4): the grid's points without a
+    # fallback differ only in the head's unused keys, so each such candidate comes 4 times (a tune reuses its result)
+    assert len(set(candidates)) == 7 * 4 * 2 * (1 + 4)
+    without = [c for c in candidates if ("drafter.fallback", None) in c]
+    assert len(without) == 4 * len(set(without)) == 4 * 7 * 4 * 2
+
+
 def test_a_conditional_key_needs_a_gate_in_the_space_that_can_be_null(conf):
     from specpilot_build.tune.space import load_space
 
