@@ -61,6 +61,81 @@ def test_the_tree_space_composes_and_searches_tree_breadth():
     assert space.grid()["drafter.tree_breadth"] == [1, 2, 3, 4]
 
 
+def test_the_pair_space_searches_the_hybrids_head_keys_only_where_a_fallback_is_chosen():
+    import optuna
+
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.config.effective import effective_config
+    from specpilot_build.tune.run import suggest_point
+    from specpilot_build.tune.space import candidate_overrides, check_space, load_space
+
+    setting = "cpu_c1_smollm2-135m_ngram"
+    space = load_space("pair")
+    mechanisms = check_space(space, setting)
+    assert mechanisms == ["shared-ngram-cache", "tuned-ngram"]
+    assert space.grid()["drafter.fallback"] == [None, "eagle3"]
+    head_keys = {"drafter.fallback_num_draft_tokens", "drafter.recipe"}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), direction="maximize")
+    distributions = space.distributions()
+    seen = set()
+    for _ in range(16):
+        trial = study.ask()
+        values = suggest_point(trial, space, distributions)
+        study.tell(trial, 1.0)
+        hybrid = values["drafter.fallback"] is not None
+        seen.add(hybrid)
+        assert head_keys & set(values) == (head_keys if hybrid else set()), values
+        assert trial.params == values  # what the study records is the candidate that ran
+        composed = compose_setting(setting, "final", candidate_overrides(mechanisms, values))
+        drafter = effective_config(composed.config)["drafter"]
+        if hybrid:
+            assert drafter["fallback"] == "eagle3" and drafter["recipe"] == "eagle3-135m"
+            assert drafter["fallback_num_draft_tokens"] == values["drafter.fallback_num_draft_tokens"]
+        else:
+            assert "fallback" not in drafter and "recipe" not in drafter
+    assert seen == {True, False}
+
+
+def test_the_grid_over_a_conditional_space_reaches_every_candidate():
+    import optuna
+
+    from specpilot_build.tune.run import suggest_point
+    from specpilot_build.tune.space import load_space
+    from specpilot_build.tune.study import make_sampler
+
+    space = load_space("pair")
+    study = optuna.create_study(sampler=make_sampler("grid", 0, space.grid()), direction="maximize")
+    candidates: list[tuple] = []
+
+    def objective(trial) -> float:
+        candidates.append(tuple(sorted(suggest_point(trial, space, space.distributions()).items(), key=str)))
+        return 1.0
+
+    study.optimize(objective, n_trials=1000)
+    # k 2..8 x ngram_max_n 4 x ngram_min_n 2 x (no fallback, or eagle3 with k 1..4): the grid's points without a
+    # fallback differ only in the head's unused keys, so each such candidate comes 4 times (a tune reuses its result)
+    assert len(set(candidates)) == 7 * 4 * 2 * (1 + 4)
+    without = [c for c in candidates if ("drafter.fallback", None) in c]
+    assert len(without) == 4 * len(set(without)) == 4 * 7 * 4 * 2
+
+
+def test_a_conditional_key_needs_a_gate_in_the_space_that_can_be_null(conf):
+    from specpilot_build.tune.space import load_space
+
+    base = "params:\n  drafter:\n    fallback: {gate}\n    recipe: [eagle3-135m]\nonly_with:\n  {key}: {on}\n"
+    for name, gate, key, on, words in (
+        ("nogate", "[null, eagle3]", "drafter.recipe", "drafter.fallbak", "drafter.fallbak is not a key of params"),
+        ("nokey", "[null, eagle3]", "drafter.recipee", "drafter.fallback", "drafter.recipee is not a key of params"),
+        ("nonull", "[eagle3]", "drafter.recipe", "drafter.fallback", "must list null"),
+    ):
+        _space(conf, name, base.format(gate=gate, key=key, on=on))
+        with pytest.raises(ConfigError) as caught:
+            load_space(name)
+        message = str(caught.value)
+        assert f"{name}.yaml" in message and f"only_with.{key}" in message and words in message, message
+        assert "\n" not in message
+
+
 def test_a_misspelt_key_is_refused_naming_file_key_and_the_nearest(conf):
     name = _space(conf, "typo", "params:\n  drafter:\n    num_draft_tokns: [2, 4]\n")
     message = _refusal(name)

@@ -155,7 +155,7 @@ def tune(
         distributions = space.distributions()
 
         def objective(trial) -> float:
-            values = {key: _suggest(trial, key, dist) for key, dist in distributions.items()}
+            values = suggest_point(trial, space, distributions)
             same = studies.same_point(study, values, trial.number)
             if same is not None:
                 return _reuse(trial, same, values, table, console)
@@ -229,6 +229,16 @@ def _check_gpu(setting: str) -> None:
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def suggest_point(trial, space, distributions: dict) -> dict[str, Any]:
+    """The trial's candidate ("section.key" -> value): every key of the space, but a conditional key (`only_with`)
+    only where its gate came out non-null, so that no candidate sets a key that does nothing."""
+    values: dict[str, Any] = {}
+    for key, dist in distributions.items():
+        if space.active(key, values):
+            values[key] = _suggest(trial, key, dist)
+    return values
 
 
 def _suggest(trial, key: str, dist) -> Any:

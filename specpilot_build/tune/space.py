@@ -4,7 +4,11 @@ A space is composed with Hydra (its own file as the primary config, merged into 
 unknown top-level key fails), then each of its values is composed into the setting as the final arm's only
 mechanism (`tuned`) through the real compose: the schema's own checks (unknown or misspelt key, wrong type, a
 value out of range, runtime options on SGLang or launch arguments on the reference runtime) refuse it, and the
-error names the space file and key."""
+error names the space file and key.
+
+`only_with` makes a key conditional: `drafter.recipe: drafter.fallback` searches (and sets) drafter.recipe only in
+the trials where drafter.fallback is not null, since a key that does nothing is an error (the hybrid's head keys
+without a fallback)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ RANGE_KEYS = {"low", "high", "step"}
 class TuneSpace:
     description: str = ""
     params: dict[str, Any] = field(default_factory=dict)  # section -> key -> choices | range; or key -> choices
+    only_with: dict[str, str] = field(default_factory=dict)  # "section.key" -> the "section.key" it needs non-null
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class Space:
     name: str
     file: Path
     params: dict[str, list[Any] | dict[str, Any]]  # "section.key" -> choices or {low, high, step}; "key" -> choices
+    only_with: dict[str, str] = field(default_factory=dict)  # key -> the key whose non-null value it needs
 
     @property
     def shown(self) -> str:
@@ -42,7 +48,27 @@ class Space:
 
     def canonical(self) -> str:
         """What a study records of its space, compared when the study is resumed."""
-        return json.dumps(self.params, sort_keys=True)
+        if not self.only_with:  # as before conditional keys existed, so earlier studies resume
+            return json.dumps(self.params, sort_keys=True)
+        return json.dumps({"params": self.params, "only_with": self.only_with}, sort_keys=True)
+
+    def active(self, key: str, values: dict[str, Any]) -> bool:
+        """Whether `key` is searched in a trial that has `values` so far (its gate, if any, chosen non-null)."""
+        gate = self.only_with.get(key)
+        return gate is None or values.get(gate) is not None
+
+    def context(self, key: str, value: Any) -> dict[str, Any]:
+        """{key: value} with what makes it a valid candidate alone: a gated key with its gate's first non-null
+        choice, and a gate (or gated key) with the first value of every other key the gate opens."""
+        gate = self.only_with.get(key, key)
+        if key == gate and (value is None or key not in self.only_with.values()):
+            return {key: value}
+        first = self.grid()
+        values = {gate: value if key == gate else next(v for v in first[gate] if v is not None)}
+        for gated, its_gate in self.only_with.items():
+            if its_gate == gate:
+                values[gated] = value if gated == key else first[gated][0]
+        return values
 
     def grid(self) -> dict[str, list[Any]]:
         """Every value of every key: ranges expanded by their step."""
@@ -63,7 +89,8 @@ class Space:
         import optuna.distributions as od
 
         out: dict[str, Any] = {}
-        for key, spec in self.params.items():
+        # gates before the keys they open: a trial suggests a gated key only once its gate is chosen
+        for key, spec in sorted(self.params.items(), key=lambda item: item[0] in self.only_with):
             if isinstance(spec, list):
                 out[key] = od.CategoricalDistribution(spec)
             elif all(isinstance(spec[k], int) for k in spec):
@@ -97,7 +124,20 @@ def load_space(name: str) -> Space:
             params[f"{section}.{key}"] = _checked_spec(spec, f"{where}: params.{section}.{key}")
     if not params:
         raise ConfigError(f"{where}: the space is empty (no params); give at least one key with its choices")
-    return Space(name=name, file=file, params=params)
+    only_with = dict(raw.get("only_with") or {})
+    for key, gate in only_with.items():
+        for name_ in (key, gate):
+            if name_ not in params:
+                raise ConfigError(f"{where}: only_with.{key}: {name_} is not a key of params")
+        if gate in only_with:
+            raise ConfigError(f"{where}: only_with.{key}: its gate {gate} is itself conditional (one level only)")
+        choices = params[gate]
+        if not isinstance(choices, list) or None not in choices or all(v is None for v in choices):
+            raise ConfigError(
+                f"{where}: only_with.{key}: {gate} must list null and at least one other choice, else the "
+                "condition does nothing"
+            )
+    return Space(name=name, file=file, params=params, only_with=only_with)
 
 
 def _compose_file(name: str, where: str) -> dict:
@@ -191,7 +231,8 @@ def check_space(space: Space, setting: str) -> list[str]:
     for key, values in grid.items():
         for value in values:
             try:
-                composed = compose_setting(setting, "final", candidate_overrides(mechanisms, {key: value}))
+                candidate = candidate_overrides(mechanisms, space.context(key, value))
+                composed = compose_setting(setting, "final", candidate)
                 check_sglang_flags(composed)
             except ConfigError as exc:
                 raise ConfigError(
