@@ -79,8 +79,8 @@ engine-gc: $(STAMP) ## remove unreferenced objects and temporaries [DRY_RUN=1] [
 sweep: $(STAMP) ## build SETTINGS x ARMS as one Hydra multirun [LAUNCHER=local|slurm OVERRIDES]
 	$(SP) sweep --settings $(SETTINGS) --arms $(ARMS) $(if $(LAUNCHER),--launcher $(LAUNCHER)) $(OVERRIDES)
 
-tune: $(STAMP) ## search SETTING's final mechanism (Optuna, tune split, lossless only) [SPACE TRIALS SAMPLER=tpe|grid|random SEED STUDY LIMIT PROMOTE=1 EVAL_LIMIT LEADERS LAUNCHER]
-	$(SP) tune --setting $(SETTING) --port $(PORT) $(if $(SPACE),--space $(SPACE)) $(if $(TRIALS),--trials $(TRIALS)) $(if $(SAMPLER),--sampler $(SAMPLER)) $(if $(SEED),--seed $(SEED)) $(if $(STUDY),--study $(STUDY)) $(call flag,LIMIT,--limit $(LIMIT)) $(call flag,PROMOTE,--promote) $(if $(EVAL_LIMIT),--eval-limit $(EVAL_LIMIT)) $(if $(LEADERS),--leaders $(LEADERS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
+tune: $(STAMP) ## search SETTING's final mechanism (Optuna, tune split, lossless only) [SPACE TRIALS SAMPLER=tpe|grid|random SEED STUDY LIMIT PROMOTE=1 EVAL_LIMIT LEADERS LAUNCHER MAX_NEW_TOKENS]
+	$(SP) tune --setting $(SETTING) --port $(PORT) $(if $(filter command line environment,$(origin MAX_NEW_TOKENS)),--max-new-tokens $(MAX_NEW_TOKENS)) $(if $(SPACE),--space $(SPACE)) $(if $(TRIALS),--trials $(TRIALS)) $(if $(SAMPLER),--sampler $(SAMPLER)) $(if $(SEED),--seed $(SEED)) $(if $(STUDY),--study $(STUDY)) $(call flag,LIMIT,--limit $(LIMIT)) $(call flag,PROMOTE,--promote) $(if $(EVAL_LIMIT),--eval-limit $(EVAL_LIMIT)) $(if $(LEADERS),--leaders $(LEADERS)) $(if $(LAUNCHER),--launcher $(LAUNCHER))
 
 lock: $(STAMP) ## pin SETTING's model and drafter repos to commits, files to sha256 [UPDATE=1]
 	$(SP) lock --setting $(SETTING) $(call flag,UPDATE,--update)

@@ -173,3 +173,13 @@ def test_every_cli_verb_has_its_make_target(verb: tuple[str, ...]) -> None:
         check=True,
     ).stdout
     assert re.search(rf"/specpilot {' '.join(verb)}(\s|$)", plan, re.M), f"make {target} runs:\n{plan}"
+
+
+@pytest.mark.parametrize(("given", "passed"), [(["MAX_NEW_TOKENS=96"], "--max-new-tokens 96"), ([], None)])
+def test_make_tune_passes_max_new_tokens_only_when_given(given: list[str], passed: str | None) -> None:
+    # bench's default (2048) must not become the tune's: without MAX_NEW_TOKENS the tune keeps its own (128)
+    plan = subprocess.run(
+        ["make", "-n", "-s", "tune", *given], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    flags = re.findall(r"--max-new-tokens \d+", plan)
+    assert flags == ([passed] if passed else []), plan
