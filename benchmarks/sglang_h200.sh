@@ -77,6 +77,7 @@ run_group() {
         audit=$(echo "$audit" | awk '/files imported|imported and kept|imported and pruned|never imported/ {printf "%s%s", sep, $NF; sep="/"}')
         audit=${audit:-"AUDIT FAILED: $(tail -n 1 "$OUT/imports-$run.txt")"}
         echo -e "$label\t$arm\t${id:0:12}\t$golden\t$tps\t$status\t$audit" >> "$ROWS"
+        publish
     done
     local ar_id=${arm_ids[0]}
     # the oracle served once for both verifies (verify uses a server already serving the oracle on its port)
@@ -88,6 +89,7 @@ run_group() {
         "${SPECPILOT[@]}" verify "$run" --oracle "$ar_id" --port "$VERIFY_PORT" > "$OUT/$run.verify.txt" 2>&1 \
             && v="verify ok" || v="verify FAILED"
         echo -e "$label\t$arm\tverify\t$v: $(grep -m1 -E '^verdict|rror' "$OUT/$run.verify.txt" | tr '\t' ' ')" >> "$ROWS"
+        publish
     done
     "${SPECPILOT[@]}" stop --port "$VERIFY_PORT" > /dev/null 2>&1 || true
     if [[ -f "$OUT/$label-stock.bench.txt" && -f "$OUT/$label-final.bench.txt" ]]; then
@@ -97,24 +99,29 @@ run_group() {
     fi
 }
 
+# The table and the tarball are rewritten after every arm, so a command stopped at its time limit (the device kills
+# it whole) still returns what the finished arms measured. The device returns at most 8 files per call:
+# TARBALL=<file> packs the whole results folder into one.
+publish() {
+    {
+        echo "# SpecPilot engines through serve / generate / bench / verify / compare — $(date -u +%F\ %H:%M) UTC"
+        echo "machine: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || uname -m)"
+        echo
+        printf '| %s | %s | %s | %s | %s | %s | %s |\n' group arm engine golden/output "tok/s (generate)" bench "imports: all/kept/pruned/never"
+        echo "|---|---|---|---|---|---|---|"
+        while IFS=$'\t' read -r a b c d e f g; do
+            printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$a" "$b" "$c" "$d" "${e:-}" "${f:-}" "${g:-}"
+        done < "$ROWS"
+    } > "$OUT/table.md"
+    if [[ -n "${TARBALL:-}" ]]; then
+        tar czf "$TARBALL.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$TARBALL.tmp" "$TARBALL"
+    fi
+}
+
 for group in "$@"; do
     IFS=: read -r label mode ids <<< "$group"
     [[ "$mode" == golden || "$mode" == same ]] || { echo "group $group: mode must be golden or same" >&2; exit 2; }
     run_group "$label" "$mode" "$ids"
 done
-
-{
-    echo "# SpecPilot engines through serve / generate / bench / verify / compare — $(date -u +%F\ %H:%M) UTC"
-    echo "machine: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || uname -m)"
-    echo
-    printf '| %s | %s | %s | %s | %s | %s | %s |\n' group arm engine golden/output "tok/s (generate)" bench "imports: all/kept/pruned/never"
-    echo "|---|---|---|---|---|---|---|"
-    while IFS=$'\t' read -r a b c d e f g; do
-        printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$a" "$b" "$c" "$d" "${e:-}" "${f:-}" "${g:-}"
-    done < "$ROWS"
-} | tee "$OUT/table.md"
-
-# The device returns at most 8 files per call: TARBALL=<file> packs the whole results folder into one.
-if [[ -n "${TARBALL:-}" ]]; then
-    tar czf "$TARBALL" -C "$(dirname "$OUT")" "$(basename "$OUT")"
-fi
+publish
+cat "$OUT/table.md"
