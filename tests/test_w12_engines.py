@@ -37,6 +37,7 @@ W12_SGLANG_SETTINGS = {
     "h100_c1_qwen3-8b_eagle3",
     "h200_c1_qwen3-8b_dflash",
     "h200_c1_stories260k-padded-bf16_ngram",
+    "h100_c1_stories260k-padded-bf16_ngram",
 }
 CPU_SETTING = "cpu_c1_stories260k-bf16_ngram"
 
