@@ -479,7 +479,15 @@ def test_ctrl_c_stops_every_server_and_the_same_command_resumes_with_the_next_tr
     argv += ["--sampler", "grid"]
     log = tmp_path / "tune.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        # as from a terminal: a runner that started us in the background (SIGINT ignored, inherited through exec)
+        # must not make the tune deaf to Ctrl-C
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     deadline = time.monotonic() + 240
     # a trial is under way while its candidate is served on PORT+2 (ar and stock are served for the whole study);
     # not a line of the log: without a terminal rich prints a bench's bar when it ends, and a cached candidate's
