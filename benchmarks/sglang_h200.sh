@@ -13,7 +13,8 @@
 # final only). Without PREFIX the `specpilot` on PATH and its data dir are used (the CPU dry run:
 #   GOLDEN=../shared/models/stories260K/golden_greedy.json OUT=/tmp/h200-dry benchmarks/sglang_h200.sh \
 #     cpu:golden:$(make -s engine ARM=ar | cut -d' ' -f1),$(...stock...),$(...final...)
-# Server start is ~60 s per SGLang engine on the H200: one group (3 serves + 2 verifies) per 10-minute command.
+# Server start is ~60 s per SGLang engine on the H200, up to ~2 min on the H100: a group (3 serves + the oracle's)
+# may need two 10-minute commands; run the same command again with the same OUT and it resumes.
 set -euo pipefail
 
 : "${GOLDEN:?GOLDEN=<golden_greedy.json> (from a carried folder: ../shared does not travel to the device)}"
@@ -44,7 +45,14 @@ else
 fi
 PY=${PYTHON:-python3}
 ROWS="$OUT/rows.tsv"
-: > "$ROWS"
+: > "$ROWS.new"
+# A command run again with the same OUT resumes: an arm whose row is in OUT keeps it and is not served again (the
+# device's 10-minute calls hold about three SGLang serves; the rest of a group goes on in the next call).
+[[ -f "$ROWS" ]] && cp "$ROWS" "$ROWS.new"
+mv "$ROWS.new" "$ROWS"
+# a server left by a call the device stopped at its time limit
+"${SPECPILOT[@]}" stop --port "$PORT" > /dev/null 2>&1 || true
+"${SPECPILOT[@]}" stop --port "$VERIFY_PORT" > /dev/null 2>&1 || true
 
 run_group() {
     local label=$1 mode=$2 ids=$3 arm id status golden tps ar_out=""
@@ -55,6 +63,11 @@ run_group() {
         id=${arm_ids[$i]:--}
         [[ "$id" == "-" ]] && continue
         local run="$label-$arm" log="$OUT/imports-$label-$arm.log"
+        if grep -q -P "^$label\t$arm\t${id:0:12}\t" "$ROWS"; then
+            [[ "$arm" == "ar" ]] && ar_out=$(cat "$OUT/$run.generate.json")
+            echo "== $run: measured in an earlier call, kept" >&2
+            continue
+        fi
         rm -f "$log"
         echo "== $run: serve $id" >&2
         SPECPILOT_IMPORT_AUDIT="$log" "${SPECPILOT[@]}" serve --engine "$id" --port "$PORT" > "$OUT/$run.serve.txt" 2>&1 \
@@ -86,18 +99,24 @@ run_group() {
     done
     local ar_id=${arm_ids[0]}
     # the oracle served once for both verifies (verify uses a server already serving the oracle on its port)
-    [[ -f "$OUT/$label-stock.bench.txt" || -f "$OUT/$label-final.bench.txt" ]] \
+    local unverified=""
+    for arm in stock final; do
+        [[ -f "$OUT/$label-$arm.bench.txt" ]] && ! grep -q -P "^$label\t$arm\tverify\t" "$ROWS" && unverified=1
+    done
+    [[ -n "$unverified" ]] \
         && "${SPECPILOT[@]}" serve --engine "$ar_id" --port "$VERIFY_PORT" > "$OUT/$label-oracle.serve.txt" 2>&1
     for arm in stock final; do
         local run="$label-$arm"
         [[ -f "$OUT/$run.bench.txt" ]] || continue
+        grep -q -P "^$label\t$arm\tverify\t" "$ROWS" && continue
         "${SPECPILOT[@]}" verify "$run" --oracle "$ar_id" --port "$VERIFY_PORT" > "$OUT/$run.verify.txt" 2>&1 \
             && v="verify ok" || v="verify FAILED"
         echo -e "$label\t$arm\tverify\t$v: $(grep -m1 -E '^verdict|rror' "$OUT/$run.verify.txt" | tr '\t' ' ')" >> "$ROWS"
         publish
     done
     "${SPECPILOT[@]}" stop --port "$VERIFY_PORT" > /dev/null 2>&1 || true
-    if [[ -f "$OUT/$label-stock.bench.txt" && -f "$OUT/$label-final.bench.txt" ]]; then
+    if [[ -f "$OUT/$label-stock.bench.txt" && -f "$OUT/$label-final.bench.txt" ]] \
+        && ! grep -q -P "^$label\tall\tcompare\t" "$ROWS"; then
         "${SPECPILOT[@]}" compare --ar "$label-ar" --stock "$label-stock" --final "$label-final" --report "compare-$label" \
             --overwrite > "$OUT/compare-$label.txt" 2>&1 && c="compare ok" || c="compare FAILED"
         echo -e "$label\tall\tcompare\t$c" >> "$ROWS"
