@@ -90,7 +90,7 @@ def make_drafter(
     return Made(name, drafter, directory, built, time.monotonic() - started, losses[-1] if losses else None)
 
 
-def id_material_of(recipe: dict[str, Any], target: dict[str, Any], data_digest: str | None) -> dict[str, Any]:
+def id_material_of(recipe: dict[str, Any], target: dict[str, Any] | None, data_digest: str | None) -> dict[str, Any]:
     """What a drafter's id hashes (store.drafter_id): the recipe (train.device cpu left out), the target's
     identity, the training data's digest and the trainer's source digest. draft-import recomputes it the same way."""
     return {
