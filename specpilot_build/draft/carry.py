@@ -144,18 +144,19 @@ def _target(identity: dict[str, Any], where: Path) -> Target | None:
 
     from specpilot_build.locations import conf_dir
 
+    matches = []
     for path in sorted((conf_dir() / "model").glob("*.yaml")):
         model = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        if not isinstance(model, dict):
-            continue
-        same = (
+        if isinstance(model, dict) and (
             model.get("repo") == identity.get("repo")
             and (model.get("source_format") or "hf") == identity.get("source_format")
             and model.get("dtype") == identity.get("dtype")
-        )
-        if same:
-            return model_target({str(k): v for k, v in model.items()}, f"<model {model['name']}>")
-    return None
+        ):
+            matches.append({str(k): v for k, v in model.items()})
+    if len(matches) > 1:  # the lock key would be a guess
+        names = ", ".join(str(m["name"]) for m in matches)
+        raise IntegrityError(f"{where}: its target matches several model configs ({names}); cannot name its pin")
+    return model_target(matches[0], f"<model {matches[0]['name']}>") if matches else None
 
 
 def _json(path: Path) -> dict[str, Any]:
