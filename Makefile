@@ -21,7 +21,7 @@ LINTED := specpilot_build runtimes kernels lab benchmarks tests
 flag = $(if $(filter-out 0,$($(1))),$(2))
 
 .PHONY: help setup demo test test-fast lint fuzz engine engine-build engine-check engine-show engine-ls engine-fsck \
-	engine-rm engine-gc sweep tune lock env-lock env-host-profile env-install models draft serve stop bench compare score \
+	engine-rm engine-gc sweep tune lock env-lock env-host-profile env-install models draft draft-import serve stop bench compare score \
 	verify attest-check diff bundle push pull cache-ls cache-check cache-gc cache-keygen cache-import w12-promote gaps
 
 help: ## this list
@@ -99,6 +99,9 @@ models: $(STAMP) ## fetch and verify SETTING's pinned checkpoint files [MIRROR]
 
 draft: $(STAMP) ## make SETTING's drafter by RECIPE (default: its final drafter's), store and pin it [RECIPE OVERRIDES]
 	$(SP) draft --setting $(SETTING) $(if $(RECIPE),--recipe $(RECIPE)) $(OVERRIDES)
+
+draft-import: $(STAMP) ## admit the drafter bundle DIR made elsewhere (id recomputed here), store and pin it [OVERRIDES]
+	$(SP) draft-import $(DIR) $(OVERRIDES)
 
 serve: $(STAMP) ## re-hash and serve ENGINE (or SETTING/ARM) on PORT [GPU SERVE_FLAGS=--dry-run]
 	$(SP) serve $(if $(ENGINE),--engine $(ENGINE),--setting $(SETTING) --arm $(ARM)) --port $(PORT) --gpu $(GPU) $(SERVE_FLAGS)

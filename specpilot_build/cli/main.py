@@ -261,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="recipe overrides, key=value (e.g. train.steps=400)")
     p.set_defaults(handler=_draft)
 
+    p = verbs.add_parser(
+        "draft-import", help="admit a drafter made elsewhere: its id recomputed here, then stored and pinned"
+    )
+    p.add_argument("bundle", type=Path, help="a bundle of benchmarks/draft_gpu.sh: drafter/, data.json, pin.toml")
+    p.add_argument("overrides", nargs="*", help="the recipe overrides it was made with, key=value")
+    p.set_defaults(handler=_draft_import)
+
     p = verbs.add_parser("serve", help="re-hash, gate, and serve exactly one engine tree; waits for health")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--engine", help="engine id or unique prefix")
@@ -864,6 +871,16 @@ def _draft(args) -> int:
     print(f"drafter {made.name}  {made.id}  {how}{loss}")
     print(f"  {made.directory}")
     print(f"  pinned in lockfiles/drafters.toml [{made.name}]")
+    return 0
+
+
+def _draft_import(args) -> int:
+    from specpilot_build.draft.carry import admit
+
+    admitted = admit(args.bundle, args.overrides)
+    print(f"drafter {admitted.name}  {admitted.id}  imported, its id recomputed here")
+    print(f"  {admitted.directory}")
+    print(f"  pinned in lockfiles/drafters.toml [{admitted.name}]")
     return 0
 
 

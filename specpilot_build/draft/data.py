@@ -25,16 +25,18 @@ def ids_digest(ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
 
 
-def distillation_set(target: Target, spec: dict[str, Any], threads: int) -> dict[str, Any]:
-    """{"digest", "rows": [{dataset, item_id, prompt, output, prompt_digest, output_digest}]} for recipe `data`."""
+def distillation_set(target: Target, spec: dict[str, Any], threads: int, device: str = "cpu") -> dict[str, Any]:
+    """{"digest", "rows": [{dataset, item_id, prompt, output, prompt_digest, output_digest}]} for recipe `data`,
+    the target decoding on `device` (a torch device; a GPU's greedy may differ from the CPU's in near ties, so a
+    device other than cpu is part of the set's key)."""
     import blake3
 
-    key_material = {"target": target.identity, "data": spec, "generator": _source_digest(), "threads": threads}
+    key_material = key_of(target, spec, threads, device)
     key = blake3.blake3(json.dumps(key_material, sort_keys=True).encode()).hexdigest()
     path = data_dir() / "draft-data" / key / "data.json"
     if path.is_file():
-        return _checked(path)
-    rows = _generate(target, spec, threads)
+        return checked(path)
+    rows = _generate(target, spec, threads, device)
     record = {"key_material": key_material, "digest": rows_digest(rows), "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".data.", suffix=".incomplete")
@@ -50,7 +52,14 @@ def rows_digest(rows: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(triples, separators=(",", ":")).encode()).hexdigest()
 
 
-def _checked(path: Path) -> dict[str, Any]:
+def key_of(target: Target, spec: dict[str, Any], threads: int, device: str = "cpu") -> dict[str, Any]:
+    """What a set's cache key hashes: the target, the recipe's `data:`, this module's source, the threads and,
+    unless cpu, the device."""
+    material = {"target": target.identity, "data": spec, "generator": _source_digest(), "threads": threads}
+    return material if device == "cpu" else {**material, "device": device.split(":")[0]}
+
+
+def checked(path: Path) -> dict[str, Any]:
     """A stored set, every digest recomputed from the ids read back."""
     try:
         record = json.loads(path.read_text())
@@ -69,7 +78,7 @@ def _source_digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def _generate(target: Target, spec: dict[str, Any], threads: int) -> list[dict[str, Any]]:
+def _generate(target: Target, spec: dict[str, Any], threads: int, device: str) -> list[dict[str, Any]]:
     import torch
     from tqdm.auto import tqdm
 
@@ -89,8 +98,8 @@ def _generate(target: Target, spec: dict[str, Any], threads: int) -> list[dict[s
     eos = _eos_ids(target.directory, renderer.tokenizer)
     torch.set_num_threads(threads)
     batch = spec["batch_size"]
-    hf = load_hf_model(target.directory, target.dtype, "cpu")
-    model = LeanLlama(hf, num_slots=batch, max_tokens_per_step=1, device="cpu")
+    hf = load_hf_model(target.directory, target.dtype, device)
+    model = LeanLlama(hf, num_slots=batch, max_tokens_per_step=1, device=device)
     rows = []
     with torch.inference_mode(), tqdm(total=len(prompts), desc="target greedy (train split)", unit="prompt") as bar:
         for lo in range(0, len(prompts), batch):
@@ -118,13 +127,18 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[
 
     outputs: list[list[int]] = []
     for slot, ids in enumerate(prompts):
-        logits = model.forward(torch.tensor([ids]), [slot], [0], logit_rows=torch.tensor([len(ids) - 1]))
+        logits = model.forward(
+            torch.tensor([ids], device=model.device),
+            [slot],
+            [0],
+            logit_rows=torch.tensor([len(ids) - 1], device=model.device),
+        )
         outputs.append([int(logits[0, -1].argmax())])
     while True:
         active = [s for s, out in enumerate(outputs) if out[-1] not in eos and len(out) < max_new_tokens]
         if not active:
             return outputs
-        tokens = torch.tensor([[outputs[s][-1]] for s in active])
+        tokens = torch.tensor([[outputs[s][-1]] for s in active], device=model.device)
         starts = [len(prompts[s]) + len(outputs[s]) - 1 for s in active]
         logits = model.forward(tokens, active, starts)
         for row, s in enumerate(active):

@@ -198,7 +198,7 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
     scale = 1.0 / math.sqrt(d)
     qh = q.transpose(1, 2)  # [B, H, T, d]
     scores = [qh @ keys[0].permute(0, 2, 3, 1) * scale]  # [B, H, T, T]
-    visible = torch.ones(length, length, dtype=torch.bool).tril(-j)
+    visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-j)
     scores[0] = scores[0].masked_fill(~visible, float("-inf"))
     shifted_values = []
     for i in range(1, j + 1):
@@ -233,9 +233,11 @@ def features(
     rows: list[dict[str, Any]],
     layers: list[int],
     vocab: torch.Tensor,
+    device: str = "cpu",
 ) -> list[dict[str, torch.Tensor]]:
     """Per sequence {aux [L-1, 3h] float32, next [L-1] int64, logp [L-1, N] float16}: row t's features at
-    position t, the token at t + 1 and the target's log-probabilities over the draft vocabulary at t + 1."""
+    position t, the token at t + 1 and the target's log-probabilities over the draft vocabulary at t + 1, the
+    target running on `device` (other than cpu, part of the cache key: a GPU rounds otherwise)."""
     from safetensors.torch import load_file, save_file
     from tqdm.auto import tqdm
 
@@ -250,6 +252,8 @@ def features(
         "version": FEATURES_VERSION,
         "model_source": _model_source_digest(),
     }
+    if device != "cpu":
+        common["device"] = device.split(":")[0]
     model = None
     out = []
     for row in tqdm(rows, desc="target features (one prefill each)", unit="seq"):
@@ -266,7 +270,8 @@ def features(
                 out.append({**record, "first": torch.tensor(len(row["prompt"]) - 1)})
                 continue
         if model is None:
-            model = _target(target_dir, dtype, max(len(r["prompt"]) + len(r["output"]) for r in rows), layers)
+            longest = max(len(r["prompt"]) + len(r["output"]) for r in rows)
+            model = _target(target_dir, dtype, longest, layers, device)
         record = _prefill(model, row, vocab)
         tmp = folder / f".{key}.{os.getpid()}.tmp"
         save_file(record, str(tmp), metadata={"key": key})
@@ -296,10 +301,10 @@ def _feature_ok(record: dict[str, torch.Tensor], length: int, num_aux: int, voca
         return False
 
 
-def _target(target_dir: Path, dtype: str, longest: int, layers: list[int]):
+def _target(target_dir: Path, dtype: str, longest: int, layers: list[int], device: str):
     from specpilot_runtime.model import LeanLlama, load_hf_model
 
-    model = LeanLlama(load_hf_model(target_dir, dtype, "cpu"), num_slots=1, max_tokens_per_step=1, device="cpu")
+    model = LeanLlama(load_hf_model(target_dir, dtype, device), num_slots=1, max_tokens_per_step=1, device=device)
     if longest > model.shape.context_length:
         from specpilot_build.errors import ConfigError
 
@@ -311,13 +316,13 @@ def _target(target_dir: Path, dtype: str, longest: int, layers: list[int]):
 @torch.inference_mode()
 def _prefill(model, row: dict[str, Any], vocab: torch.Tensor) -> dict[str, torch.Tensor]:
     ids = torch.tensor(row["prompt"] + row["output"], dtype=torch.int64)
-    logits = model.forward(ids[None], [0], [0])[0]
+    logits = model.forward(ids[None].to(model.device), [0], [0])[0]
     aux = model.last_aux[0].float()
-    logp = torch.log_softmax(logits[1:, vocab].float(), dim=-1)
+    logp = torch.log_softmax(logits[1:, vocab.to(logits.device)].float(), dim=-1)
     return {
-        "aux": aux[:-1].contiguous(),
+        "aux": aux[:-1].cpu().contiguous(),
         "next": ids[1:].contiguous(),
-        "logp": logp.to(torch.float16).contiguous(),
+        "logp": logp.to(torch.float16).cpu().contiguous(),
     }
 
 
@@ -332,10 +337,12 @@ def train_head(
     rows: list[dict[str, Any]],
     work: Path,
     *,
+    device: str = "cpu",
     on_step: Callable[[int, float], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[float]]:
-    """Train recipe (c); returns (config.json, the tensors of model.safetensors with d2t and t2d, the loss of
-    every step). Resumes from work/checkpoint.pt when a previous run left one."""
+    """Train recipe (c) on `device`; returns (config.json, the tensors of model.safetensors with d2t and t2d, the
+    loss of every step). Resumes from work/checkpoint.pt when a previous run left one. On a GPU the cached features
+    are held in its memory (platform.py: `train.device`; the recipe's comment sizes them)."""
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
@@ -345,11 +352,14 @@ def train_head(
     vocab = train.draft_vocabulary(rows, recipe["draft_vocab"] or vocab_size, vocab_size)
     layers = aux_layers(recipe, target["num_hidden_layers"])
     train._deterministic(tcfg["threads"])
-    cached = features(target_dir, identity, dtype, rows, layers, vocab)
+    cached = features(target_dir, identity, dtype, rows, layers, vocab, device)
+    if device != "cpu":
+        cached = [{k: v.to(device) for k, v in c.items()} for c in cached]
     config = head_config(target_dir, layers, len(vocab))
     head = Eagle3Head(config)
     _init(head, recipe["seed"], load_file(str(target_dir / "model.safetensors")), vocab)
-    embed = _target_embedding(target_dir)
+    head.to(device)
+    embed = _target_embedding(target_dir).to(device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=tcfg["lr"], weight_decay=tcfg["weight_decay"])
     step, losses = _resume(work, head, optimizer)
     steps, ttt = tcfg["steps"], recipe["eagle3"]["ttt_steps"]
@@ -374,7 +384,7 @@ def train_head(
         if on_step is not None:
             on_step(step, losses[-1])
     bar.close()
-    tensors = {name: t.detach().clone().contiguous() for name, t in head.state_dict().items()}
+    tensors = {name: t.detach().cpu().clone().contiguous() for name, t in head.state_dict().items()}
     tensors["d2t"] = vocab - torch.arange(len(vocab), dtype=torch.int64)  # SGLang: hot id = d2t + arange
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[vocab] = True
@@ -429,11 +439,12 @@ def _batch(cached: list[dict[str, torch.Tensor]], seed: int, step: int, size: in
     chosen = [cached[int(i)] for i in order[at * size : (at + 1) * size]]
     length = max(len(c["next"]) for c in chosen)
     width, vocab = chosen[0]["aux"].shape[1], chosen[0]["logp"].shape[1]
-    aux = torch.zeros(len(chosen), length, width)
-    nxt = torch.zeros(len(chosen), length, dtype=torch.int64)
-    logp = torch.zeros(len(chosen), length, vocab, dtype=torch.float16)
-    valid = torch.zeros(len(chosen), length, dtype=torch.bool)
-    starts = torch.zeros(len(chosen), length, dtype=torch.bool)
+    on = chosen[0]["aux"].device  # where the cached features are held
+    aux = torch.zeros(len(chosen), length, width, device=on)
+    nxt = torch.zeros(len(chosen), length, dtype=torch.int64, device=on)
+    logp = torch.zeros(len(chosen), length, vocab, dtype=torch.float16, device=on)
+    valid = torch.zeros(len(chosen), length, dtype=torch.bool, device=on)
+    starts = torch.zeros(len(chosen), length, dtype=torch.bool, device=on)
     for b, c in enumerate(chosen):
         n = len(c["next"])
         aux[b, :n], nxt[b, :n], logp[b, :n], valid[b, :n] = c["aux"], c["next"], c["logp"], True
@@ -452,7 +463,7 @@ def _resume(work: Path, head: Eagle3Head, optimizer) -> tuple[int, list[float]]:
     path = work / train.CHECKPOINT
     if not path.is_file():
         return 0, []
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path, weights_only=True, map_location="cpu")
     head.load_state_dict(state["head"], strict=True)
     optimizer.load_state_dict(state["optimizer"])
     print(f"resuming from {path} at step {state['step']}")

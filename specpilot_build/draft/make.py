@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from specpilot_build.draft import data as data_step
-from specpilot_build.draft import eagle3, store, train
-from specpilot_build.draft.recipe import TRAINED, load_recipe
+from specpilot_build.draft import eagle3, platform, store, train
+from specpilot_build.draft.recipe import TRAINED, id_material, load_recipe, recipe_path
 from specpilot_build.draft.target import WEIGHTS, Target, setting_target, tokenizer_files
 from specpilot_build.errors import ConfigError
 
@@ -55,18 +55,16 @@ def make_drafter(
     on_step: Callable[[int, float], None] | None = None,
 ) -> Made:
     recipe = load_recipe(recipe_name or recipe_of_setting(setting), overrides)
+    device = "cpu"
+    if recipe["kind"] in TRAINED:
+        device = platform.prepare(recipe["train"]["device"], recipe_path(recipe["name"]))
     target = setting_target(setting)
     rows: list[dict[str, Any]] = []
     data_digest = None
     if recipe["kind"] in TRAINED:
-        record = data_step.distillation_set(target, recipe["data"], recipe["train"]["threads"])
+        record = data_step.distillation_set(target, recipe["data"], recipe["train"]["threads"], device)
         rows, data_digest = record["rows"], record["digest"]
-    material = {
-        "recipe": recipe,
-        "target": target.identity,
-        "data": data_digest,
-        "trainer": store.source_digest(*_trainer_sources(recipe["kind"])),
-    }
+    material = id_material_of(recipe, target.identity, data_digest)
     drafter = store.drafter_id(material)
     name = store.lock_key(target.name, recipe["name"])
     losses: list[float] = []
@@ -75,7 +73,7 @@ def make_drafter(
 
     def write(out: Path, work: Path) -> None:
         nonlocal losses
-        _write(out, work, target, recipe, rows, material, drafter, losses, on_step)
+        _write(out, work, target, recipe, rows, material, drafter, losses, device, on_step)
 
     directory = store.commit(drafter, target.directory, write)
     if not built:
@@ -92,9 +90,20 @@ def make_drafter(
     return Made(name, drafter, directory, built, time.monotonic() - started, losses[-1] if losses else None)
 
 
+def id_material_of(recipe: dict[str, Any], target: dict[str, Any] | None, data_digest: str | None) -> dict[str, Any]:
+    """What a drafter's id hashes (store.drafter_id): the recipe (train.device cpu left out), the target's
+    identity, the training data's digest and the trainer's source digest. draft-import recomputes it the same way."""
+    return {
+        "recipe": id_material(recipe),
+        "target": target,
+        "data": data_digest,
+        "trainer": store.source_digest(*_trainer_sources(recipe["kind"])),
+    }
+
+
 def _trainer_sources(kind: str) -> tuple[Path, ...]:
     """The modules whose source makes a drafter of this kind (part of its id)."""
-    sources = (Path(train.__file__), Path(__file__))
+    sources = (Path(train.__file__), Path(__file__), Path(platform.__file__))
     return (*sources, Path(eagle3.__file__)) if kind == "eagle3" else sources
 
 
@@ -107,6 +116,7 @@ def _write(
     material: dict[str, Any],
     drafter: str,
     losses: list[float],
+    device: str,
     on_step: Callable[[int, float], None] | None,
 ) -> None:
     import torch
@@ -114,7 +124,7 @@ def _write(
 
     if recipe["kind"] == "eagle3":
         config, weights, trained = eagle3.train_head(
-            target.directory, target.identity, target.dtype, recipe, rows, work, on_step=on_step
+            target.directory, target.identity, target.dtype, recipe, rows, work, device=device, on_step=on_step
         )
         losses += trained
     else:
@@ -122,7 +132,7 @@ def _write(
     if recipe["kind"] == "truncated":
         weights = train.target_weights(target.directory, recipe["num_layers"])
     elif recipe["kind"] == "standalone":
-        weights, vocab, trained = train.standalone(target.directory, recipe, rows, work, on_step=on_step)
+        weights, vocab, trained = train.standalone(target.directory, recipe, rows, work, device=device, on_step=on_step)
         losses += trained
         save_file({"draft_to_target": vocab}, str(out / store.DRAFT_VOCAB), metadata={"format": "pt"})
     save_file(
@@ -134,5 +144,6 @@ def _write(
     for name in [*tokenizer_files(target.directory), *(n for n in WEIGHTS if n == "generation_config.json")]:
         if (target.directory / name).is_file():
             shutil.copyfile(target.directory / name, out / name)
-    record = {"id": drafter, **material, "losses": losses}
+    # the platform that made it (not part of the id: the same id may be made on another GPU, with other bytes)
+    record = {"id": drafter, **material, "losses": losses, "platform": platform.describe(device)}
     (out / store.RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

@@ -16,6 +16,7 @@ from specpilot_build.errors import ConfigError
 from specpilot_build.locations import conf_dir
 
 KINDS = ("truncated", "standalone", "eagle3")
+DEVICES = ("cpu", "cuda")
 TRAINED = ("standalone", "eagle3")  # kinds distilled on the self-distillation set (data: and train: sections)
 GROUP = "recipe"
 
@@ -25,7 +26,7 @@ class RecipeData:
     """The self-distillation set: the target's own greedy continuations of the `train` split's prompts."""
 
     datasets: List[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "math500", "mbpp", "mt-bench"])  # noqa: UP006, UP045
-    limit: int = 32  # prompts per dataset, the first of its train split
+    limit: Optional[int] = 32  # noqa: UP045  prompts per dataset, the first of its train split; None: all of it
     max_new_tokens: int = 64
     batch_size: int = 8  # sequences the target decodes together
 
@@ -39,6 +40,8 @@ class RecipeTrain:
     weight_decay: float = 0.0
     checkpoint_every: int = 50  # steps between resumable checkpoints
     threads: int = 1  # torch CPU threads: part of the id (a product's rounding may depend on it)
+    # where the target's greedy, its features and the training run: cpu | cuda (one GPU; see platform.py)
+    device: str = "cpu"
 
 
 @dataclass
@@ -84,6 +87,13 @@ POSITIVE = {
 }
 
 
+def recipe_path(name: str) -> str:
+    """conf/recipe/<name>.yaml as errors name it."""
+    from specpilot_build.config.schema import shown
+
+    return shown(conf_dir() / GROUP / f"{name}.yaml")
+
+
 def list_recipes() -> list[str]:
     return sorted(p.stem for p in (conf_dir() / GROUP).glob("*.yaml"))
 
@@ -123,6 +133,15 @@ def load_recipe(name: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     return checked
 
 
+def id_material(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The recipe as a drafter's id (and drafter.json) names it: `train.device` is left out when it is the default
+    `cpu`, so the key's arrival moved no id made before it; `cuda` is part of the id."""
+    train = recipe.get("train")
+    if train is None or train.get("device") != "cpu":
+        return recipe
+    return {**recipe, "train": {k: v for k, v in train.items() if k != "device"}}
+
+
 def _override(text: str):
     from omegaconf import OmegaConf
 
@@ -158,6 +177,8 @@ def _check(recipe: dict[str, Any], where: str) -> None:
         for name in recipe["data"]["datasets"]:
             if name not in BENCHMARKS:
                 raise ConfigError(f"{where}: data.datasets names {name!r}; known: {', '.join(BENCHMARKS)}")
+        if recipe["train"]["device"] not in DEVICES:
+            raise ConfigError(f"{where}: train.device '{recipe['train']['device']}' is not one of {', '.join(DEVICES)}")
         if recipe["train"]["lr"] <= 0:
             raise ConfigError(f"{where}: train.lr must be > 0, got {recipe['train']['lr']}")
     if kind == "eagle3":

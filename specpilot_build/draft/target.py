@@ -25,10 +25,15 @@ class Target:
 def setting_target(setting: str) -> Target:
     """The model of `setting`, materialized and verified like `make models` does."""
     from specpilot_build.config.compose import compose_setting
+
+    return model_target(compose_setting(setting, "ar").config["model"], setting)
+
+
+def model_target(model: dict[str, Any], setting: str) -> Target:
+    """A model config's checkpoint (conf/model/<name>.yaml), materialized and verified against the lock."""
     from specpilot_build.models.checkpoints import materialize
     from specpilot_build.pins.lockfile import load_lock
 
-    model = compose_setting(setting, "ar").config["model"]
     pin = load_lock().checkpoints.get(model["repo"])
     if pin is None:
         raise SpecPilotError(

@@ -65,9 +65,10 @@ def standalone(
     rows: list[dict[str, Any]],
     work: Path,
     *,
+    device: str = "cpu",
     on_step: Callable[[int, float], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[float]]:
-    """Train recipe (b); returns (the drafter's tensors, draft_to_target, the loss of every step). Resumes from
+    """Train recipe (b) on `device`; returns (the drafter's tensors, draft_to_target, the loss of every step). Resumes from
     work/checkpoint.pt when a previous run left one. `on_step(step, loss)` runs after each step."""
     from tqdm.auto import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -80,9 +81,10 @@ def standalone(
     llama = LlamaConfig(**{**config, "attn_implementation": "eager"})
     model = LlamaForCausalLM(llama)
     model.load_state_dict(weights, strict=True)
+    torch.nn.Module.to(model, device)  # (transformers types its .to for dtypes only)
     model.train()
     model.model.embed_tokens.weight.requires_grad_(False)  # shared with the target: a frozen copy
-    head = torch.nn.Parameter(weights["lm_head.weight"][vocab].clone())
+    head = torch.nn.Parameter(weights["lm_head.weight"][vocab].clone().to(device))
     params = [p for n, p in model.model.named_parameters() if p.requires_grad] + [head]
     optimizer = torch.optim.AdamW(params, lr=train["lr"], weight_decay=train["weight_decay"])
     index = torch.full((config["vocab_size"],), IGNORE, dtype=torch.int64)
@@ -92,7 +94,7 @@ def standalone(
     steps = train["steps"]
     bar = tqdm(total=steps, initial=step, desc=f"train {recipe['name']}", unit="step")
     while step < steps:
-        inputs, labels, mask = _batch(sequences, recipe["seed"], step, train["batch_size"])
+        inputs, labels, mask = (t.to(device) for t in _batch(sequences, recipe["seed"], step, train["batch_size"]))
         for group in optimizer.param_groups:
             group["lr"] = _lr(train, step)
         hidden = model.model(input_ids=inputs, attention_mask=mask).last_hidden_state
@@ -110,9 +112,9 @@ def standalone(
         if on_step is not None:
             on_step(step, losses[-1])
     bar.close()
-    out = {name: t.detach().clone().contiguous() for name, t in model.state_dict().items()}
+    out = {name: t.detach().cpu().clone().contiguous() for name, t in model.state_dict().items()}
     full_head = weights["lm_head.weight"].clone()
-    full_head[vocab] = head.detach()
+    full_head[vocab] = head.detach().cpu()
     out["lm_head.weight"] = full_head
     return dict(sorted(out.items())), vocab, losses
 
@@ -176,7 +178,7 @@ def _resume(work: Path, model, head, optimizer) -> tuple[int, list[float]]:
     path = work / CHECKPOINT
     if not path.is_file():
         return 0, []
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path, weights_only=True, map_location="cpu")
     model.load_state_dict(state["model"], strict=True)
     with torch.no_grad():
         head.copy_(state["head"])
