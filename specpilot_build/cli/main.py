@@ -863,9 +863,16 @@ def _models(args) -> int:
 
 
 def _draft(args) -> int:
-    from specpilot_build.draft.make import make_drafter
+    from specpilot_build.draft.make import make_drafter, recipe_of_setting
+    from specpilot_build.draft.recipe import load_recipe
 
-    made = make_drafter(args.setting, args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe or recipe_of_setting(args.setting), args.overrides)
+    if recipe["kind"] == "corpus":  # recipe (d): tokens, no training (draft/corpus.py)
+        from specpilot_build.draft.corpus import make_corpus
+
+        made = make_corpus(args.setting, recipe)
+    else:
+        made = make_drafter(args.setting, args.recipe, args.overrides)
     loss = f"  final loss {made.final_loss:.4f}" if made.final_loss is not None else ""
     how = f"made in {made.seconds:.1f} s" if made.built else "already in the store"
     print(f"drafter {made.name}  {made.id}  {how}{loss}")

@@ -47,7 +47,8 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
             )
         if breadth > 1:  # 1 is the chain, as absent: left out, so that engine is the chain's, id and all
             cfg["drafter"]["tree_breadth"] = breadth
-    _fallback(cfg["drafter"], cfg["runtime"]["name"])
+    corpus = _corpus(cfg["drafter"], cfg["runtime"]["name"], runtime_options)
+    _fallback(cfg["drafter"], cfg["runtime"]["name"], corpus)
     if cfg["runtime"].get("flag_check", "absent") is None:  # undeclared: not part of any engine id
         del cfg["runtime"]["flag_check"]
     runtime = cfg["runtime"]["name"]
@@ -60,13 +61,37 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _fallback(drafter: dict[str, Any], runtime: str) -> None:
+def _corpus(drafter: dict[str, Any], runtime: str, runtime_options: dict[str, Any]) -> bool:
+    """Whether `drafter.recipe` names a corpus (recipe (d): tokens that seed the reference runtime's shared n-gram
+    cache, docs/drafters.md); one on anything but that cache's chain drafter is an error."""
+    if not drafter.get("recipe"):
+        return False
+    from specpilot_build.draft.recipe import load_recipe
+
+    if load_recipe(drafter["recipe"])["kind"] != "corpus":
+        return False
+    shared = bool(runtime_options.get("shared_ngram_cache"))
+    if runtime != "reference" or drafter["algorithm"] != "ngram" or not shared:
+        raise ConfigError(
+            f"drafter.recipe {drafter['recipe']}: a corpus seeds the reference runtime's shared n-gram cache; it "
+            f"needs drafter.algorithm ngram and runtime_options.shared_ngram_cache true (mechanism "
+            f"shared-ngram-cache), not runtime {runtime}, algorithm {drafter['algorithm']}, shared cache {shared}"
+        )
+    if drafter.get("tree_breadth") or drafter.get("fallback") is not None:
+        raise ConfigError(
+            f"drafter.recipe {drafter['recipe']}: a corpus seeds the n-gram chain drafter only "
+            f"(tree_breadth {drafter.get('tree_breadth')}, fallback {drafter.get('fallback')})"
+        )
+    return True
+
+
+def _fallback(drafter: dict[str, Any], runtime: str, corpus: bool = False) -> None:
     """`drafter.fallback` (the hybrid drafter) where it does something, else an error; unset, both keys are left out."""
     fallback, k = drafter.pop("fallback", None), drafter.pop("fallback_num_draft_tokens", None)
     if fallback is None:
         if k is not None:
             raise ConfigError(f"drafter.fallback_num_draft_tokens {k} does nothing without drafter.fallback")
-        if drafter.get("recipe") and drafter["algorithm"] in ("none", "ngram"):
+        if drafter.get("recipe") and drafter["algorithm"] in ("none", "ngram") and not corpus:
             raise ConfigError(
                 f"drafter.recipe {drafter['recipe']} does nothing for drafter.algorithm {drafter['algorithm']} "
                 "without drafter.fallback"

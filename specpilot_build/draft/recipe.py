@@ -15,9 +15,12 @@ from omegaconf import MISSING
 from specpilot_build.errors import ConfigError
 from specpilot_build.locations import conf_dir
 
-KINDS = ("truncated", "standalone", "eagle3")
+KINDS = ("truncated", "standalone", "eagle3", "corpus")
 DEVICES = ("cpu", "cuda")
 TRAINED = ("standalone", "eagle3")  # kinds distilled on the self-distillation set (data: and train: sections)
+# corpus (recipe (d)): the self-distillation set itself, stored as the tokens that seed the shared n-gram cache;
+# no weights, so the keys of a model (and the seed: nothing is random) do nothing for it
+CORPUS_UNUSED = ("num_layers", "draft_vocab", "seed", "train", "eagle3")
 GROUP = "recipe"
 
 
@@ -26,7 +29,7 @@ class RecipeData:
     """The self-distillation set: the target's own greedy continuations of the `train` split's prompts."""
 
     datasets: List[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "math500", "mbpp", "mt-bench"])  # noqa: UP006, UP045
-    limit: Optional[int] = 32  # noqa: UP045  prompts per dataset, the first of its train split; None: all of it
+    limit: Optional[int] = 32  # noqa: UP045  prompts per dataset, the first of its train split; null: all of it
     max_new_tokens: int = 64
     batch_size: int = 8  # sequences the target decodes together
 
@@ -60,13 +63,13 @@ class RecipeEagle3:
 @dataclass
 class Recipe:
     name: str = MISSING
-    kind: str = MISSING  # truncated | standalone | eagle3
+    kind: str = MISSING  # truncated | standalone | eagle3 | corpus
     num_layers: int = 1  # the target's first layers the drafter keeps (eagle3: the head's decoder layers, 1)
     # standalone: the head scores only the N tokens most frequent in the training outputs (draft_vocab.safetensors
     # maps them to the target's ids); None: the full vocabulary
     draft_vocab: Optional[int] = None  # noqa: UP006, UP045
     seed: int = 0
-    data: Optional[RecipeData] = None  # noqa: UP006, UP045  standalone only
+    data: Optional[RecipeData] = None  # noqa: UP006, UP045  standalone, eagle3 and corpus only
     train: Optional[RecipeTrain] = None  # noqa: UP006, UP045  standalone and eagle3 only
     eagle3: Optional[RecipeEagle3] = None  # noqa: UP006, UP045  eagle3 only
 
@@ -130,6 +133,12 @@ def load_recipe(name: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     assert isinstance(recipe, dict)
     checked = {str(k): v for k, v in recipe.items()}
     _check(checked, where)
+    if checked["kind"] == "corpus":
+        given = {str(k) for k in loaded} | {o.split("=", 1)[0].split(".", 1)[0] for o in overrides}
+        for key in CORPUS_UNUSED:
+            if key in given:
+                raise ConfigError(f"{where}: key '{key}' does nothing for kind corpus (no model, no training); drop it")
+            checked.pop(key)  # not part of the id either
     return checked
 
 
@@ -169,7 +178,7 @@ def _check(recipe: dict[str, Any], where: str) -> None:
             if recipe[key] is not None:
                 raise ConfigError(f"{where}: key '{key}' does nothing for kind truncated (no training); drop it")
     else:
-        for key in ("data", "train"):
+        for key in ("data", "train") if kind in TRAINED else ("data",):
             if recipe[key] is None:
                 raise ConfigError(f"{where}: kind {kind} needs a `{key}:` section")
         from specpilot_build.measure.datasets import BENCHMARKS
@@ -177,9 +186,9 @@ def _check(recipe: dict[str, Any], where: str) -> None:
         for name in recipe["data"]["datasets"]:
             if name not in BENCHMARKS:
                 raise ConfigError(f"{where}: data.datasets names {name!r}; known: {', '.join(BENCHMARKS)}")
-        if recipe["train"]["device"] not in DEVICES:
+        if kind in TRAINED and recipe["train"]["device"] not in DEVICES:
             raise ConfigError(f"{where}: train.device '{recipe['train']['device']}' is not one of {', '.join(DEVICES)}")
-        if recipe["train"]["lr"] <= 0:
+        if kind in TRAINED and recipe["train"]["lr"] <= 0:
             raise ConfigError(f"{where}: train.lr must be > 0, got {recipe['train']['lr']}")
     if kind == "eagle3":
         if recipe["eagle3"] is None:

@@ -85,18 +85,23 @@ def commit(drafter: str, target_dir: Path, write: Callable[[Path, Path], None]) 
 
 def check_against_target(directory: Path, target_dir: Path) -> None:
     """A drafter must share the target's tokenizer (every tokenizer file byte-identical) and vocabulary (config
-    vocab_size), and its draft_to_target map (if any) must be sorted, unique target ids. One line naming the file."""
+    vocab_size; a corpus (recipe (d)): every token id below it), and its draft_to_target map (if any) must be sorted,
+    unique target ids. One line naming the file."""
+    from specpilot_build.draft.corpus import CORPUS, check_corpus
     from specpilot_build.draft.target import tokenizer_files
 
     wanted = tokenizer_files(target_dir)
-    have = [n for n in tokenizer_files(directory) if n not in (DRAFT_VOCAB, RECORD)]
+    have = [n for n in tokenizer_files(directory) if n not in (DRAFT_VOCAB, RECORD, CORPUS)]
     if have != wanted:
         raise SpecPilotError(f"{directory}: tokenizer files {have} differ from the target's {wanted} ({target_dir})")
     for name in wanted:
         if (directory / name).read_bytes() != (target_dir / name).read_bytes():
             raise SpecPilotError(f"{directory / name}: differs from the target's tokenizer ({target_dir / name})")
-    draft_vocab = _json(directory / "config.json").get("vocab_size")
     target_vocab = _json(target_dir / "config.json").get("vocab_size")
+    if (directory / CORPUS).is_file():  # recipe (d): tokens, no model
+        check_corpus(directory / CORPUS, int(target_vocab or 0))
+        return
+    draft_vocab = _json(directory / "config.json").get("vocab_size")
     if draft_vocab != target_vocab:
         raise SpecPilotError(
             f"{directory / 'config.json'}: vocab_size {draft_vocab} differs from the target's {target_vocab}"

@@ -59,12 +59,15 @@ class Space:
 
     def context(self, key: str, value: Any) -> dict[str, Any]:
         """{key: value} with what makes it a valid candidate alone: a gated key with its gate's first non-null
-        choice, and a gate (or gated key) with the first value of every other key the gate opens."""
+        choice, and a gate (or gated key) with the first value of every other key the gate opens; keys with a single
+        choice (in every trial: a corpus drafter's shared cache) are always set."""
+        fixed = {k: v[0] for k, v in self.params.items() if isinstance(v, list) and len(v) == 1}
+        fixed = {k: v for k, v in fixed.items() if k != key and k not in self.only_with}
         gate = self.only_with.get(key, key)
         if key == gate and (value is None or key not in self.only_with.values()):
-            return {key: value}
+            return {**fixed, key: value}
         first = self.grid()
-        values = {gate: value if key == gate else next(v for v in first[gate] if v is not None)}
+        values = {**fixed, gate: value if key == gate else next(v for v in first[gate] if v is not None)}
         for gated, its_gate in self.only_with.items():
             if its_gate == gate:
                 values[gated] = value if gated == key else first[gated][0]

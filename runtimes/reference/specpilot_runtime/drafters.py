@@ -6,7 +6,8 @@ appended to it; verification decides what is kept, so a drafter only affects spe
 - `PromptLookup` (stock `ngram`): match the last n tokens (n from max_n down to min_n) earlier in this
   sequence and propose the tokens that followed that earlier occurrence.
 - `SharedNgramCache` (final mechanism `shared_ngram_cache`): the same lookup over one index shared by all
-  requests, holding earlier prompts and outputs too, like SGLang's NGRAM cache.
+  requests, holding earlier prompts and outputs too, like SGLang's NGRAM cache. A corpus drafter (corpus.py)
+  seeds it at start-up with rows that the capacity's clearing keeps (NgramIndex.seed).
 - `DraftModelDrafter` (`draft_model`): a small model sharing the tokenizer proposes k tokens greedily; with a
   reduced draft vocabulary (`draft_to_target`, a drafter's draft_vocab.safetensors) its head scores only those
   tokens and the argmax is mapped back to the target's id.
@@ -50,7 +51,20 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int, capacity: int | None = None):
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
         self.table: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self.seeded: dict[tuple[int, ...], tuple[list[int], int]] = {}  # seed(): under `table`, never cleared
         self.indexed_tokens = 0
+        self.seed_tokens = 0
+
+    def seed(self, rows: list[list[int]]) -> None:
+        """Index rows (a corpus) beneath everything added later: a lookup takes `table`'s entry for an n-gram, else
+        the seed's, which is what one table fed the rows first would hold. Only added tokens count towards the
+        capacity, and its clearing empties `table` only, so the seed is never lost."""
+        seeded = self.seeded
+        for tokens in rows:
+            for pos in range(1, len(tokens)):
+                for n in range(self.min_n, min(self.max_n, pos) + 1):
+                    seeded[tuple(tokens[pos - n : pos])] = (tokens, pos)
+            self.seed_tokens += len(tokens)
 
     def add(self, tokens: list[int], first_new: int) -> None:
         """Index the continuations at positions first_new .. len(tokens)-1."""
@@ -65,8 +79,10 @@ class NgramIndex:
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """The tokens that followed the longest earlier match of the current suffix, at most k of them."""
+        table, seeded = self.table, self.seeded
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            hit = self.table.get(tuple(tokens[len(tokens) - n :]))
+            key = tuple(tokens[len(tokens) - n :])
+            hit = table.get(key) or seeded.get(key)
             if hit is not None:
                 source, pos = hit
                 return source[pos : pos + k]

@@ -19,6 +19,7 @@ import torch
 
 from . import __version__
 from .config import EngineConfig, RuntimeConfigError, load_engine_config
+from .corpus import read_corpus
 from .drafters import make_drafter
 from .eagle3 import Eagle3Head
 from .engine import Engine
@@ -104,6 +105,8 @@ class Runtime:
             "ngram_min_n": cfg.drafter.ngram_min_n,
             "tree_breadth": cfg.drafter.tree_breadth,
             "drafter_fallback": cfg.drafter.fallback,
+            # tokens of the corpus drafter that seeded the shared n-gram cache (0: none)
+            "ngram_seed_tokens": getattr(getattr(engine.drafter, "index", None), "seed_tokens", 0),
             "fallback_num_draft_tokens": cfg.drafter.fallback_num_draft_tokens or None,
             # hybrid drafter: steps the n-grams drafted, the fallback drafted, neither proposed anything
             "drafted_steps": getattr(engine.drafter, "steps", None),
@@ -174,7 +177,12 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
         _check_same_tokenizer(draft_model, tokenizer)
         draft = Eagle3Head(draft_model, target, slots)
         target.capture = draft.aux_layers  # the target keeps those layers' outputs only now
+    corpus = None
+    if config.drafter.algorithm == "ngram" and config.drafter.fallback is None and draft_model:
+        corpus = _corpus(config, draft_model, tokenizer, hf_model.config.vocab_size)
     drafter = make_drafter(config.drafter, config.runtime_options, draft, draft_to_target)
+    if corpus is not None:
+        drafter.index.seed(corpus)  # before the first request (the engine starts below)
     limits = ModelLimits(
         vocab_size=target.shape.vocab_size,
         context_length=target.shape.context_length,
@@ -186,6 +194,17 @@ def load_runtime(engine_dir: str, engine_id: str, model: str, draft_model: str |
     gc.freeze()  # start-up's objects stay; full collections no longer walk them (see the module docstring)
     engine.start()
     return Runtime(config, engine_id, str(model), draft_model, device, tokenizer, engine, limits, num_threads)
+
+
+def _corpus(config: EngineConfig, draft_model: str, tokenizer, vocab_size: int) -> list[list[int]]:
+    """A corpus drafter's rows for the shared n-gram cache (the ngram drafter's --draft-model)."""
+    if not config.runtime_options.get("shared_ngram_cache") or config.drafter.tree_breadth > 1:
+        raise RuntimeConfigError(
+            f"--draft-model {draft_model}: a corpus seeds the shared n-gram cache of the chain drafter; "
+            "runtime_options.shared_ngram_cache is off or drafter.tree_breadth > 1"
+        )
+    _check_same_tokenizer(draft_model, tokenizer)
+    return read_corpus(draft_model, vocab_size)
 
 
 def _set_threads(config: EngineConfig, model: str, device: str) -> int:
