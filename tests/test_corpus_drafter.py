@@ -277,3 +277,69 @@ def test_the_ngram_corpus_space_composes_and_its_corpus_candidates_carry_the_sha
     cfg = effective_config(compose_setting(SETTING, "final", overrides).config)
     assert cfg["drafter"]["recipe"] == "corpus" and cfg["runtime_options"] == {"shared_ngram_cache": True}
     assert cfg["drafter"]["num_draft_tokens"] == 16
+
+
+# --- a pinned corpus absent from the store is made where it is served ----------------------------------------------
+
+
+@pytest.fixture
+def small_recipe_conf(tmp_path, monkeypatch, repo):
+    """A scratch conf/ whose corpus recipe is SMALL's: the pin and the on-demand make then take seconds."""
+    conf = tmp_path / "conf"
+    shutil.copytree(repo / "conf", conf)
+    recipe = conf / "recipe" / "corpus.yaml"
+    recipe.write_text(
+        recipe.read_text().replace("limit: null", "limit: 2").replace("max_new_tokens: 128", "max_new_tokens: 16")
+    )
+    monkeypatch.setenv("SPECPILOT_CONF", str(conf))
+    return conf
+
+
+def _pinned_record():
+    from specpilot_build.models.drafters import drafter_checkpoint_pin
+
+    config = {
+        "setting": SETTING,
+        "model": {"repo": "karpathy/tinyllamas", "name": "stories260k"},
+        "drafter": {"recipe": "corpus"},
+    }
+    return drafter_checkpoint_pin(config, SETTING).as_record(), config
+
+
+def test_a_pinned_corpus_missing_from_the_store_is_made_on_demand_proven_against_the_pin_and_the_lock_untouched(
+    small_recipe_conf, scratch_lock
+):
+    from specpilot_build.draft.corpus import make_corpus
+    from specpilot_build.draft.recipe import load_recipe
+    from specpilot_build.models.drafters import stored_drafter
+
+    made = make_corpus(SETTING, load_recipe("corpus"))
+    pinned = _hashes(made.directory)
+    shutil.rmtree(made.directory)
+    lock_before = (scratch_lock / "drafters.toml").read_bytes()
+    record, config = _pinned_record()
+
+    directory = stored_drafter(record, config)
+
+    assert directory == made.directory and _hashes(directory) == pinned
+    assert (scratch_lock / "drafters.toml").read_bytes() == lock_before
+
+
+def test_a_corpus_made_on_demand_with_another_id_than_the_pin_is_refused_in_one_line(small_recipe_conf, scratch_lock):
+    from specpilot_build.draft.corpus import make_corpus
+    from specpilot_build.draft.recipe import load_recipe
+    from specpilot_build.errors import IntegrityError
+    from specpilot_build.models.drafters import stored_drafter
+
+    made = make_corpus(SETTING, load_recipe("corpus"))
+    shutil.rmtree(made.directory)
+    lock = scratch_lock / "drafters.toml"
+    forged = "blake3:" + "0" * 64
+    lock.write_text(lock.read_text().replace(made.id, forged))
+    record, config = _pinned_record()
+
+    with pytest.raises(IntegrityError) as refused:
+        stored_drafter(record, config)
+
+    assert "made here as " + made.id[:19] in str(refused.value) and "0" * 12 in str(refused.value)
+    assert "\n" not in str(refused.value)

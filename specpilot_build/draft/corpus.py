@@ -22,8 +22,10 @@ CORPUS = "corpus.safetensors"
 THREADS = 1  # torch threads generating the set (part of its cache key, as a trained recipe's train.threads is)
 
 
-def make_corpus(setting: str, recipe: dict[str, Any]):
-    """Recipe (d) for the setting's target: the set (generated or read back from its cache), stored and pinned."""
+def make_corpus(setting: str, recipe: dict[str, Any], *, pin: bool = True):
+    """Recipe (d) for the setting's target: the set (generated or read back from its cache), stored and (with
+    `pin`) pinned. pin=False is serve's way to make a pinned corpus that is not in the store: the lock is left as
+    it is and the caller proves the result against it."""
     from specpilot_build.draft import data as data_step
     from specpilot_build.draft import store
     from specpilot_build.draft.make import Made
@@ -49,6 +51,8 @@ def make_corpus(setting: str, recipe: dict[str, Any]):
         (out / store.RECORD).write_text(json.dumps({"id": drafter, **material}, indent=2, sort_keys=True) + "\n")
 
     directory = store.commit(drafter, target.directory, write)
+    if not pin:
+        return Made(name, drafter, directory, built, time.monotonic() - started, None)
     store.write_pin(
         store.DrafterPin(
             name=name,
