@@ -77,6 +77,18 @@ def golden(stories_dir) -> dict:
     return json.loads(_need(stories_dir / "golden_greedy.json").read_text())
 
 
+@pytest.fixture
+def drafter_scratch(tmp_path, monkeypatch) -> Path:
+    """A scratch copy of lockfiles/ without drafters.toml (`make draft` writes it) and a data dir of the test's own
+    (the drafter store, the distillation sets): the lock directory."""
+    lock = tmp_path / "lockfiles"
+    shutil.copytree(REPO / "lockfiles", lock)
+    (lock / "drafters.toml").unlink(missing_ok=True)
+    monkeypatch.setenv("SPECPILOT_LOCKFILES", str(lock))
+    monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
+    return lock
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_data(tmp_path_factory):
     """Point SPECPILOT_DATA / SPECPILOT_ENGINES at session temp dirs; reuse an already fetched SGLang wheel."""

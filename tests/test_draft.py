@@ -19,14 +19,9 @@ SMALL = ["data.limit=3", "data.max_new_tokens=24", "train.steps=12", "train.chec
 
 
 @pytest.fixture(autouse=True)
-def scratch_lock(tmp_path, monkeypatch, repo):
-    """A scratch copy of lockfiles/ (drafters.toml is written) and a data dir per test (the store, the sets)."""
-    lock = tmp_path / "lockfiles"
-    shutil.copytree(repo / "lockfiles", lock)
-    (lock / "drafters.toml").unlink(missing_ok=True)
-    monkeypatch.setenv("SPECPILOT_LOCKFILES", str(lock))
-    monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
-    return lock
+def scratch_lock(drafter_scratch):
+    """A scratch lock (drafters.toml is written) and a data dir per test (the store, the sets)."""
+    return drafter_scratch
 
 
 @pytest.fixture(scope="module")

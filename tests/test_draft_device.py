@@ -26,13 +26,8 @@ BEFORE_DEVICE = {
 
 
 @pytest.fixture(autouse=True)
-def scratch(tmp_path, monkeypatch, repo):
-    lock = tmp_path / "lockfiles"
-    shutil.copytree(repo / "lockfiles", lock)
-    (lock / "drafters.toml").unlink(missing_ok=True)
-    monkeypatch.setenv("SPECPILOT_LOCKFILES", str(lock))
-    monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
-    return lock
+def scratch(drafter_scratch):
+    return drafter_scratch
 
 
 def _canonical(value) -> str:

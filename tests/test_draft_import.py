@@ -40,13 +40,8 @@ def made(tmp_path_factory, stories_dir, repo):
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch, repo):
+def home(tmp_path, drafter_scratch):
     """A fresh data dir and lock (no drafters), as on the machine the drafter is brought to."""
-    lock = tmp_path / "lockfiles"
-    shutil.copytree(repo / "lockfiles", lock)
-    (lock / "drafters.toml").unlink(missing_ok=True)
-    monkeypatch.setenv("SPECPILOT_LOCKFILES", str(lock))
-    monkeypatch.setenv("SPECPILOT_DATA", str(tmp_path / "data"))
     return tmp_path
 
 
