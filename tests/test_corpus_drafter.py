@@ -202,25 +202,25 @@ def test_a_corpus_without_the_shared_cache_is_refused_in_one_line(stories_dir, g
         load(tmp_path, engine_config("final", runtime_options={}), stories_dir, corpus)
 
 
-def test_the_corpus_seeds_the_embedded_final_only_and_its_engine_pins_the_corpus(scratch_lock, tmp_path, monkeypatch):
+def test_the_corpus_mechanism_moves_only_the_final_engine_and_pins_the_corpus(scratch_lock, tmp_path, monkeypatch):
     from specpilot_build.assemble.builder import build_engine
     from specpilot_build.config.compose import compose_setting
     from specpilot_build.config.effective import effective_config
     from specpilot_build.errors import PinError
 
-    for arm in ("ar", "stock"):  # the corpus (the promoted final's) is the final arm's alone, mechanism or not
+    for arm in ("ar", "stock", "final"):  # without the mechanism nothing names a corpus
+        assert "recipe" not in effective_config(compose_setting(SETTING, arm).config)["drafter"]
+    for arm in ("ar", "stock"):  # the mechanism applies to the final arm only
         plain = effective_config(compose_setting(SETTING, arm).config)
-        assert "recipe" not in plain["drafter"]
         assert effective_config(compose_setting(SETTING, arm, [CORPUS_MECHANISM]).config)["drafter"] == plain["drafter"]
-    assert effective_config(compose_setting(SETTING, "final").config)["drafter"]["recipe"] == "corpus"
     monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
     with pytest.raises(PinError, match=rf"run `make draft SETTING={SETTING} RECIPE=corpus`"):
-        build_engine(SETTING, "final")
+        build_engine(SETTING, "final", [CORPUS_MECHANISM])
     made = make_small()
-    engine = build_engine(SETTING, "final").engine
+    engine = build_engine(SETTING, "final", [CORPUS_MECHANISM]).engine
     assert engine.manifest["inputs"]["checkpoints"]["drafter"]["revision"] == made.id.removeprefix("blake3:")
     assert engine.config["drafter"]["recipe"] == "corpus"
-    assert engine.id != build_engine(SETTING, "final", ["final.mechanisms.tuned.drafter.recipe=null"]).engine.id
+    assert engine.id != build_engine(SETTING, "final").engine.id
 
 
 @pytest.mark.slow
