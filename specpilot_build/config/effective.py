@@ -66,9 +66,7 @@ def _corpus(drafter: dict[str, Any], runtime: str, runtime_options: dict[str, An
     cache, docs/drafters.md); one on anything but that cache's chain drafter is an error."""
     if not drafter.get("recipe"):
         return False
-    from specpilot_build.draft.recipe import load_recipe
-
-    if load_recipe(drafter["recipe"])["kind"] != "corpus":
+    if _recipe_kind(drafter["recipe"]) != "corpus":
         return False
     shared = bool(runtime_options.get("shared_ngram_cache"))
     if runtime != "reference" or drafter["algorithm"] != "ngram" or not shared:
@@ -83,6 +81,19 @@ def _corpus(drafter: dict[str, Any], runtime: str, runtime_options: dict[str, An
             f"(tree_breadth {drafter.get('tree_breadth')}, fallback {drafter.get('fallback')})"
         )
     return True
+
+
+def _recipe_kind(name: str) -> str | None:
+    """The `kind:` of conf/recipe/<name>.yaml (read here: config/ imports no other stage; `make draft` checks the
+    whole recipe); None where there is no such file."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from specpilot_build.locations import conf_dir
+
+    path = conf_dir() / "recipe" / f"{name}.yaml"
+    loaded = OmegaConf.load(path) if path.is_file() else None
+    kind = loaded.get("kind") if isinstance(loaded, DictConfig) else None
+    return None if kind is None else str(kind)
 
 
 def _fallback(drafter: dict[str, Any], runtime: str, corpus: bool = False) -> None:

@@ -83,11 +83,43 @@ def commit(drafter: str, target_dir: Path, write: Callable[[Path, Path], None]) 
     return final
 
 
+CORPUS = "corpus.safetensors"  # recipe (d)'s file (draft/corpus.py writes it)
+
+
+def _check_corpus(path: Path, vocab_size: int) -> None:
+    """draft/corpus.py's check_corpus, here because corpus.py commits through this module (importing it back would
+    close a cycle) and its source is part of every corpus drafter's id (moving the check would re-id them)."""
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+        tokens, offsets = tensors["tokens"], tensors["offsets"]
+    except Exception as exc:  # noqa: BLE001  (safetensors raises several types for a bad file)
+        raise SpecPilotError(f"{path}: no readable tokens and offsets tensors ({type(exc).__name__})") from None
+    ok = (
+        tokens.dtype == torch.int32
+        and offsets.dtype == torch.int64
+        and tokens.dim() == 1
+        and offsets.dim() == 1
+        and len(offsets) >= 2
+        and int(offsets[0]) == 0
+        and int(offsets[-1]) == len(tokens)
+        and bool((offsets[1:] > offsets[:-1]).all())
+    )
+    if not ok:
+        raise SpecPilotError(f"{path}: tokens must be int32 and offsets increasing int64 from 0 to len(tokens)")
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise SpecPilotError(
+            f"{path}: token id {int(tokens.max())} is outside the target's vocabulary of {vocab_size} "
+            "(made for another tokenizer?)"
+        )
+
+
 def check_against_target(directory: Path, target_dir: Path) -> None:
     """A drafter must share the target's tokenizer (every tokenizer file byte-identical) and vocabulary (config
     vocab_size; a corpus (recipe (d)): every token id below it), and its draft_to_target map (if any) must be sorted,
     unique target ids. One line naming the file."""
-    from specpilot_build.draft.corpus import CORPUS, check_corpus
     from specpilot_build.draft.target import tokenizer_files
 
     wanted = tokenizer_files(target_dir)
@@ -99,7 +131,7 @@ def check_against_target(directory: Path, target_dir: Path) -> None:
             raise SpecPilotError(f"{directory / name}: differs from the target's tokenizer ({target_dir / name})")
     target_vocab = _json(target_dir / "config.json").get("vocab_size")
     if (directory / CORPUS).is_file():  # recipe (d): tokens, no model
-        check_corpus(directory / CORPUS, int(target_vocab or 0))
+        _check_corpus(directory / CORPUS, int(target_vocab or 0))
         return
     draft_vocab = _json(directory / "config.json").get("vocab_size")
     if draft_vocab != target_vocab:

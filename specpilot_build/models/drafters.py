@@ -106,8 +106,6 @@ def stored_drafter(record: dict, config: dict) -> Path:
     name = record["repo"].removeprefix(REPO_PREFIX)
     hint = _make_hint(config, config.get("setting", "<setting>"))
     directory = drafter_dir(record["revision"])
-    if not directory.is_dir() and _is_corpus(config):
-        _make_pinned_corpus(name, record, config)
     if not directory.is_dir():
         raise PinError(f"drafter {name} (blake3:{record['revision'][:12]}…): not in the store ({directory}); {hint}")
     files = [PinnedFile(**f) for f in record.get("converted", [])]
@@ -135,41 +133,6 @@ def _recorded_id(path: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return made.get("id") if isinstance(made, dict) else None
-
-
-def _is_corpus(config: dict) -> bool:
-    from specpilot_build.draft.recipe import load_recipe
-
-    drafter = config.get("drafter") or {}
-    return (
-        bool(drafter.get("recipe"))
-        and not drafter.get("made_for")
-        and load_recipe(drafter["recipe"])["kind"] == "corpus"
-    )
-
-
-def _make_pinned_corpus(name: str, record: dict, config: dict) -> None:
-    """A pinned corpus drafter (recipe (d): the target's greedy outputs, no training) absent from the store is made
-    here, as a missing checkpoint is fetched: once per data dir, then proven against the pin like any drafter. A
-    different id (this machine's greedy differs from the pinning machine's) is one line; the lock is not touched."""
-    import sys
-
-    from specpilot_build.draft.corpus import make_corpus
-    from specpilot_build.draft.recipe import load_recipe
-
-    setting = config.get("setting") or "<setting>"
-    print(
-        f"drafter {name}: not in the store; making it (recipe {config['drafter']['recipe']}: the target's greedy "
-        "outputs on the train split, no training; once per data dir)",
-        file=sys.stderr,
-    )
-    made = make_corpus(setting, load_recipe(config["drafter"]["recipe"]), pin=False)
-    if made.id != "blake3:" + record["revision"]:
-        raise IntegrityError(
-            f"drafter {name}: made here as {made.id[:19]}…, but lockfiles/{LOCKFILE} pins blake3:{record['revision'][:12]}…"
-            f" (the recipe, the target or the generator differ from the pinning run's); `make draft SETTING={setting} "
-            f"RECIPE={config['drafter']['recipe']}` re-pins it"
-        )
 
 
 def _make_hint(config: dict, setting: str) -> str:
