@@ -16,16 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specpilot_build.errors import SpecPilotError
+from specpilot_build.draft.store import CORPUS
 
-CORPUS = "corpus.safetensors"
+__all__ = ["CORPUS", "make_corpus", "write_corpus"]
 THREADS = 1  # torch threads generating the set (part of its cache key, as a trained recipe's train.threads is)
 
 
-def make_corpus(setting: str, recipe: dict[str, Any], *, pin: bool = True):
-    """Recipe (d) for the setting's target: the set (generated or read back from its cache), stored and (with
-    `pin`) pinned. pin=False is serve's way to make a pinned corpus that is not in the store: the lock is left as
-    it is and the caller proves the result against it."""
+def make_corpus(setting: str, recipe: dict[str, Any]):
+    """Recipe (d) for the setting's target: the set (generated or read back from its cache), stored and pinned."""
     from specpilot_build.draft import data as data_step
     from specpilot_build.draft import store
     from specpilot_build.draft.make import Made
@@ -51,8 +49,6 @@ def make_corpus(setting: str, recipe: dict[str, Any], *, pin: bool = True):
         (out / store.RECORD).write_text(json.dumps({"id": drafter, **material}, indent=2, sort_keys=True) + "\n")
 
     directory = store.commit(drafter, target.directory, write)
-    if not pin:
-        return Made(name, drafter, directory, built, time.monotonic() - started, None)
     store.write_pin(
         store.DrafterPin(
             name=name,
@@ -79,34 +75,3 @@ def write_corpus(rows: list[dict[str, Any]], path: Path) -> None:
         str(path),
         metadata={"format": "pt"},
     )
-
-
-def check_corpus(path: Path, vocab_size: int) -> int:
-    """A corpus file's shape and ids (every id below the target's vocab_size); its number of tokens. One line naming
-    the file otherwise."""
-    import torch
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(path))
-        tokens, offsets = tensors["tokens"], tensors["offsets"]
-    except Exception as exc:  # noqa: BLE001  (safetensors raises several types for a bad file)
-        raise SpecPilotError(f"{path}: no readable tokens and offsets tensors ({type(exc).__name__})") from None
-    ok = (
-        tokens.dtype == torch.int32
-        and offsets.dtype == torch.int64
-        and tokens.dim() == 1
-        and offsets.dim() == 1
-        and len(offsets) >= 2
-        and int(offsets[0]) == 0
-        and int(offsets[-1]) == len(tokens)
-        and bool((offsets[1:] > offsets[:-1]).all())
-    )
-    if not ok:
-        raise SpecPilotError(f"{path}: tokens must be int32 and offsets increasing int64 from 0 to len(tokens)")
-    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise SpecPilotError(
-            f"{path}: token id {int(tokens.max())} is outside the target's vocabulary of {vocab_size} "
-            "(made for another tokenizer?)"
-        )
-    return len(tokens)

@@ -86,9 +86,9 @@ def commit(drafter: str, target_dir: Path, write: Callable[[Path, Path], None]) 
 CORPUS = "corpus.safetensors"  # recipe (d)'s file (draft/corpus.py writes it)
 
 
-def _check_corpus(path: Path, vocab_size: int) -> None:
-    """draft/corpus.py's check_corpus, here because corpus.py commits through this module (importing it back would
-    close a cycle) and its source is part of every corpus drafter's id (moving the check would re-id them)."""
+def check_corpus(path: Path, vocab_size: int) -> None:
+    """A corpus file's shape and ids (recipe (d), draft/corpus.py writes it): tokens int32, offsets increasing int64
+    from 0 to len(tokens), every id below the target's vocab_size. One line naming the file otherwise."""
     import torch
     from safetensors.torch import load_file
 
@@ -131,7 +131,7 @@ def check_against_target(directory: Path, target_dir: Path) -> None:
             raise SpecPilotError(f"{directory / name}: differs from the target's tokenizer ({target_dir / name})")
     target_vocab = _json(target_dir / "config.json").get("vocab_size")
     if (directory / CORPUS).is_file():  # recipe (d): tokens, no model
-        _check_corpus(directory / CORPUS, int(target_vocab or 0))
+        check_corpus(directory / CORPUS, int(target_vocab or 0))
         return
     draft_vocab = _json(directory / "config.json").get("vocab_size")
     if draft_vocab != target_vocab:
