@@ -237,8 +237,9 @@ def test_a_served_corpus_seeded_final_verifies_lossless(scratch_lock, tmp_path, 
     from specpilot_build.serve.process import serve, stop
 
     monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
-    make_small()
-    final = build_engine(SETTING, "final", [CORPUS_MECHANISM]).engine
+    made = make_small()
+    final = build_engine(SETTING, "final").engine  # the embedded default's final: the corpus-seeded shared cache
+    assert final.manifest["inputs"]["checkpoints"]["drafter"]["revision"] == made.id.removeprefix("blake3:")
     ar = build_engine(SETTING, "ar").engine
     port, oracle_port = free_port(), free_port()
     serve(final, port, quiet=True)

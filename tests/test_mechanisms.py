@@ -63,7 +63,8 @@ def test_presets_list_mechanisms_from_the_group_and_are_named_by_their_file(sett
     assert set(composed.choices) == {"setting", "hardware", "model", "drafter", "batching", "runtime", "arm"}
 
 
-ADD_ONS = {"w12-dense-fallback"}  # mechanisms no preset lists, added from the command line (tested below)
+# mechanisms no preset lists, added from the command line (tested below; ngram-corpus in test_corpus_drafter.py)
+ADD_ONS = {"w12-dense-fallback", "ngram-corpus"}
 
 
 def test_every_mechanism_file_is_used_and_every_group_file_opens_with_a_comment():
@@ -105,6 +106,22 @@ def test_the_hand_written_final_composes_as_before():
         "eagle_topk": None,
     }
     assert cfg["runtime_options"] == {"shared_ngram_cache": True} and cfg["kernels"] == []
+
+
+def test_the_embedded_default_composes_to_the_final_make_tune_promoted():
+    assert listed(EMBEDDED) == [("tuned", f"promoted/{EMBEDDED}")]
+    promoted = (conf_dir() / "mechanism" / "promoted" / f"{EMBEDDED}.yaml").read_text()
+    assert (
+        promoted.startswith(f"# Promoted by `make tune SETTING={EMBEDDED} PROMOTE=1`") and "verify lossless" in promoted
+    )
+    cfg = effective_config(compose_setting(EMBEDDED, "final").config)
+    assert cfg["mechanisms"] == [{"name": "tuned", "overlay": None}]
+    drafter = {k: cfg["drafter"][k] for k in ("num_draft_tokens", "ngram_max_n", "ngram_min_n", "recipe")}
+    assert drafter == {"num_draft_tokens": 8, "ngram_max_n": 8, "ngram_min_n": 2, "recipe": "corpus"}
+    assert cfg["runtime_options"] == {"shared_ngram_cache": True} and cfg["kernels"] == []
+    for arm in ("ar", "stock"):  # the promotion moved the final arm only
+        ours, theirs = (effective_config(compose_setting(s, arm).config) for s in (EMBEDDED, CPU))
+        assert {**ours, "setting": None, "description": None} == {**theirs, "setting": None, "description": None}
 
 
 def test_the_w12_dense_fallback_is_a_mechanism_added_from_the_command_line_to_reference_engines_only():

@@ -49,6 +49,7 @@ def test_the_shipped_space_composes_into_the_embedded_default():
     from specpilot_build.tune.space import check_space, load_space
 
     space = load_space("ngram")
+    assert check_space(space, SETTING) == ["tuned"]  # the promoted final: a candidate replaces it
     assert check_space(space, HANDWRITTEN) == ["shared-ngram-cache", "tuned-ngram"]
     assert space.grid()["drafter.num_draft_tokens"] == [2, 4, 6, 8, 10, 12, 14, 16]
     assert "drafter.tree_breadth" not in space.grid()
@@ -58,6 +59,7 @@ def test_the_tree_space_composes_and_searches_tree_breadth():
     from specpilot_build.tune.space import check_space, load_space
 
     space = load_space("ngram_tree")
+    assert check_space(space, SETTING) == ["tuned"]
     assert check_space(space, HANDWRITTEN) == ["shared-ngram-cache", "tuned-ngram"]
     assert space.grid()["drafter.tree_breadth"] == [1, 2, 3, 4]
 
@@ -358,9 +360,7 @@ def test_a_bounded_tune_benches_the_tune_split_verifies_and_writes_a_winner_that
     ):
         assert needle in text
     assert "Leaders re-measured side by side" in open(summary["report"]["markdown"]).read()
-    built = build_composed(
-        compose_setting(SETTING, "final", winner_overrides(SETTING, ["shared-ngram-cache", "tuned-ngram"]))
-    )
+    built = build_composed(compose_setting(SETTING, "final", winner_overrides(SETTING, ["tuned"])))
     assert built.engine.id == attrs["engine_id"] and not built.created
 
 
