@@ -72,7 +72,8 @@ PROMPTS = [
 
 EOS = frozenset({2})  # stories260K's </s>, SmolLM2's <|im_end|>
 
-# The embedded default's arms (conf/setting/cpu_c1_stories260k_ngram.yaml: stock = conf/drafter/ngram.yaml).
+# The embedded model's arms with the hand-written final (conf/setting/cpu_c1_stories260k_handwritten.yaml: stock =
+# conf/drafter/ngram.yaml; the embedded default's final is now the one make tune promoted, seeded with a corpus).
 STOCK = DrafterConfig("ngram", num_draft_tokens=4, ngram_max_n=3, ngram_min_n=1)
 FINAL = DrafterConfig("ngram", num_draft_tokens=10, ngram_max_n=8, ngram_min_n=1)  # tuned with --sweep
 

@@ -29,7 +29,7 @@ from specpilot_build.errors import IntegrityError
 from specpilot_build.locations import REPO_ROOT
 from specpilot_build.store.engines import Engine, check_engine
 
-EMBEDDED = "cpu_c1_stories260k_ngram"
+EMBEDDED = "cpu_c1_stories260k_handwritten"  # the embedded model, its final drafting from n-grams alone (no drafter)
 PART_BYTES = 256 * 1024  # the embedded bundle is ~1.1 MB: five parts
 
 

@@ -37,7 +37,9 @@ from specpilot_build.locations import REPO_ROOT
 from specpilot_build.store.engines import Engine, index_keys, inspect_engine
 from specpilot_build.store.manifest import MANIFEST_NAME, canonical_json, digest_file
 
-EMBEDDED = "cpu_c1_stories260k_ngram"
+# the embedded model with the hand-written final: it serves without a drafter store (the embedded default's
+# final needs its corpus made first: tests/test_demo.py, tests/test_corpus_drafter.py)
+EMBEDDED = "cpu_c1_stories260k_handwritten"
 
 
 @contextlib.contextmanager

@@ -211,10 +211,11 @@ def test_every_setting_carries_the_pins_md_revisions_or_is_declared_unpinned(sha
     assert pinned_gpu_settings
 
 
-def test_make_models_for_the_embedded_default(hub, tiny_pin, capsys, llama2c_dir):
+def test_make_models_for_the_embedded_model(hub, tiny_pin, capsys, llama2c_dir):
     from specpilot_build.cli.main import main
 
-    assert main(["models", "--setting", "cpu_c1_stories260k_ngram", "--mirror", str(llama2c_dir)]) == 0
+    # the hand-written final drafts from n-grams alone: the model is the setting's one checkpoint
+    assert main(["models", "--setting", "cpu_c1_stories260k_handwritten", "--mirror", str(llama2c_dir)]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     model_dir = Path(line.split()[-1])
     assert line.startswith(f"model    {TINY}@{tiny_pin.revision[:12]}")

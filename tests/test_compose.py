@@ -53,8 +53,8 @@ def test_setting_files_start_with_the_command_that_builds_them(setting):
 
 
 def test_final_mechanisms_are_named_and_change_only_the_final_arm():
-    stock = effective_config(compose_setting("cpu_c1_stories260k_ngram", "stock").config)
-    final = effective_config(compose_setting("cpu_c1_stories260k_ngram", "final").config)
+    stock = effective_config(compose_setting("cpu_c1_stories260k_handwritten", "stock").config)
+    final = effective_config(compose_setting("cpu_c1_stories260k_handwritten", "final").config)
     assert [m["name"] for m in final["mechanisms"]] == ["shared-ngram-cache", "tuned-ngram"]
     assert final["runtime_options"] == {"shared_ngram_cache": True}
     assert stock["runtime_options"] == {} and stock["drafter"]["num_draft_tokens"] == 4

@@ -14,6 +14,7 @@ import pytest
 SETTING = "cpu_c1_stories260k_ngram"
 SMALL = ["data.limit=2", "data.max_new_tokens=16"]  # 10 prompts, 16 new tokens: seconds
 CORPUS_MECHANISM = "+mechanism@final.mechanisms.ngram-corpus=ngram-corpus"
+HANDWRITTEN = "cpu_c1_stories260k_handwritten"  # a final without the corpus, for the mechanism to add it to
 
 
 @pytest.fixture(autouse=True)
@@ -209,18 +210,21 @@ def test_the_corpus_mechanism_moves_only_the_final_engine_and_pins_the_corpus(sc
     from specpilot_build.errors import PinError
 
     for arm in ("ar", "stock", "final"):  # without the mechanism nothing names a corpus
-        assert "recipe" not in effective_config(compose_setting(SETTING, arm).config)["drafter"]
+        assert "recipe" not in effective_config(compose_setting(HANDWRITTEN, arm).config)["drafter"]
     for arm in ("ar", "stock"):  # the mechanism applies to the final arm only
-        plain = effective_config(compose_setting(SETTING, arm).config)
-        assert effective_config(compose_setting(SETTING, arm, [CORPUS_MECHANISM]).config)["drafter"] == plain["drafter"]
+        plain = effective_config(compose_setting(HANDWRITTEN, arm).config)
+        assert (
+            effective_config(compose_setting(HANDWRITTEN, arm, [CORPUS_MECHANISM]).config)["drafter"]
+            == plain["drafter"]
+        )
     monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
-    with pytest.raises(PinError, match=rf"run `make draft SETTING={SETTING} RECIPE=corpus`"):
-        build_engine(SETTING, "final", [CORPUS_MECHANISM])
+    with pytest.raises(PinError, match=rf"run `make draft SETTING={HANDWRITTEN} RECIPE=corpus`"):
+        build_engine(HANDWRITTEN, "final", [CORPUS_MECHANISM])
     made = make_small()
-    engine = build_engine(SETTING, "final", [CORPUS_MECHANISM]).engine
+    engine = build_engine(HANDWRITTEN, "final", [CORPUS_MECHANISM]).engine
     assert engine.manifest["inputs"]["checkpoints"]["drafter"]["revision"] == made.id.removeprefix("blake3:")
     assert engine.config["drafter"]["recipe"] == "corpus"
-    assert engine.id != build_engine(SETTING, "final").engine.id
+    assert engine.id != build_engine(HANDWRITTEN, "final").engine.id
 
 
 @pytest.mark.slow
@@ -233,8 +237,9 @@ def test_a_served_corpus_seeded_final_verifies_lossless(scratch_lock, tmp_path, 
     from specpilot_build.serve.process import serve, stop
 
     monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
-    make_small()
-    final = build_engine(SETTING, "final", [CORPUS_MECHANISM]).engine
+    made = make_small()
+    final = build_engine(SETTING, "final").engine  # the embedded default's final: the corpus-seeded shared cache
+    assert final.manifest["inputs"]["checkpoints"]["drafter"]["revision"] == made.id.removeprefix("blake3:")
     ar = build_engine(SETTING, "ar").engine
     port, oracle_port = free_port(), free_port()
     serve(final, port, quiet=True)

@@ -18,9 +18,10 @@ from specpilot_build.config.schema import RUNTIME_OPTION_RANGES
 from specpilot_build.errors import ConfigError
 from specpilot_build.locations import REPO_ROOT, conf_dir
 
-CPU = "cpu_c1_stories260k_ngram"
+CPU = "cpu_c1_stories260k_handwritten"  # the hand-written final: the worked example of mechanisms and overrides
+EMBEDDED = "cpu_c1_stories260k_ngram"  # its final is the one `make tune` promoted (conf/mechanism/promoted/)
 SGLANG = "h100_c1_qwen3-8b_dflash"
-ENTRY = re.compile(r"^\s*- /mechanism@final\.mechanisms\.([\w-]+): ([\w-]+)\s*$")
+ENTRY = re.compile(r"^\s*- /mechanism@final\.mechanisms\.([\w-]+): ([\w/-]+)\s*$")
 
 
 def listed(setting: str) -> list[tuple[str, str]]:
@@ -62,12 +63,16 @@ def test_presets_list_mechanisms_from_the_group_and_are_named_by_their_file(sett
     assert set(composed.choices) == {"setting", "hardware", "model", "drafter", "batching", "runtime", "arm"}
 
 
-ADD_ONS = {"w12-dense-fallback"}  # mechanisms no preset lists, added from the command line (tested below)
+# mechanisms no preset lists, added from the command line (tested below; ngram-corpus in test_corpus_drafter.py)
+ADD_ONS = {"w12-dense-fallback", "ngram-corpus"}
 
 
 def test_every_mechanism_file_is_used_and_every_group_file_opens_with_a_comment():
     used = {file for s in list_settings() for _, file in listed(s)}
-    assert used | ADD_ONS == {p.stem for p in (conf_dir() / "mechanism").glob("*.yaml")} and not used & ADD_ONS
+    group = conf_dir() / "mechanism"
+    # tuned/ holds the latest tune's winner, named by no preset until PROMOTE copies it to promoted/
+    files = {p.relative_to(group).with_suffix("").as_posix() for p in group.rglob("*.yaml") if p.parent.name != "tuned"}
+    assert used | ADD_ONS == files and not used & ADD_ONS
     for path in sorted(conf_dir().rglob("*.yaml")):
         first = path.read_text().splitlines()[0]
         assert first.startswith("# ") and len(first) > 10, f"{path} opens without a comment saying what it is"
@@ -82,7 +87,7 @@ def test_a_mechanism_shared_by_every_sglang_preset_is_one_file_and_sets_the_same
         assert cfg["runtime"]["launch_args"]["cuda-graph-max-bs-decode"] == cfg["batching"]["concurrency"]
 
 
-def test_the_embedded_default_composes_as_before():
+def test_the_hand_written_final_composes_as_before():
     cfg = effective_config(compose_setting(CPU, "final").config)
     assert cfg["mechanisms"] == [
         {"name": "shared-ngram-cache", "overlay": None},
@@ -101,6 +106,22 @@ def test_the_embedded_default_composes_as_before():
         "eagle_topk": None,
     }
     assert cfg["runtime_options"] == {"shared_ngram_cache": True} and cfg["kernels"] == []
+
+
+def test_the_embedded_default_composes_to_the_final_make_tune_promoted():
+    assert listed(EMBEDDED) == [("tuned", f"promoted/{EMBEDDED}")]
+    promoted = (conf_dir() / "mechanism" / "promoted" / f"{EMBEDDED}.yaml").read_text()
+    assert (
+        promoted.startswith(f"# Promoted by `make tune SETTING={EMBEDDED} PROMOTE=1`") and "verify lossless" in promoted
+    )
+    cfg = effective_config(compose_setting(EMBEDDED, "final").config)
+    assert cfg["mechanisms"] == [{"name": "tuned", "overlay": None}]
+    drafter = {k: cfg["drafter"][k] for k in ("num_draft_tokens", "ngram_max_n", "ngram_min_n", "recipe")}
+    assert drafter == {"num_draft_tokens": 8, "ngram_max_n": 8, "ngram_min_n": 2, "recipe": "corpus"}
+    assert cfg["runtime_options"] == {"shared_ngram_cache": True} and cfg["kernels"] == []
+    for arm in ("ar", "stock"):  # the promotion moved the final arm only
+        ours, theirs = (effective_config(compose_setting(s, arm).config) for s in (EMBEDDED, CPU))
+        assert {**ours, "setting": None, "description": None} == {**theirs, "setting": None, "description": None}
 
 
 def test_the_w12_dense_fallback_is_a_mechanism_added_from_the_command_line_to_reference_engines_only():

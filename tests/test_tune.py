@@ -14,6 +14,7 @@ from specpilot_build.errors import ConfigError, SpecPilotError
 from specpilot_build.locations import REPO_ROOT
 
 SETTING = "cpu_c1_stories260k_ngram"
+HANDWRITTEN = "cpu_c1_stories260k_handwritten"  # the hand-written final PROMOTE is confirmed against
 DATASETS = ["gsm8k", "mbpp"]
 
 
@@ -48,7 +49,8 @@ def test_the_shipped_space_composes_into_the_embedded_default():
     from specpilot_build.tune.space import check_space, load_space
 
     space = load_space("ngram")
-    assert check_space(space, SETTING) == ["shared-ngram-cache", "tuned-ngram"]
+    assert check_space(space, SETTING) == ["tuned"]  # the promoted final: a candidate replaces it
+    assert check_space(space, HANDWRITTEN) == ["shared-ngram-cache", "tuned-ngram"]
     assert space.grid()["drafter.num_draft_tokens"] == [2, 4, 6, 8, 10, 12, 14, 16]
     assert "drafter.tree_breadth" not in space.grid()
 
@@ -57,7 +59,8 @@ def test_the_tree_space_composes_and_searches_tree_breadth():
     from specpilot_build.tune.space import check_space, load_space
 
     space = load_space("ngram_tree")
-    assert check_space(space, SETTING) == ["shared-ngram-cache", "tuned-ngram"]
+    assert check_space(space, SETTING) == ["tuned"]
+    assert check_space(space, HANDWRITTEN) == ["shared-ngram-cache", "tuned-ngram"]
     assert space.grid()["drafter.tree_breadth"] == [1, 2, 3, 4]
 
 
@@ -300,11 +303,11 @@ def _three_ports() -> int:
     raise RuntimeError("no three consecutive free ports")
 
 
-def _tune(space: str, trials: int, sampler: str, study: str, **kw):
+def _tune(space: str, trials: int, sampler: str, study: str, setting: str = SETTING, **kw):
     from specpilot_build.tune.run import tune
 
     options = {"limit": 1, "max_new_tokens": 24, "datasets": DATASETS, "port": _three_ports(), **kw}
-    return tune(SETTING, space, trials, sampler, 0, study, **options)
+    return tune(setting, space, trials, sampler, 0, study, **options)
 
 
 @pytest.mark.slow
@@ -357,9 +360,7 @@ def test_a_bounded_tune_benches_the_tune_split_verifies_and_writes_a_winner_that
     ):
         assert needle in text
     assert "Leaders re-measured side by side" in open(summary["report"]["markdown"]).read()
-    built = build_composed(
-        compose_setting(SETTING, "final", winner_overrides(SETTING, ["shared-ngram-cache", "tuned-ngram"]))
-    )
+    built = build_composed(compose_setting(SETTING, "final", winner_overrides(SETTING, ["tuned"])))
     assert built.engine.id == attrs["engine_id"] and not built.created
 
 
@@ -521,21 +522,21 @@ def test_promote_switches_the_preset_to_a_confirmed_winner_that_composes_builds_
     # today's final made slower on purpose (every step sleeps: tests/overlays/slow-steps), still lossless; the
     # space's one point is the hand-written final without it
     (conf / "mechanism" / "slow-steps.yaml").write_text("overlay: slow-steps\n")
-    preset = setting_path(SETTING)
+    preset = setting_path(HANDWRITTEN)
     entries = (
         "  - /mechanism@final.mechanisms.shared-ngram-cache: shared-ngram-cache\n"
         "  - /mechanism@final.mechanisms.tuned-ngram: tuned-ngram-k10-n8\n"
     )
     slow = preset.read_text().replace(entries, entries + "  - /mechanism@final.mechanisms.slow: slow-steps\n")
     preset.write_text(slow)
-    old_final = build_engine(SETTING, "final").engine
+    old_final = build_engine(HANDWRITTEN, "final").engine
     space = _space(
         conf,
         "fast",
         "params:\n  drafter:\n    num_draft_tokens: [10]\n    ngram_max_n: [8]\n"
         "  runtime_options:\n    shared_ngram_cache: [true]\n",
     )
-    summary = _tune(space, 1, "grid", "promote-fast", promote=True, eval_limit=2)
+    summary = _tune(space, 1, "grid", "promote-fast", HANDWRITTEN, promote=True, eval_limit=2)
     confirmed = json.loads(open(summary["promote"]["json"]).read())
     gain = confirmed["speedups"]["new/current"]
     assert confirmed["promoted"], confirmed.get("reason")
@@ -543,13 +544,13 @@ def test_promote_switches_the_preset_to_a_confirmed_winner_that_composes_builds_
     # the preset names the promoted mechanism in place of the old final's three entries; nothing else moved
     assert preset.read_text() == slow.replace(
         entries + "  - /mechanism@final.mechanisms.slow: slow-steps\n",
-        f"  - /mechanism@final.mechanisms.tuned: promoted/{SETTING}\n",
+        f"  - /mechanism@final.mechanisms.tuned: promoted/{HANDWRITTEN}\n",
     )
-    assert "new/current final" in promoted_path(SETTING).read_text()
-    final = compose_setting(SETTING, "final").config["final"]["mechanisms"]
+    assert "new/current final" in promoted_path(HANDWRITTEN).read_text()
+    final = compose_setting(HANDWRITTEN, "final").config["final"]["mechanisms"]
     assert list(final) == ["tuned"] and final["tuned"]["drafter"] == {"num_draft_tokens": 10, "ngram_max_n": 8}
     assert final["tuned"]["overlay"] is None and final["tuned"]["runtime_options"] == {"shared_ngram_cache": True}
-    built = build_engine(SETTING, "final")
+    built = build_engine(HANDWRITTEN, "final")
     assert built.engine.id == confirmed["engine_ids"]["new"] == summary["best"]["engine_id"] != old_final.id
     assert not built.created
     # `make diff` of the old and new final: only the final's mechanisms moved (the slow overlay gone; drafter values equal), no pin
@@ -596,9 +597,11 @@ def test_promote_that_does_not_clear_1_changes_nothing_in_conf(conf, capsys, tes
         "weak",
         "params:\n  overlay: [slow-steps]\n  drafter:\n    num_draft_tokens: [2]\n",
     )
-    _tune(space, 1, "grid", "promote-weak")  # the study and its winner file, as `make tune` leaves them
+    _tune(space, 1, "grid", "promote-weak", HANDWRITTEN)  # the study and its winner file, as `make tune` leaves them
     before = _conf_bytes(conf)
-    summary = _tune(space, 1, "grid", "promote-weak", promote=True, eval_limit=2)  # the same command, PROMOTE=1
+    summary = _tune(
+        space, 1, "grid", "promote-weak", HANDWRITTEN, promote=True, eval_limit=2
+    )  # the same command, PROMOTE=1
     confirmed = json.loads(open(summary["promote"]["json"]).read())
     gain = confirmed["speedups"]["new/current"]
     assert not confirmed["promoted"] and gain["ci95"][0] <= 1

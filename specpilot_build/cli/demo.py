@@ -8,6 +8,11 @@ against the ar engine by token forcing; print the verdict. `repeat=n` (`--repeat
 benches n times, each time on freshly started servers (the final arm's shared n-gram cache starts empty
 again), and prints the run-to-run spread of final/ar; the last repetition is scored and verified. The default
 is the embedded CPU setting with a small split, so it runs in minutes on 2 cores.
+
+A final that drafts with a drafter `make draft` makes (drafter.recipe: the embedded default's corpus) needs it in
+the data dir's drafter store before it serves; the demo makes it first where it is missing (`make draft
+SETTING=<setting>`, the same id and pin), so a fresh clone stays one command. Made here, in cli/, because only
+cli/ may import draft/ (models/ and serve/ find a drafter by its pin, never make one).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ def demo(
         raise SpecPilotError(f"--repeat {repeat}: give at least 1")
     console = console or Console()
     started = time.perf_counter()
+    made = make_missing_drafter(setting)
+    if made is not None:
+        console.print(f"drafter {made.name} {made.id} made in {made.seconds:.0f} s (the final drafts with it)")
     engines = {}
     for arm in ARMS:
         engines[arm] = build_engine(setting, arm).engine
@@ -116,6 +124,34 @@ def demo(
         "verify": verification,
         "seconds": seconds,
     }
+
+
+def make_missing_drafter(setting: str):
+    """The setting's final arm's recipe drafter, made (and pinned) where the drafter store lacks it; None when the
+    final has no recipe drafter, it is stored already, or it is made for another model (serving then says how)."""
+    from specpilot_build.config.compose import compose_setting
+    from specpilot_build.config.effective import effective_config
+    from specpilot_build.draft.recipe import load_recipe
+    from specpilot_build.errors import PinError
+    from specpilot_build.models.drafters import drafter_checkpoint_pin, drafter_dir
+
+    config = effective_config(compose_setting(setting, "final").config)
+    drafter = config["drafter"]
+    if not drafter.get("recipe") or drafter.get("made_for"):
+        return None
+    try:
+        if drafter_dir(drafter_checkpoint_pin(config, setting).revision).is_dir():
+            return None
+    except PinError:  # not pinned yet: made and pinned below
+        pass
+    recipe = load_recipe(drafter["recipe"])
+    if recipe["kind"] == "corpus":  # recipe (d): tokens, no training (draft/corpus.py)
+        from specpilot_build.draft.corpus import make_corpus
+
+        return make_corpus(setting, recipe)
+    from specpilot_build.draft.make import make_drafter
+
+    return make_drafter(setting, drafter["recipe"], [])
 
 
 def spread_of(values: list[float]) -> dict:
