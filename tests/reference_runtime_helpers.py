@@ -54,6 +54,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def three_free_ports() -> int:
+    """A base port with the two after it free too (demo and tune serve ar, stock, final on PORT..PORT+2)."""
+    for _ in range(50):
+        base = free_port()
+        if base > 65000:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free ports")
+
+
 def launch(engine_dir: Path, engine_id: str, port: int, model_dir: Path, extra: list[str] = ()) -> subprocess.Popen:
     """Start the server exactly as `make serve` does (the launch contract), from the installed specpilot_runtime."""
     argv = [

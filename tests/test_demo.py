@@ -3,32 +3,14 @@ the demo makes it (the very id lockfiles/drafters.toml pins) before the final se
 
 from __future__ import annotations
 
-import socket
 import tomllib
 
 import pytest
+from reference_runtime_helpers import three_free_ports
 
 from specpilot_build.locations import REPO_ROOT
 
 SETTING = "cpu_c1_stories260k_ngram"
-
-
-def _three_ports() -> int:
-    """A base port with the two after it free too (the demo serves ar, stock, final on PORT..PORT+2)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base > 65000:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base + 1))
-                b.bind(("127.0.0.1", base + 2))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no three consecutive free ports")
 
 
 @pytest.mark.slow
@@ -40,7 +22,7 @@ def test_the_demo_makes_the_missing_corpus_drafter_and_its_final_verifies(drafte
     monkeypatch.setenv("SPECPILOT_ENGINES", str(tmp_path / "engines"))
     committed = tomllib.loads((REPO_ROOT / "lockfiles" / "drafters.toml").read_text())["stories260k-corpus"]["id"]
     assert not drafter_dir(committed).exists()  # a fresh data dir, and no pin in the scratch lock
-    result = demo(SETTING, limit=1, max_new_tokens=16, port=_three_ports(), datasets=["gsm8k", "mbpp"])
+    result = demo(SETTING, limit=1, max_new_tokens=16, port=three_free_ports(), datasets=["gsm8k", "mbpp"])
     made = tomllib.loads((drafter_scratch / "drafters.toml").read_text())["stories260k-corpus"]["id"]
     assert made == committed and drafter_dir(committed).is_dir()  # made here, the same id as the committed pin
     assert result["verify"]["verdict"] == "lossless"

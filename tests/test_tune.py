@@ -8,6 +8,7 @@ import shutil
 import socket
 
 import pytest
+from reference_runtime_helpers import three_free_ports
 
 from specpilot_build.cli.main import main
 from specpilot_build.errors import ConfigError, SpecPilotError
@@ -285,28 +286,10 @@ def _accepts(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _three_ports() -> int:
-    """A base port with the two after it free too (tune serves ar, stock, final on PORT..PORT+2)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base > 65000:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base + 1))
-                b.bind(("127.0.0.1", base + 2))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no three consecutive free ports")
-
-
 def _tune(space: str, trials: int, sampler: str, study: str, setting: str = SETTING, **kw):
     from specpilot_build.tune.run import tune
 
-    options = {"limit": 1, "max_new_tokens": 24, "datasets": DATASETS, "port": _three_ports(), **kw}
+    options = {"limit": 1, "max_new_tokens": 24, "datasets": DATASETS, "port": three_free_ports(), **kw}
     return tune(setting, space, trials, sampler, 0, study, **options)
 
 
@@ -408,7 +391,7 @@ def test_trials_through_submitit_local_serve_on_free_ports_and_their_results_are
 
     from specpilot_build.tune import launched
 
-    port = _three_ports()
+    port = three_free_ports()
     summary = _tune("ngram", 2, "random", "launched", launcher="submitit_local", port=port)
     assert [t["number"] for t in summary["trials"]] == [0, 1]
     study = optuna.load_study(study_name="launched", storage=f"sqlite:///{summary['storage']}")
@@ -474,7 +457,7 @@ def test_ctrl_c_stops_every_server_and_the_same_command_resumes_with_the_next_tr
     from specpilot_build.tune.study import storage_path
 
     space = _space(conf, "one", "params:\n  drafter:\n    num_draft_tokens: [2, 3, 4]\n")
-    port = _three_ports()
+    port = three_free_ports()
     argv = [sys.executable, "-m", "specpilot_build.cli", "tune", "--space", space, "--trials", "1", "--study", "cut"]
     argv += ["--limit", "1", "--max-new-tokens", "24", "--datasets", ",".join(DATASETS), "--port", str(port)]
     argv += ["--sampler", "grid"]
