@@ -87,33 +87,15 @@ CORPUS = "corpus.safetensors"  # recipe (d)'s file (draft/corpus.py writes it)
 
 
 def check_corpus(path: Path, vocab_size: int) -> None:
-    """A corpus file's shape and ids (recipe (d), draft/corpus.py writes it): tokens int32, offsets increasing int64
-    from 0 to len(tokens), every id below the target's vocab_size. One line naming the file otherwise."""
-    import torch
-    from safetensors.torch import load_file
+    """A corpus file's shape and ids (recipe (d), draft/corpus.py writes it), checked by the very reader the
+    reference runtime seeds its n-gram cache with: one line naming the file otherwise."""
+    from specpilot_runtime.config import RuntimeConfigError
+    from specpilot_runtime.corpus import read_corpus
 
     try:
-        tensors = load_file(str(path))
-        tokens, offsets = tensors["tokens"], tensors["offsets"]
-    except Exception as exc:  # noqa: BLE001  (safetensors raises several types for a bad file)
-        raise SpecPilotError(f"{path}: no readable tokens and offsets tensors ({type(exc).__name__})") from None
-    ok = (
-        tokens.dtype == torch.int32
-        and offsets.dtype == torch.int64
-        and tokens.dim() == 1
-        and offsets.dim() == 1
-        and len(offsets) >= 2
-        and int(offsets[0]) == 0
-        and int(offsets[-1]) == len(tokens)
-        and bool((offsets[1:] > offsets[:-1]).all())
-    )
-    if not ok:
-        raise SpecPilotError(f"{path}: tokens must be int32 and offsets increasing int64 from 0 to len(tokens)")
-    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise SpecPilotError(
-            f"{path}: token id {int(tokens.max())} is outside the target's vocabulary of {vocab_size} "
-            "(made for another tokenizer?)"
-        )
+        read_corpus(str(path.parent), vocab_size)
+    except RuntimeConfigError as exc:
+        raise SpecPilotError(str(exc)) from None
 
 
 def check_against_target(directory: Path, target_dir: Path) -> None:
