@@ -176,7 +176,7 @@ def builds(tmp_path_factory, session_data):
     """Every SGLang setting built as `stock` and `final`, once per session (see sglang_builds.Builds)."""
     from sglang_builds import Builds
 
-    return Builds(tmp_path_factory.getbasetemp() / "sglang-builds")
+    return Builds(tmp_path_factory.getbasetemp() / "sglang-builds", OUTER_DATA)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 from specpilot_build.assemble.builder import build_engine
-from specpilot_build.locations import conf_dir
+from specpilot_build.locations import conf_dir, data_dir
 from specpilot_build.pins.lockfile import write_placeholder_lock
 from specpilot_build.store.engines import Engine
 
@@ -56,11 +57,25 @@ def environment(**values: str):
                 os.environ[key] = value
 
 
+def copy_corpora(lockfiles: Path, outer_data: Path) -> None:
+    """The corpus drafters the lock pins, copied from the outer data dir (where `make draft` put them) into this
+    session's: an SGLang final that loads one as NGRAM's external corpus is built from its tokens (stored_drafter
+    re-hashes every file against the pin; one absent there fails that build naming the `make draft` to run)."""
+    import tomllib
+
+    for entry in tomllib.loads((lockfiles / "drafters.toml").read_text()).values():
+        hex_id = entry["id"].removeprefix("blake3:")
+        source, target = outer_data / "drafters" / hex_id, data_dir() / "drafters" / hex_id
+        if entry["recipe"] == "corpus" and source.is_dir() and not target.exists():
+            shutil.copytree(source, target)
+
+
 class Builds:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, outer_data: Path):
         self.store = root / "engines"
         self.lock = write_test_lock(root / "lock")
         self.engines: dict[tuple[str, str], Engine] = {}
+        copy_corpora(self.lock, outer_data)
         with self.env():
             for setting in sglang_settings():
                 for arm in ARMS:

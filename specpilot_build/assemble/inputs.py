@@ -41,6 +41,7 @@ class BuildInputs:
     overlays: tuple[dict, ...]  # {"name", "digest"} in application order
     kernels: tuple[Kernel, ...]
     environment: dict | None = None  # an SGLang engine on a hardware with a host profile: see environment_record
+    corpus: dict | None = None  # an SGLang engine with a corpus drafter: its tree path and decoder (assemble/corpus.py)
 
     def record(self) -> dict:
         """The manifest's `inputs` section."""
@@ -52,6 +53,8 @@ class BuildInputs:
         }
         if self.environment is not None:
             record["environment"] = self.environment
+        if self.corpus is not None:
+            record["corpus"] = self.corpus
         return record
 
 
@@ -96,7 +99,17 @@ def resolve_inputs(composed: Composed, lock: Lock) -> BuildInputs:
         overlays=tuple(overlay_inputs(overlays_in_order(cfg), cfg)),
         kernels=tuple(kernels),
         environment=environment_record(cfg, runtime, host, lock),
+        corpus=corpus_record(cfg),
     )
+
+
+def corpus_record(cfg: dict) -> dict | None:
+    """An SGLang engine whose drafter is a corpus: where the tree holds its JSONL and what decodes it (the tokens
+    are the drafter's pin, in `checkpoints`), so a new decoder moves the build key."""
+    from specpilot_build.assemble.corpus import decoder_record, external_corpus_path
+
+    path = external_corpus_path(cfg)
+    return None if path is None else {"path": path, **decoder_record()}
 
 
 def environment_record(cfg: dict, runtime, host: str | None, lock: Lock) -> dict | None:

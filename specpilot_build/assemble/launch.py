@@ -4,6 +4,8 @@ Placeholders: {python} {engine} {engine_id} {model} {draft_model} {host} {port}.
 
 from __future__ import annotations
 
+from specpilot_build.assemble.corpus import external_corpus_path
+from specpilot_build.config.effective import CORPUS_PATH_FLAG
 from specpilot_build.models.synthetic import is_synthetic
 
 REFERENCE_MODULE = "specpilot_runtime.server"
@@ -55,7 +57,10 @@ def sglang_flags(cfg: dict) -> dict:
         args["quantization"] = model["quantization"]
     if drafter["algorithm"] != "none":
         args["speculative-algorithm"] = drafter["algorithm"]
-        if drafter.get("repo") or drafter.get("recipe"):
+        corpus = external_corpus_path(cfg)
+        if corpus is not None:  # NGRAM's external corpus: the JSONL the build wrote into the tree
+            args[CORPUS_PATH_FLAG] = "{engine}/" + corpus
+        elif drafter.get("repo") or drafter.get("recipe"):
             args["speculative-draft-model-path"] = "{draft_model}"
             if drafter.get("repo") and is_synthetic(drafter["repo"]):
                 args["speculative-draft-load-format"] = "dummy"
@@ -90,6 +95,7 @@ def flag_origins(cfg: dict, composed_final: dict | None) -> dict[str, str]:
         "speculative-draft-model-path": "drafter.repo",
         "load-format": "model.repo (synthetic)",
         "speculative-draft-load-format": "drafter.repo (synthetic)",
+        CORPUS_PATH_FLAG: "drafter.recipe (a corpus drafter: the JSONL the build writes into the tree)",
     }
     where.update({flag: f"drafter.{key}" for key, flag in DRAFTER_FLAGS.items()})
     for name, body in ((composed_final or {}).get("mechanisms") or {}).items():

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from specpilot_build.assemble.base import copy_files, copy_source_dir, local_runtime_dir
+from specpilot_build.assemble.corpus import write_external_corpus
 from specpilot_build.assemble.inputs import BuildInputs
 from specpilot_build.assemble.launch import flag_origins, launch_spec, sglang_flags
 from specpilot_build.assemble.overlays import apply_overlays
@@ -34,6 +35,10 @@ def assemble_tree(tree: Path, inputs: BuildInputs, store: Path) -> tuple[dict, d
         copy_source_dir(local_runtime_dir(pin), tree / "runtime")
         record = {"kind": "directory", "dir": pin.dir}
     record["overlays"] = apply_overlays(tree, list(inputs.overlays), cfg)
+    if inputs.corpus is not None:  # SGLang NGRAM's external corpus, decoded from the pinned corpus drafter
+        drafter = inputs.checkpoints["drafter"]
+        assert drafter is not None
+        record["external_corpus"] = write_external_corpus(tree, cfg, drafter)
     if isinstance(pin, WheelPin):  # every launch flag and value against this SGLang's own parser
         flag_check = cfg["runtime"].get("flag_check")
         table, stand_ins = flag_table(tree / "python", pin.sha256, list(inputs.overlays), pin.version, flag_check)

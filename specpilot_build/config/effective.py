@@ -47,7 +47,7 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
             )
         if breadth > 1:  # 1 is the chain, as absent: left out, so that engine is the chain's, id and all
             cfg["drafter"]["tree_breadth"] = breadth
-    corpus = _corpus(cfg["drafter"], cfg["runtime"]["name"], runtime_options)
+    corpus = _corpus(cfg["drafter"], cfg["runtime"]["name"], runtime_options, launch_args)
     _fallback(cfg["drafter"], cfg["runtime"]["name"], corpus)
     if cfg["runtime"].get("flag_check", "absent") is None:  # undeclared: not part of any engine id
         del cfg["runtime"]["flag_check"]
@@ -61,19 +61,32 @@ def effective_config(config: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _corpus(drafter: dict[str, Any], runtime: str, runtime_options: dict[str, Any]) -> bool:
-    """Whether `drafter.recipe` names a corpus (recipe (d): tokens that seed the reference runtime's shared n-gram
-    cache, docs/drafters.md); one on anything but that cache's chain drafter is an error."""
-    if not drafter.get("recipe"):
-        return False
-    if _recipe_kind(drafter["recipe"]) != "corpus":
+# SGLang NGRAM's external corpus (sglang/srt/speculative/cpp_ngram/external_corpus.py): the path is the build's (the
+# JSONL it writes into the tree, assemble/corpus.py), the budget the draft-tree nodes its suffix automaton may fill
+CORPUS_PATH_FLAG = "speculative-ngram-external-corpus-path"
+SAM_BUDGET_FLAG = "speculative-ngram-external-sam-budget"
+CORPUS_MAX_TOKENS_FLAG = "speculative-ngram-external-corpus-max-tokens"
+SGLANG_NGRAM_DRAFT_TOKENS = 12  # SGLang's --speculative-num-draft-tokens for NGRAM when unset (speculative_hook.py)
+
+
+def _corpus(
+    drafter: dict[str, Any], runtime: str, runtime_options: dict[str, Any], launch_args: dict[str, Any]
+) -> bool:
+    """Whether `drafter.recipe` names a corpus (recipe (d), docs/drafters.md): tokens that seed the reference runtime's
+    shared n-gram cache, or SGLang NGRAM's external corpus; anywhere else it, or an external-corpus flag without it,
+    is an error."""
+    corpus = is_corpus(drafter)
+    if runtime != "reference":
+        _sglang_corpus(drafter, launch_args, corpus)
+        return corpus
+    if not corpus:
         return False
     shared = bool(runtime_options.get("shared_ngram_cache"))
-    if runtime != "reference" or drafter["algorithm"] != "ngram" or not shared:
+    if drafter["algorithm"] != "ngram" or not shared:
         raise ConfigError(
             f"drafter.recipe {drafter['recipe']}: a corpus seeds the reference runtime's shared n-gram cache; it "
             f"needs drafter.algorithm ngram and runtime_options.shared_ngram_cache true (mechanism "
-            f"shared-ngram-cache), not runtime {runtime}, algorithm {drafter['algorithm']}, shared cache {shared}"
+            f"shared-ngram-cache), not algorithm {drafter['algorithm']}, shared cache {shared}"
         )
     if drafter.get("tree_breadth") or drafter.get("fallback") is not None:
         raise ConfigError(
@@ -81,6 +94,43 @@ def _corpus(drafter: dict[str, Any], runtime: str, runtime_options: dict[str, An
             f"(tree_breadth {drafter.get('tree_breadth')}, fallback {drafter.get('fallback')})"
         )
     return True
+
+
+def _sglang_corpus(drafter: dict[str, Any], launch_args: dict[str, Any], corpus: bool) -> None:
+    """A corpus on SGLang is NGRAM's external corpus, with a SAM budget SGLang accepts (1 to num_draft_tokens - 1;
+    0, its default, reserves no node for it: the corpus would do nothing). Its path is set by the build only."""
+    if CORPUS_PATH_FLAG in launch_args:
+        raise ConfigError(
+            f"launch_args.{CORPUS_PATH_FLAG}: set by the build from drafter.recipe (a corpus drafter, written into the "
+            "engine tree); name the corpus with drafter.recipe instead"
+        )
+    if not corpus:
+        for flag in (SAM_BUDGET_FLAG, CORPUS_MAX_TOKENS_FLAG):
+            if flag in launch_args:
+                raise ConfigError(
+                    f"launch_args.{flag} {launch_args[flag]} does nothing without an external corpus "
+                    "(drafter.recipe: a corpus drafter, e.g. corpus)"
+                )
+        return
+    if drafter["algorithm"] != "NGRAM":
+        raise ConfigError(
+            f"drafter.recipe {drafter['recipe']}: on SGLang a corpus is NGRAM's external corpus, not a drafter of "
+            f"drafter.algorithm {drafter['algorithm']}"
+        )
+    budget = launch_args.get(SAM_BUDGET_FLAG)
+    draft_tokens = drafter.get("num_draft_tokens") or SGLANG_NGRAM_DRAFT_TOKENS
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= draft_tokens - 1:
+        shown = "unset (SGLang's default 0)" if budget is None else repr(budget)
+        nothing = "; 0 reserves no draft node for it, so the corpus would do nothing" if budget in (0, None) else ""
+        raise ConfigError(
+            f"drafter.recipe {drafter['recipe']}: launch_args.{SAM_BUDGET_FLAG} is {shown}; SGLang takes 1 to "
+            f"num_draft_tokens - 1 ({draft_tokens - 1}) with an external corpus{nothing}"
+        )
+
+
+def is_corpus(drafter: dict[str, Any]) -> bool:
+    """Whether an effective config's drafter is a corpus drafter (recipe (d))."""
+    return bool(drafter.get("recipe")) and _recipe_kind(drafter["recipe"]) == "corpus"
 
 
 def _recipe_kind(name: str) -> str | None:
