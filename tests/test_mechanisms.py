@@ -63,8 +63,9 @@ def test_presets_list_mechanisms_from_the_group_and_are_named_by_their_file(sett
     assert set(composed.choices) == {"setting", "hardware", "model", "drafter", "batching", "runtime", "arm"}
 
 
-# mechanisms no preset lists, added from the command line (tested below; ngram-corpus in test_corpus_drafter.py)
-ADD_ONS = {"w12-dense-fallback", "ngram-corpus"}
+# mechanisms no preset lists, added from the command line (tested below; ngram-corpus in test_corpus_drafter.py,
+# ngram-corpus-sglang in test_sglang_corpus.py)
+ADD_ONS = {"w12-dense-fallback", "ngram-corpus", "ngram-corpus-sglang"}
 
 
 def test_every_mechanism_file_is_used_and_every_group_file_opens_with_a_comment():
