@@ -150,6 +150,28 @@ def test_an_unknown_key_in_the_mechanism_is_refused_naming_it():
     assert message.startswith("unknown key 'final.mechanisms.ngram-corpus.drafter.sam_budget'")
 
 
+def test_the_sglang_ngram_space_searches_the_corpus_with_a_budget_valid_for_every_draft_token_count():
+    from specpilot_build.tune.space import candidate_overrides, load_space, setting_mechanisms
+
+    space = load_space("sglang_ngram")
+    grid = space.grid()
+    assert grid["drafter.recipe"] == [None, "corpus"]
+    mechanisms = setting_mechanisms(PADDED)
+    budget = "launch_args.speculative-ngram-external-sam-budget"
+    for k in grid["drafter.num_draft_tokens"]:  # any pair a sampler draws composes (SGLang's bound: k - 1)
+        for b in grid[budget]:
+            values = {**space.context("drafter.recipe", "corpus"), "drafter.num_draft_tokens": k, budget: b}
+            cfg = effective_config(compose_setting(PADDED, "final", candidate_overrides(mechanisms, values)).config)
+            assert (cfg["drafter"]["recipe"], cfg["drafter"]["made_for"]) == ("corpus", "stories260k")
+            assert speculative(launch_spec(cfg)["argv"])["--speculative-ngram-external-sam-budget"] == str(b)
+    # without the corpus neither its made_for nor its budget is set (each would do nothing)
+    plain = space.context("drafter.recipe", None)
+    assert plain == {"drafter.recipe": None}
+    cfg = effective_config(compose_setting(PADDED, "final", candidate_overrides(mechanisms, plain)).config)
+    assert "recipe" not in cfg["drafter"] and PATH_FLAG not in launch_spec(cfg)["argv"]
+    assert [space.active(key, plain) for key in ("drafter.made_for", budget)] == [False, False]
+
+
 # --- built from the pinned wheel and a corpus made here -----------------------------------------------------------
 
 SMALL = ["data.limit=6", "data.max_new_tokens=32"]  # 6 train prompts a dataset (those that fit), 32 new tokens
