@@ -20,6 +20,8 @@ EAGLE = "h100_c1_qwen3-8b_eagle3"  # SGLang 0.5.23
     [
         ("sglang_ngram", "h200_c1_stories260k-padded_ngram", ["tuned-ngram", "cuda-graph-bs"]),  # SGLang 0.5.17
         ("sglang_ngram", "h200_c1_stories260k-padded-bf16_ngram", ["tuned-ngram", "w12-weights", "cuda-graph-bs"]),
+        ("sglang_ngram_c1", "h100_c1_stories260k-padded-bf16_ngram", ["tuned-ngram", "w12-weights", "cuda-graph-bs"]),
+        ("sglang_ngram_corpus", "h200_c1_stories260k-padded_ngram", ["tuned-ngram", "cuda-graph-bs"]),
         ("sglang_eagle", EAGLE, ["tuned-eagle-steps", "cuda-graph-bs", "w12-weights"]),
         ("sglang_dflash", "h100_c1_qwen3-8b_dflash", ["tuned-dflash-block", "cuda-graph-bs", "w12-weights"]),
         ("sglang_dflash", "h200_c1_qwen3-tiny_dflash", ["tuned-dflash-block", "cuda-graph-bs"]),
