@@ -18,6 +18,14 @@
 #   blake3 optuna sqlalchemy alembic mako colorlog cryptography cffi pycparser zstandard; the host has numpy,
 #   scipy, matplotlib, rich, httpx, tqdm, pyyaml, fsspec, filelock and prometheus-client)
 #
+# Dry run on a CPU (the same steps for the embedded default; no wheels, no GPU; the winner file lands in conf/, so
+# point SPECPILOT_CONF at a scratch copy of conf/):
+#   specpilot bundle <ar id> <stock id> --part-mb 1 --out /tmp/b          # of cpu_c1_stories260k_ngram
+#   export WORK=/tmp/tg OUT=/tmp/tg_out PYTHON=.venv/bin/python; mkdir -p $OUT
+#   KIT=/tmp/b bash benchmarks/tune_gpu.sh stage
+#   bash benchmarks/tune_gpu.sh start --setting cpu_c1_stories260k_ngram --space ngram --trials 2 --limit 2 --leaders 0
+#   bash benchmarks/tune_gpu.sh wait 300
+#
 # Environment: KIT=.tunekit  WORK=/tmp/tune_gpu  SITE=$WORK/site  PREFIX=$WORK/prefix  PYTHON=python3
 set -euo pipefail
 
@@ -34,7 +42,9 @@ mkdir -p "$STAGED"
 environment() {
     # as the prefix's bin/specpilot runs SpecPilot (its env on the path), this checkout and the wheels first
     export PYTHONPATH=$PWD:$PWD/runtimes/reference:$PWD/kernels:$PWD/lab:$SITE:$PREFIX/env
-    export SPECPILOT_DATA=$PREFIX/data SPECPILOT_ENGINES=$PREFIX/engines SPECPILOT_ENV=$PREFIX/env
+    export SPECPILOT_DATA=$PREFIX/data SPECPILOT_ENGINES=$PREFIX/engines
+    # a bundle made with HOST= carries the engines' environment (SGLang's); one of reference-runtime engines has none
+    if [[ -d "$PREFIX/env" ]]; then export SPECPILOT_ENV=$PREFIX/env; fi
     export HF_HUB_CACHE=$PREFIX/data/huggingface/hub HF_HUB_OFFLINE=1 SPECPILOT_MIRROR=
     export PYTHONUNBUFFERED=1
 }
@@ -52,16 +62,17 @@ start() {
         mv "$STAGED"/part-* "$STAGED"/index.json "$STAGED"/install.py "$WORK/bundle/"
         "$PYTHON" "$WORK/bundle/install.py" "$WORK/bundle" "$PREFIX"
         mkdir -p "$PREFIX/data/wheels"
-        # the lock's SGLang wheel, which trials are built from (not installed here)
-        mv "$STAGED"/sglang-*.whl "$PREFIX/data/wheels/"
+        # the lock's SGLang wheel, which trials are built from (not installed here; a reference-runtime setting
+        # needs none)
+        if compgen -G "$STAGED/sglang-*.whl" > /dev/null; then mv "$STAGED"/sglang-*.whl "$PREFIX/data/wheels/"; fi
     fi
-    if [[ ! -d "$SITE" ]]; then
+    if [[ ! -d "$SITE" ]] && compgen -G "$STAGED/*.whl" > /dev/null; then
         echo "== wheels into $SITE"
         "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-            "$STAGED"/*-py3-none-any.whl "$STAGED"/*-cp3*-*.whl 2>&1 | grep -v "^WARNING" || true
+            "$STAGED"/*.whl 2>&1 | grep -v "^WARNING" || true
     fi
     environment
-    "$PYTHON" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+    "$PYTHON" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
     echo "== specpilot tune $*"
     setsid nohup "$PYTHON" -m specpilot_build.cli tune "$@" > "$LOG" 2>&1 < /dev/null &
     echo $! > "$PIDFILE"
