@@ -57,17 +57,38 @@ def environment(**values: str):
                 os.environ[key] = value
 
 
-def copy_corpora(lockfiles: Path, outer_data: Path) -> None:
-    """The corpus drafters the lock pins, copied from the outer data dir (where `make draft` put them) into this
-    session's: an SGLang final that loads one as NGRAM's external corpus is built from its tokens (stored_drafter
-    re-hashes every file against the pin; one absent there fails that build naming the `make draft` to run)."""
+# the CPU setting each corpus drafter of the lock is made from (its target), when a small one is made for the session
+CORPUS_SETTINGS = {"stories260k-corpus": "cpu_c1_stories260k_ngram", "smollm2-135m-corpus": "cpu_c1_smollm2-135m_ngram"}
+SMALL_CORPUS = ["data.limit=1", "data.max_new_tokens=8", "data.batch_size=8"]  # a train prompt a dataset, 8 tokens
+
+
+def provide_corpora(lockfiles: Path, outer_data: Path) -> None:
+    """The corpus drafters the lock pins, in this session's drafter store: an SGLang final that loads one as NGRAM's
+    external corpus is built from its tokens (stored_drafter re-hashes every file against the pin). The pinned one is
+    copied from the outer data dir where `make draft` put it; where it is not there (a fresh machine, as CI's), a
+    small corpus of the same recipe and target is made into the outer data dir (its model cached there) and pinned in
+    `lockfiles` (this session's test lock) in its place: the builds then hold that corpus's JSONL."""
     import tomllib
 
-    for entry in tomllib.loads((lockfiles / "drafters.toml").read_text()).values():
-        hex_id = entry["id"].removeprefix("blake3:")
-        source, target = outer_data / "drafters" / hex_id, data_dir() / "drafters" / hex_id
-        if entry["recipe"] == "corpus" and source.is_dir() and not target.exists():
+    for key, entry in tomllib.loads((lockfiles / "drafters.toml").read_text()).items():
+        if entry["recipe"] != "corpus":
+            continue
+        source = outer_data / "drafters" / entry["id"].removeprefix("blake3:")
+        if not source.is_dir():
+            source = _small_corpus(key, lockfiles, outer_data)
+        target = data_dir() / "drafters" / source.name
+        if not target.exists():
             shutil.copytree(source, target)
+
+
+def _small_corpus(key: str, lockfiles: Path, outer_data: Path) -> Path:
+    from specpilot_build.draft.corpus import make_corpus
+    from specpilot_build.draft.recipe import load_recipe
+
+    with environment(SPECPILOT_DATA=str(outer_data), SPECPILOT_LOCKFILES=str(lockfiles)):
+        made = make_corpus(CORPUS_SETTINGS[key], load_recipe("corpus", SMALL_CORPUS))
+    assert made.name == key, f"{CORPUS_SETTINGS[key]} makes {made.name}, not {key}"
+    return made.directory
 
 
 class Builds:
@@ -75,7 +96,7 @@ class Builds:
         self.store = root / "engines"
         self.lock = write_test_lock(root / "lock")
         self.engines: dict[tuple[str, str], Engine] = {}
-        copy_corpora(self.lock, outer_data)
+        provide_corpora(self.lock, outer_data)
         with self.env():
             for setting in sglang_settings():
                 for arm in ARMS:
