@@ -50,7 +50,7 @@ def write_external_corpus(tree: Path, cfg: dict, pin: CheckpointPin) -> dict:
     count after re-tokenizing (separators included), refused in one line above the max-tokens flag."""
     from tokenizers import Tokenizer
 
-    from specpilot_build.models.drafters import stored_drafter
+    from specpilot_build.models.drafters import corpus_rows, stored_drafter
 
     relpath = external_corpus_path(cfg)
     assert relpath is not None
@@ -58,7 +58,7 @@ def write_external_corpus(tree: Path, cfg: dict, pin: CheckpointPin) -> dict:
     if not (directory / TOKENIZER).is_file():
         raise SpecPilotError(f"{directory}: no {TOKENIZER} to decode the corpus with")
     tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
-    rows = _rows(directory, tokenizer.get_vocab_size(with_added_tokens=True))
+    rows = corpus_rows(directory, tokenizer.get_vocab_size(with_added_tokens=True))
     lines, counted = [], 0
     for row in rows:
         text = tokenizer.decode(row, skip_special_tokens=False)
@@ -76,14 +76,3 @@ def write_external_corpus(tree: Path, cfg: dict, pin: CheckpointPin) -> dict:
     path.write_bytes(("\n".join(lines) + "\n").encode("ascii"))
     os.chmod(path, 0o644)
     return {"documents": len(lines), "tokens": counted}
-
-
-def _rows(directory: Path, vocab_size: int) -> list[list[int]]:
-    """The corpus's rows, read and checked by the reader the reference runtime seeds its n-gram cache with."""
-    from specpilot_runtime.config import RuntimeConfigError
-    from specpilot_runtime.corpus import read_corpus
-
-    try:
-        return read_corpus(str(directory), vocab_size)
-    except RuntimeConfigError as exc:
-        raise SpecPilotError(str(exc)) from None

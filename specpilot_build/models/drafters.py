@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpilot_build.errors import IntegrityError, PinError
+from specpilot_build.errors import IntegrityError, PinError, SpecPilotError
 from specpilot_build.locations import data_dir, lockfiles_dir
 from specpilot_build.pins.lockfile import CheckpointPin, PinnedFile, _pinned_files, _read_toml
 
@@ -140,3 +140,15 @@ def _make_hint(config: dict, setting: str) -> str:
     made_for = drafter.get("made_for")
     where = f"SETTING={setting}" if not made_for else f"SETTING=<a setting whose model is {made_for}>"
     return f"run `make draft {where} RECIPE={drafter['recipe']}`"
+
+
+def corpus_rows(directory: Path, vocab_size: int) -> list[list[int]]:
+    """A corpus drafter's rows (recipe (d)), read and checked by the very reader the reference runtime seeds its
+    n-gram cache with: one line naming the file otherwise."""
+    from specpilot_runtime.config import RuntimeConfigError
+    from specpilot_runtime.corpus import read_corpus
+
+    try:
+        return read_corpus(str(directory), vocab_size)
+    except RuntimeConfigError as exc:
+        raise SpecPilotError(str(exc)) from None
